@@ -1,0 +1,1 @@
+//! The one place that knows the boot order: memory, kernel, devices, vCPUs.

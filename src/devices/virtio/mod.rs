@@ -1,0 +1,1 @@
+//! Virtio devices over the MMIO transport.

@@ -1,0 +1,1 @@
+//! "Virtual state": thin owners of the KVM file descriptors and guest memory.
