@@ -10,6 +10,8 @@ pub mod backend;
 pub mod builder;
 pub mod devices;
 pub mod events;
+pub mod initramfs;
 pub mod lab;
 pub mod run;
+pub mod testing;
 pub mod vstate;

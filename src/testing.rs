@@ -1,0 +1,1 @@
+//! Helpers for tests and benchmarks: building and locating the test guest.
