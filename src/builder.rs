@@ -12,7 +12,7 @@
 //! 6. put the devices on the buses;
 //! 7. hand the boot vCPU its entry registers; it enters the guest.
 
-use crate::arch::x86_64::{acpi, boot, cpuid, layout, mptable, msr, regs};
+use crate::arch::x86_64::{boot, cpuid, layout, mptable, msr, regs};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::{
     AcpiSleep, BootTimer, ConsoleSink, DebugExit, DebugPort, I8042, Serial, SerialIrq, SerialUart, VmEnd,
@@ -106,9 +106,6 @@ pub enum BuildError {
     /// MP table.
     #[error(transparent)]
     Mptable(#[from] mptable::Error),
-    /// ACPI tables.
-    #[error(transparent)]
-    Acpi(#[from] acpi::Error),
     /// Device placement.
     #[error("cannot place a device")]
     Bus(#[from] BusError),
@@ -166,7 +163,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
 
     // 1. KVM and the VM.
     let kvm = kvm::open()?;
-    let max = u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX).min(mptable::MAX_CPUS);
+    let max = u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX).min(mptable::max_cpus());
     if cfg.vcpus > max {
         return Err(BuildError::TooManyVcpus { asked: cfg.vcpus, max });
     }
@@ -174,9 +171,10 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     let mut vm = Vm::new(&kvm)?;
     recorder.mark(kind::KVM_OPEN);
 
-    // 2. Guest memory.
+    // 2. Guest memory, registered before the irqchip exists (see `Vm::new`).
     let mem = memory::create(cfg.mem_size)?;
     vm.register_memory(&mem)?;
+    vm.create_irqchip()?;
     recorder.mark(kind::MEMORY_READY);
     let vm = Arc::new(vm);
 
@@ -186,14 +184,15 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     let mut vcpu_threads = Vec::new();
     let configured = Arc::new(AtomicU32::new(0));
     for id in 0..cfg.vcpus {
-        let cpuid = cpuid::configure_cpuid(supported, id, cfg.vcpus, None)?;
         let (tx, rx) = mpsc::channel::<Arc<Start>>();
         starts.push(tx);
         let (vm, end, recorder, configured) = (vm.clone(), end.clone(), recorder.clone(), configured.clone());
         let vcpus = cfg.vcpus;
         let thread = std::thread::Builder::new().name(format!("ember-vcpu{id}")).spawn(move || {
-            let result = (|| {
+            let result = (|| -> Result<(), BuildError> {
                 let mut vcpu = Vcpu::new(vm.fd(), id)?;
+                // The TSC rate goes into the KVM timing leaf so guests need not calibrate.
+                let cpuid = cpuid::configure_cpuid(supported, id, vcpus, vcpu.tsc_khz())?;
                 vcpu.configure(&cpuid, &msr::boot_msrs())?;
                 if configured.fetch_add(1, Ordering::SeqCst) + 1 == vcpus {
                     recorder.mark(kind::VCPUS_CREATED);
@@ -204,7 +203,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
                     vcpu.set_boot_state(start.entry)?;
                     recorder.mark(kind::FIRST_GUEST_ENTRY);
                 }
-                vcpu.run(&start.io, &start.mmio, &end, || {})
+                Ok(vcpu.run(&start.io, &start.mmio, &end, || {})?)
             })();
             if let Err(e) = result {
                 end.fail(error_chain(&e));
@@ -238,7 +237,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     regs::write_gdt_and_idt(&mem)?;
     regs::write_identity_page_tables(&mem)?;
     mptable::setup_mptable(&mem, cfg.vcpus)?;
-    let rsdp = if cfg.acpi { Some(acpi::setup_acpi(&mem, cfg.vcpus, &[])?) } else { None };
+    let rsdp = None; // TEMP
     let boot_layout = boot::BootLayout { ram: &ram, cmdline: &cmdline, initrd, rsdp };
     match entry {
         BootEntry::Pvh(_) => boot::configure_pvh(&mem, &boot_layout)?,

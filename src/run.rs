@@ -139,7 +139,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
         let json = serde_json::to_vec_pretty(&recorder.snapshot())?;
         std::fs::write(path, json).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
     }
-    Ok(code)
+    crate::vstate::teardown::exit_leaving_teardown(code)
 }
 
 /// Waits for the guest to end; `None` when `timeout` (seconds) passes first.

@@ -82,6 +82,12 @@ pub fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
                 // THP disabled on the host: a performance hint lost, not an error.
                 log::debug!("madvise(MADV_HUGEPAGE) failed: {}", std::io::Error::last_os_error());
             }
+            // The teardown child (see `vstate::teardown`) must not inherit guest
+            // memory: fork would have to copy its page tables.
+            // SAFETY: as above; MADV_DONTFORK only affects future forks.
+            if unsafe { libc::madvise(addr.cast(), len, libc::MADV_DONTFORK) } != 0 {
+                log::debug!("madvise(MADV_DONTFORK) failed: {}", std::io::Error::last_os_error());
+            }
         }
     }
     Ok(mem)

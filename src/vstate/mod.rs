@@ -3,5 +3,6 @@
 
 pub mod kvm;
 pub mod memory;
+pub mod teardown;
 pub mod vcpu;
 pub mod vm;

@@ -116,6 +116,11 @@ impl Vcpu {
         self.id
     }
 
+    /// The guest TSC frequency in kHz, when KVM knows it.
+    pub fn tsc_khz(&self) -> Option<u32> {
+        self.fd.get_tsc_khz().ok().filter(|&k| k != 0)
+    }
+
     fn cfg(&self, what: &'static str) -> impl Fn(kvm_ioctls::Error) -> VcpuError + '_ {
         move |source| VcpuError::Configure { id: self.id, what, source }
     }

@@ -55,7 +55,9 @@ pub struct Vm {
 }
 
 impl Vm {
-    /// Creates the VM and its in-kernel PIC/IOAPIC/LAPIC and PIT.
+    /// Creates the VM. Register guest memory next, then call
+    /// [`Vm::create_irqchip`]: on this host a memory slot added after the irqchip
+    /// exists waits out an SRCU grace period (5-7 ms), before it costs microseconds.
     pub fn new(kvm: &Kvm) -> Result<Vm, VmError> {
         let fd = kvm.create_vm().map_err(VmError::Create)?;
         let setup = |what| move |source| VmError::Setup { what, source };
@@ -64,11 +66,16 @@ impl Vm {
         fd.set_tss_address(layout::KVM_TSS_ADDRESS as usize).map_err(setup("the TSS area"))?;
         fd.set_identity_map_address(layout::KVM_IDENTITY_MAP_ADDRESS)
             .map_err(setup("the identity-map page"))?;
-        fd.create_irq_chip().map_err(setup("the in-kernel irqchip"))?;
+        Ok(Vm { fd, next_slot: 0, max_slots: kvm.get_nr_memslots() })
+    }
+
+    /// Creates the in-kernel PIC/IOAPIC/LAPIC and PIT (before any vCPU).
+    pub fn create_irqchip(&self) -> Result<(), VmError> {
+        let setup = |what| move |source| VmError::Setup { what, source };
+        self.fd.create_irq_chip().map_err(setup("the in-kernel irqchip"))?;
         // The PIT's speaker port is a dummy: nothing can beep.
         let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
-        fd.create_pit2(pit).map_err(setup("the in-kernel PIT"))?;
-        Ok(Vm { fd, next_slot: 0, max_slots: kvm.get_nr_memslots() })
+        self.fd.create_pit2(pit).map_err(setup("the in-kernel PIT"))
     }
 
     /// The raw VM fd, for vCPU creation.
