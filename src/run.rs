@@ -135,6 +135,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
     };
     finish_console(&vmm);
     if let Some(path) = &args.events {
+        record_memory(&recorder, &vmm);
         recorder.mark(kind::PROCESS_EXIT);
         let json = serde_json::to_vec_pretty(&recorder.snapshot())?;
         std::fs::write(path, json).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
@@ -163,6 +164,19 @@ fn wait(vmm: &Vmm, timeout: Option<f64>) -> Option<Result<GuestEnd, String>> {
         // SAFETY: `pfd` is a valid pollfd for the duration of the call and the count is 1.
         unsafe { libc::poll(&mut pfd, 1, wait_ms) };
     }
+}
+
+/// Records the VMM's peak RSS and how much of it is guest memory, so the
+/// VMM's own overhead can be told apart (`memory` event, sizes in KiB).
+fn record_memory(recorder: &Recorder, vmm: &Vmm) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let hwm = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    let guest = crate::vstate::memory::resident_bytes(&vmm.mem) / 1024;
+    recorder.mark_text(kind::MEMORY, &format!("vm_hwm_kib={hwm} guest_resident_kib={guest}"));
 }
 
 /// Flushes a trailing partial console line into the timeline.

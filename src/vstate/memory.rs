@@ -93,6 +93,23 @@ pub fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
     Ok(mem)
 }
 
+/// How many bytes of guest memory are resident on the host (mincore).
+pub fn resident_bytes(mem: &GuestMemoryMmap) -> u64 {
+    const PAGE: usize = 4096;
+    let mut total = 0u64;
+    for region in mem.iter() {
+        let Ok(addr) = region.get_host_address(vm_memory::MemoryRegionAddress(0)) else { continue };
+        let len = region.len() as usize;
+        let mut vec = vec![0u8; len.div_ceil(PAGE)];
+        // SAFETY: `addr..addr+len` is a live mapping owned by `mem`, and `vec` has
+        // one byte per page of it, as mincore(2) requires.
+        if unsafe { libc::mincore(addr.cast(), len, vec.as_mut_ptr()) } == 0 {
+            total += vec.iter().filter(|&&b| b & 1 != 0).count() as u64 * PAGE as u64;
+        }
+    }
+    total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,6 +135,15 @@ mod tests {
         assert_eq!(check_size(1 << 20), Err(MemoryError::TooSmall(1 << 20)));
         assert_eq!(check_size(MAX_MEM_SIZE * 2), Err(MemoryError::TooLarge(MAX_MEM_SIZE * 2)));
         assert!(check_size(MIN_MEM_SIZE).is_ok());
+    }
+
+    #[test]
+    fn resident_bytes_counts_touched_pages() {
+        use vm_memory::Bytes;
+        let mem = create(16 << 20).unwrap();
+        let before = resident_bytes(&mem);
+        mem.write_obj(1u8, GuestAddress(8 << 20)).unwrap();
+        assert!(resident_bytes(&mem) >= before + 4096);
     }
 
     #[test]
