@@ -1,5 +1,6 @@
 //! x86-64: memory layout, boot protocol structures, registers, firmware tables.
 
+pub mod acpi;
 pub mod boot;
 pub mod cpuid;
 pub mod layout;
