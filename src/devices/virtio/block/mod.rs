@@ -7,6 +7,8 @@ pub mod io;
 pub mod request;
 pub mod worker;
 
+pub use io::EngineKind;
+
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
@@ -19,7 +21,6 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 
-use self::io::EngineKind;
 use self::worker::{BlockHandler, DiskParams};
 use super::worker::Worker;
 use super::{
