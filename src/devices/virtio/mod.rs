@@ -27,6 +27,7 @@ mod worker;
 pub(crate) mod test_utils;
 
 pub use block::{Block, DiskConfig};
+pub use console::{Console, ConsoleInput};
 
 pub use mmio::MmioTransport;
 
