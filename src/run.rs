@@ -3,6 +3,7 @@
 
 use crate::builder::{self, VmConfig, Vmm};
 use crate::devices::legacy::{GuestEnd, Serial};
+use crate::devices::virtio::DiskConfig;
 use crate::events::{Recorder, kind};
 use crate::vstate::memory;
 use clap::Args;
@@ -43,6 +44,9 @@ pub struct RunArgs {
     /// A virtio-pmem region backed by this file (a DAX root). Repeatable.
     #[arg(long)]
     pub pmem: Vec<PathBuf>,
+    /// Add a virtio-rng device (guest entropy from the host's getrandom).
+    #[arg(long)]
+    pub rng: bool,
     /// Connect a virtio-console port to this unix socket (the appliance's data channel).
     #[arg(long)]
     pub channel: Option<PathBuf>,
@@ -113,6 +117,9 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
         vcpus: args.cpus,
         console,
         acpi: !args.no_acpi,
+        disks: args.disk.iter().map(|d| DiskConfig::parse(d)).collect::<Result<_, _>>()?,
+        channel: args.channel.clone(),
+        rng: args.rng,
     };
     let vmm = builder::build(cfg, recorder.clone()).map_err(|e| anyhow::anyhow!(builder::error_chain(&e)))?;
     if args.console == ConsoleMode::Serial && std::io::stdin().is_terminal() {
