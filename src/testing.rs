@@ -238,6 +238,12 @@ fn real_mode_stub() -> Vec<u8> {
     code
 }
 
+// The setup area's pieces don't overlap and fit in the setup sectors.
+const _: () = assert!(STUB_GDT_OFFSET + 3 * 8 <= STUB_GDTR_OFFSET);
+const _: () = assert!(STUB_GDTR_OFFSET + 6 <= VERSION_STRING_OFFSET);
+const _: () =
+    assert!(VERSION_STRING_OFFSET + VERSION_STRING.len() <= (SETUP_SECTS + 1) * SECTOR_SIZE);
+
 /// The stub's GDT: null, flat 32-bit code (0x08), flat data (0x10).
 const STUB_GDT: [u64; 3] = [0, 0x00cf_9a00_0000_ffff, 0x00cf_9200_0000_ffff];
 
@@ -599,7 +605,5 @@ mod tests {
     #[test]
     fn real_mode_stub_fits_before_its_gdt() {
         assert!(STUB_OFFSET + real_mode_stub().len() <= STUB_GDT_OFFSET);
-        assert!(STUB_GDTR_OFFSET + 6 <= VERSION_STRING_OFFSET);
-        assert!(VERSION_STRING_OFFSET + VERSION_STRING.len() <= (SETUP_SECTS + 1) * SECTOR_SIZE);
     }
 }
