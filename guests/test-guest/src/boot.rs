@@ -94,8 +94,7 @@ const GDT_ADDR: u64 = field_addr(offset_of!(BootTables, gdt));
 const TSS_ADDR: u64 = field_addr(offset_of!(BootTables, tss));
 const GDTR_ADDR: u64 = field_addr(offset_of!(BootTables, gdtr));
 const IDTR_ADDR: u64 = field_addr(offset_of!(BootTables, idtr));
-const KERNEL_STACK_TOP: u64 =
-    field_addr(offset_of!(BootTables, kernel_stack) + KERNEL_STACK_SIZE);
+const KERNEL_STACK_TOP: u64 = field_addr(offset_of!(BootTables, kernel_stack) + KERNEL_STACK_SIZE);
 
 const fn page_tables() -> ([u64; 512], [u64; 512], [[u64; 512]; 4]) {
     let mut pml4 = [0; 512];
@@ -342,6 +341,14 @@ ember_fault_hex_digit:              /* prints RBX's top nibble, rotates it away 
 
 ember_hex_digits:
     .ascii "0123456789abcdef"
+
+    /* Boot protocol 2.15 kernel_info, found by the bzImage maker (testing.rs). */
+    .balign 4
+ember_kernel_info:
+    .ascii "LToP"                   /* magic */
+    .long 16                        /* size */
+    .long 16                        /* size_total */
+    .long 0                         /* setup_type_max: we read no setup_data */
 
     /* 256 stubs, 16 bytes apart: make the frame uniform (push a 0 error code
        where the CPU pushes none), push the vector, go to ember_fault. */
