@@ -2,7 +2,7 @@
 //! ACPI (such as a minimal `tinyconfig` kernel) learns about the vCPUs, the
 //! I/O APIC and how interrupt lines reach it.
 //!
-//! Layout, all in the EBDA's first KiB (`EBDA_START`, which is also "the last
+//! Layout, from the start of the EBDA (`EBDA_START`, which is also "the last
 //! KiB of base memory" at 639 KiB — one of the places Linux scans for `_MP_`):
 //!
 //! ```text
@@ -14,6 +14,12 @@
 //!                  I/O interrupt entries (8 bytes each, one per I/O APIC pin)
 //!                  local interrupt entries (8 bytes each: ExtINT, NMI)
 //! ```
+//!
+//! Up to 37 vCPUs this fits in the EBDA's first KiB. Beyond that the table
+//! grows into the legacy VGA/ROM hole above it: guest RAM in this VM, marked
+//! reserved in the e820 map like the EBDA, and unused up to the ACPI tables.
+//! Only the floating pointer has to be where Linux scans; the table can be
+//! anywhere it points.
 //!
 //! Interrupt routing is the identity: ISA IRQ *n* → I/O APIC pin *n* for
 //! every pin. That is how KVM's in-kernel irqchip routes GSIs by default
@@ -31,7 +37,7 @@
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
 
-use super::layout::{APIC_START, EBDA_START, IOAPIC_PINS, IOAPIC_START, LEGACY_HOLE_START};
+use super::layout::{APIC_START, EBDA_START, IOAPIC_PINS, IOAPIC_START, RSDP_START};
 
 /// Floating pointer signature.
 const MPF_SIGNATURE: &[u8; 4] = b"_MP_";
@@ -95,8 +101,12 @@ const ALL_LOCAL_APICS: u8 = 0xff;
 const LINT0: u8 = 0;
 const LINT1: u8 = 1;
 
-/// Room for the MP structures: the EBDA's first KiB, below the legacy hole.
-pub const MPTABLE_MAX_SIZE: usize = (LEGACY_HOLE_START - EBDA_START) as usize;
+/// Room for the MP structures: the reserved low memory from the EBDA up to
+/// the ACPI tables.
+pub const MPTABLE_MAX_SIZE: usize = (RSDP_START - EBDA_START) as usize;
+/// APIC IDs are 8 bits, 0xff is the broadcast ID, and the I/O APIC takes
+/// the ID after the last vCPU: at most 254 vCPUs.
+const MAX_APIC_CPUS: u32 = 254;
 
 /// Errors while writing the MP table.
 #[derive(Debug, thiserror::Error)]
@@ -104,8 +114,8 @@ pub enum Error {
     /// A VM needs at least one vCPU.
     #[error("the VM has no vCPUs")]
     NoCpus,
-    /// The table would overflow the EBDA.
-    #[error("an MP table for {0} vCPUs does not fit in the EBDA (at most {max})", max = max_cpus())]
+    /// More vCPUs than APIC IDs (or the reserved low memory) allow.
+    #[error("the MP table cannot describe {0} vCPUs (at most {max})", max = max_cpus())]
     TooManyCpus(u32),
     /// Guest memory does not cover the EBDA.
     #[error("cannot write the MP table to guest memory")]
@@ -120,9 +130,10 @@ fn table_size(num_cpus: usize) -> usize {
         + SMALL_ENTRY_SIZE * (2 + IOAPIC_PINS as usize + LOCAL_INTERRUPT_ENTRIES)
 }
 
-/// The most vCPUs whose MP table fits in the EBDA.
+/// The most vCPUs an MP table can describe here.
 pub fn max_cpus() -> u32 {
-    ((MPTABLE_MAX_SIZE - table_size(0)) / PROCESSOR_ENTRY_SIZE) as u32
+    let fits = (MPTABLE_MAX_SIZE - table_size(0)) / PROCESSOR_ENTRY_SIZE;
+    MAX_APIC_CPUS.min(u32::try_from(fits).unwrap_or(u32::MAX))
 }
 
 /// The value that makes `bytes` sum to zero (mod 256), as every MP structure requires.
@@ -295,7 +306,7 @@ mod tests {
         );
         let table = read(m, cfg, len);
         assert_eq!(sum(&table), 0, "configuration table checksum");
-        assert!(cfg + len as u64 <= LEGACY_HOLE_START);
+        assert!(cfg + len as u64 <= RSDP_START, "clear of the ACPI tables");
         let mut entries = Vec::new();
         let mut off = 44;
         while off < len {
@@ -309,8 +320,8 @@ mod tests {
     }
 
     #[test]
-    fn tables_for_1_2_and_8_cpus() {
-        for cpus in [1u32, 2, 8] {
+    fn tables_for_1_to_254_cpus() {
+        for cpus in [1u32, 2, 8, 38, 254] {
             let m = mem();
             setup_mptable(&m, cpus).unwrap();
             let entries = parse(&m);
@@ -356,15 +367,28 @@ mod tests {
     }
 
     #[test]
+    fn small_tables_stay_in_the_ebdas_first_kib() {
+        let m = mem();
+        setup_mptable(&m, 37).unwrap();
+        let len = m
+            .read_obj::<u16>(GuestAddress(EBDA_START + 16 + 4))
+            .unwrap();
+        assert!(EBDA_START + 16 + u64::from(len) <= EBDA_START + 0x400);
+    }
+
+    #[test]
     fn too_many_cpus_is_an_error() {
         let m = mem();
         let max = max_cpus();
-        assert!(max >= 32, "room for {max} CPUs");
+        assert_eq!(max, 254, "limited by 8-bit APIC IDs, not by space");
         setup_mptable(&m, max).unwrap();
         parse(&m);
         let err = setup_mptable(&m, max + 1).unwrap_err();
         assert!(matches!(err, Error::TooManyCpus(n) if n == max + 1));
-        assert!(err.to_string().contains("does not fit in the EBDA"));
+        assert_eq!(
+            err.to_string(),
+            "the MP table cannot describe 255 vCPUs (at most 254)"
+        );
         assert!(matches!(setup_mptable(&m, 0), Err(Error::NoCpus)));
     }
 
