@@ -38,9 +38,16 @@ fn virtio() -> Vec<VirtioMmioAcpi> {
         .collect()
 }
 
-/// Writes everything but the protocol-specific block; returns memory, RAM
-/// ranges, the RSDP address and the initrd placement.
-fn common() -> (GuestMemoryMmap, Vec<(u64, u64)>, u64, (u64, u64)) {
+/// Guest memory with everything but the protocol-specific block written.
+struct Common {
+    mem: GuestMemoryMmap,
+    ram: Vec<(u64, u64)>,
+    rsdp: u64,
+    /// (address, size) of the initramfs.
+    initrd: (u64, u64),
+}
+
+fn common() -> Common {
     let ram = layout::ram_ranges(MEM_SIZE);
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap();
     // Fill with a pattern so "never written" and "zeroed" are told apart.
@@ -53,7 +60,12 @@ fn common() -> (GuestMemoryMmap, Vec<(u64, u64)>, u64, (u64, u64)) {
     let rsdp = acpi::setup_acpi(&mem, CPUS, &virtio()).unwrap();
     let initrd_size = 3 << 20;
     let initrd = boot::initrd_address(&ram, initrd_size, Some(0x7fff_ffff), 0x200_0000).unwrap();
-    (mem, ram, rsdp, (initrd, initrd_size))
+    Common {
+        mem,
+        ram,
+        rsdp,
+        initrd: (initrd, initrd_size),
+    }
 }
 
 /// Every structure `common()` wrote is still intact.
@@ -107,7 +119,12 @@ fn check_common(mem: &GuestMemoryMmap, rsdp: u64) {
 
 #[test]
 fn linux_boot_structures_do_not_overlap() {
-    let (mem, ram, rsdp, initrd) = common();
+    let Common {
+        mem,
+        ram,
+        rsdp,
+        initrd,
+    } = common();
     let layout_ = boot::BootLayout {
         ram: &ram,
         cmdline: CMDLINE,
@@ -127,7 +144,12 @@ fn linux_boot_structures_do_not_overlap() {
 
 #[test]
 fn pvh_boot_structures_do_not_overlap() {
-    let (mem, ram, rsdp, initrd) = common();
+    let Common {
+        mem,
+        ram,
+        rsdp,
+        initrd,
+    } = common();
     let layout_ = boot::BootLayout {
         ram: &ram,
         cmdline: CMDLINE,
@@ -148,7 +170,11 @@ fn pvh_boot_structures_do_not_overlap() {
 
 #[test]
 fn initrd_lands_in_ram_clear_of_the_kernel_and_low_structures() {
-    let (_, ram, _, (addr, size)) = common();
+    let Common {
+        ram,
+        initrd: (addr, size),
+        ..
+    } = common();
     assert!(addr >= 0x200_0000);
     assert!(addr + size <= MEM_SIZE);
     let e820 = boot::e820_entries(&ram);
