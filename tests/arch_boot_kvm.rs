@@ -4,8 +4,11 @@
 //! checks in its console log that the kernel understood every structure we
 //! wrote: command line, e820 map, MP table, CPUID, and the initramfs.
 //!
-//! Slow (tens of seconds: guest kernel code is emulated on this machine's
-//! KVM), so opt-in: `cargo test --test arch_boot_kvm -- --ignored`.
+//! Slow (about a minute per boot: guest kernel code is emulated on this
+//! machine's KVM), so opt-in:
+//! `EMBER_PVM_KERNEL=$(scripts/pvm-kernel) cargo test --test arch_boot_kvm -- --ignored`
+//! (without the variable, the kernel from /work/shared/pvm-test-kernel's
+//! default build directory is used).
 
 use std::fs::File;
 use std::sync::mpsc;
@@ -23,7 +26,9 @@ use vm_memory::{
 };
 use vm_superio::{Serial, Trigger};
 
-const BUILD: &str = "/root/.cache/ember/pvm-build";
+/// Where the test kernel's build leaves `vmlinux` and `arch/x86/boot/bzImage`
+/// when EMBER_PVM_KERNEL (a directory with `vmlinux` and `bzImage`) is unset.
+const DEFAULT_BUILD: &str = "/root/.cache/ember/pvm-build";
 /// The command line the PVM test kernel needs (see its README), plus ours.
 const CMDLINE: &str = "console=ttyS0 noxsave noint3selftest nofxsaveleak \
     clearcpuid=151,297,580,308,158,306,534,311,312,59,141 nofsgsbase noinvpcid \
@@ -76,12 +81,15 @@ fn initramfs() -> Vec<u8> {
 /// Boots the test kernel and returns its console output up to the first
 /// line containing `stop_at` (or a vCPU failure, or the timeout).
 fn boot(protocol: Protocol, stop_at: &str) -> String {
-    let kernel = match protocol {
-        Protocol::BzImage => format!("{BUILD}/arch/x86/boot/bzImage"),
-        Protocol::ElfLinux64 | Protocol::Pvh => format!("{BUILD}/vmlinux"),
+    let kernel = match (std::env::var("EMBER_PVM_KERNEL"), protocol) {
+        (Ok(dir), Protocol::BzImage) => format!("{dir}/bzImage"),
+        (Ok(dir), _) => format!("{dir}/vmlinux"),
+        (Err(_), Protocol::BzImage) => format!("{DEFAULT_BUILD}/arch/x86/boot/bzImage"),
+        (Err(_), _) => format!("{DEFAULT_BUILD}/vmlinux"),
     };
-    let mut kernel_file = File::open(&kernel)
-        .unwrap_or_else(|e| panic!("test kernel {kernel} missing ({e}): build it with /work/shared/pvm-test-kernel/build.sh"));
+    let mut kernel_file = File::open(&kernel).unwrap_or_else(|e| {
+        panic!("test kernel {kernel} missing ({e}): set EMBER_PVM_KERNEL=$(scripts/pvm-kernel)")
+    });
 
     let ram = layout::ram_ranges(MEM_SIZE);
     let ranges: Vec<_> = ram
@@ -309,8 +317,9 @@ fn pvh_boot_reaches_init() {
     check(&boot(Protocol::Pvh, FULL_BOOT_END));
 }
 
-/// The bzImage's decompressor (XZ, emulated instruction by instruction here)
-/// would take many minutes and prints nothing in this configuration, so this
+/// The bzImage's decompressor (emulated instruction by instruction here) would
+/// take minutes (XZ) or tens of seconds (LZ4) and prints nothing in this
+/// configuration, so this
 /// stops once the compressed kernel's `startup_64` has found our zero page,
 /// parsed the command line it points to, and set up the serial console named
 /// there (`earlyprintk=serial,ttyS0,115200`: divisor 1).
