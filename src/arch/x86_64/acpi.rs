@@ -580,6 +580,61 @@ mod tests {
         (report, String::from_utf8_lossy(&produced).into_owned())
     }
 
+    /// Loads the DSDT into ACPICA's interpreter (`acpiexec`, the same code as
+    /// Linux's) and evaluates the objects Linux will: each device's `_HID` and
+    /// `_CRS`, and `\_S5`.
+    #[test]
+    fn acpica_evaluates_the_dsdt() {
+        if std::process::Command::new("acpiexec")
+            .arg("-v")
+            .output()
+            .is_err()
+        {
+            eprintln!(
+                "!!!!!!!! SKIPPED acpica_evaluates_the_dsdt: `acpiexec` not installed \
+                 (apt-get install acpica-tools) !!!!!!!!"
+            );
+            return;
+        }
+        let m = mem();
+        let (_, _, dsdt) = walk(&m, setup_acpi(&m, 1, &devices(2)).unwrap());
+        let dir = std::env::temp_dir().join(format!("ember-acpiexec-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("dsdt.aml"), &dsdt).unwrap();
+        let out = std::process::Command::new("acpiexec")
+            .arg("-b")
+            .arg(
+                "evaluate \\_SB.VR01._HID; evaluate \\_SB.VR01._CRS; \
+                 evaluate \\_SB.COM1._HID; evaluate \\_S5",
+            )
+            .arg("dsdt.aml")
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        let report = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{report}");
+        // VR01: Memory32Fixed(RW, 0xd0001000, 0x1000), Interrupt(GSI 6), end tag.
+        let crs = [
+            "0000: 86 09 00 01 00 10 00 D0 00 10 00 00 89 06 00 03",
+            "0010: 01 06 00 00 00 79 00",
+        ];
+        for needle in [
+            "[String] Length 08 = \"LNRO0005\"",
+            crs[0],
+            crs[1],
+            "[Integer] = 000000000105D041",
+            "[Package] Contains 2 Elements:\n    [Integer] = 0000000000000005",
+            "No outstanding allocations",
+        ] {
+            assert!(
+                report.contains(needle),
+                "{needle:?} missing from:\n{report}"
+            );
+        }
+        assert!(!report.contains("AE_"), "ACPICA exception:\n{report}");
+    }
+
     /// Disassembles the tables with ACPICA's `iasl`, the reference parser
     /// (what Linux's ACPI interpreter is built from), and recompiles the DSDT.
     #[test]
