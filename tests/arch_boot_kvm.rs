@@ -128,13 +128,10 @@ fn boot(protocol: Protocol, stop_at: &str) -> String {
         Protocol::BzImage => {
             let r = BzImage::load(&mem, None, &mut kernel_file, start).unwrap();
             let hdr = r.setup_header.expect("bzImage setup header");
-            let init_size = u64::from(hdr.init_size);
+            boot::check_64bit_entry(&hdr).unwrap();
             let load = r.kernel_load.raw_value();
-            (
-                load + STARTUP_64_OFFSET,
-                Some(hdr),
-                load + init_size.max(r.kernel_end - load),
-            )
+            let kernel_end = boot::bzimage_kernel_end(&hdr, load, r.kernel_end);
+            (load + STARTUP_64_OFFSET, Some(hdr), kernel_end)
         }
         Protocol::ElfLinux64 => {
             let r = Elf::load(&mem, None, &mut kernel_file, start).unwrap();

@@ -19,8 +19,8 @@ use linux_loader::configurator::linux::LinuxBootConfigurator;
 use linux_loader::configurator::pvh::PvhBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
 use linux_loader::loader::bootparam::{
-    CAN_USE_HEAP, E820_MAX_ENTRIES_ZEROPAGE, LOADED_HIGH, boot_e820_entry, boot_params,
-    setup_header,
+    CAN_USE_HEAP, E820_MAX_ENTRIES_ZEROPAGE, LOADED_HIGH, XLF_KERNEL_64, boot_e820_entry,
+    boot_params, setup_header,
 };
 use linux_loader::loader::elf::start_info::{
     hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info,
@@ -59,6 +59,12 @@ pub const SETUP_HEAP_END: u16 = 0xfe00;
 /// kernels use for `CONFIG_PHYSICAL_ALIGN`).
 pub const DEFAULT_KERNEL_ALIGNMENT: u32 = 0x20_0000;
 
+/// Protocol 2.10 added `pref_address` and `init_size`.
+pub const PROTOCOL_2_10: u16 = 0x020a;
+/// Protocol 2.12 added `xloadflags`, where XLF_KERNEL_64 announces the 64-bit
+/// entry point at offset 0x200.
+pub const PROTOCOL_2_12: u16 = 0x020c;
+
 /// PVH `hvm_start_info.magic`: "xEn3" with the top bit of each byte set.
 pub const XEN_HVM_START_MAGIC: u32 = 0x336e_c578;
 /// Start-info version 1 carries the memory map fields.
@@ -88,6 +94,22 @@ pub enum Error {
     /// The memory map does not fit the zero page's e820 table.
     #[error("{0} e820 entries do not fit the zero page (at most {E820_MAX_ENTRIES_ZEROPAGE})")]
     TooManyE820Entries(usize),
+    /// The bzImage cannot be entered in 64-bit mode.
+    #[error(
+        "the bzImage has no 64-bit entry point (boot protocol {major}.{minor:02}, \
+         xloadflags {xloadflags:#x} without XLF_KERNEL_64)"
+    )]
+    No64BitEntry {
+        /// Protocol major version.
+        major: u16,
+        /// Protocol minor version.
+        minor: u16,
+        /// The header's xloadflags (0 before protocol 2.12).
+        xloadflags: u16,
+    },
+    /// Not a Linux setup header at all.
+    #[error("not a Linux bzImage: setup header magic missing")]
+    NotABzImage,
     /// Guest memory does not cover the zero page.
     #[error("cannot write the zero page to guest memory")]
     WriteZeroPage(#[source] linux_loader::configurator::Error),
@@ -306,6 +328,60 @@ pub fn configure_pvh(mem: &GuestMemoryMmap, b: &BootLayout) -> Result<(), Error>
         boot.set_modules(&modules, GuestAddress(PVH_MODLIST_START));
     }
     PvhBootConfigurator::write_bootparams(&boot, mem).map_err(Error::WritePvhInfo)
+}
+
+/// Checks that a bzImage's setup header offers the 64-bit boot protocol
+/// entry (`startup_64`, 0x200 bytes into the protected-mode kernel), the only
+/// bzImage entry ember uses.
+pub fn check_64bit_entry(hdr: &setup_header) -> Result<(), Error> {
+    let (boot_flag, header, version, xloadflags) =
+        (hdr.boot_flag, hdr.header, hdr.version, hdr.xloadflags);
+    if boot_flag != BOOT_FLAG_MAGIC || header != HDRS_MAGIC {
+        return Err(Error::NotABzImage);
+    }
+    // xloadflags was padding before 2.12: only trust it from there on.
+    if version < PROTOCOL_2_12 || xloadflags & XLF_KERNEL_64 == 0 {
+        return Err(Error::No64BitEntry {
+            major: version >> 8,
+            minor: version & 0xff,
+            xloadflags: if version < PROTOCOL_2_12 {
+                0
+            } else {
+                xloadflags
+            },
+        });
+    }
+    Ok(())
+}
+
+/// The first byte above everything a bzImage kernel occupies once it runs,
+/// for [`initrd_address`]'s `kernel_end`.
+///
+/// The file's payload loaded at `load_addr` (ending at `loaded_end`) is not
+/// the whole story: the compressed kernel's `startup_64` moves itself to
+/// `pref_address` (rounding a relocatable kernel's load address up to
+/// `kernel_alignment` if that is higher) and decompresses there, using
+/// `init_size` bytes (boot.rst: "init_size"). Kernels before protocol 2.10
+/// don't say; then only the loaded image counts.
+pub fn bzimage_kernel_end(hdr: &setup_header, load_addr: u64, loaded_end: u64) -> u64 {
+    let (version, relocatable, alignment, pref_address, init_size) = (
+        hdr.version,
+        hdr.relocatable_kernel,
+        hdr.kernel_alignment,
+        hdr.pref_address,
+        hdr.init_size,
+    );
+    if version < PROTOCOL_2_10 {
+        return loaded_end;
+    }
+    let runs_at = if relocatable != 0 && alignment.is_power_of_two() {
+        load_addr
+            .next_multiple_of(u64::from(alignment))
+            .max(pref_address)
+    } else {
+        pref_address
+    };
+    loaded_end.max(runs_at.saturating_add(u64::from(init_size)))
 }
 
 /// Chooses where the initramfs goes: as high as allowed, page aligned.
@@ -586,6 +662,65 @@ mod tests {
         assert_eq!(u32_at(&m, PVH_INFO_START + 12), 0);
         assert_eq!(u64_at(&m, PVH_INFO_START + 16), 0);
         assert_eq!(u64_at(&m, PVH_INFO_START + 32), 0);
+    }
+
+    fn bzimage_header(version: u16, xloadflags: u16) -> setup_header {
+        setup_header {
+            boot_flag: BOOT_FLAG_MAGIC,
+            header: HDRS_MAGIC,
+            version,
+            xloadflags,
+            kernel_alignment: 0x20_0000,
+            pref_address: 0x100_0000,
+            init_size: 0xbb_3000,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn only_bzimages_with_a_64bit_entry_pass() {
+        check_64bit_entry(&bzimage_header(0x020f, XLF_KERNEL_64 | 0x60)).unwrap();
+        let err = check_64bit_entry(&bzimage_header(0x020f, 0)).unwrap_err();
+        assert!(matches!(err, Error::No64BitEntry { xloadflags: 0, .. }));
+        // Before 2.12 the field is padding, whatever it holds.
+        let err = check_64bit_entry(&bzimage_header(0x020b, XLF_KERNEL_64)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the bzImage has no 64-bit entry point (boot protocol 2.11, \
+             xloadflags 0x0 without XLF_KERNEL_64)"
+        );
+        let bad = setup_header {
+            header: 0,
+            ..bzimage_header(0x020f, XLF_KERNEL_64)
+        };
+        assert!(matches!(check_64bit_entry(&bad), Err(Error::NotABzImage)));
+    }
+
+    #[test]
+    fn bzimage_kernel_end_covers_the_decompressed_kernel() {
+        // Non-relocatable (the PVM test kernel): runs at pref_address.
+        let hdr = bzimage_header(0x020f, XLF_KERNEL_64);
+        assert_eq!(
+            bzimage_kernel_end(&hdr, 0x10_0000, 0x20_0000),
+            0x100_0000 + 0xbb_3000
+        );
+        // Relocatable, loaded below pref_address: still runs at pref_address.
+        let reloc = setup_header {
+            relocatable_kernel: 1,
+            ..hdr
+        };
+        assert_eq!(
+            bzimage_kernel_end(&reloc, 0x10_0000, 0x20_0000),
+            0x100_0000 + 0xbb_3000
+        );
+        // Relocatable, loaded higher and misaligned: rounded up to 2 MiB.
+        assert_eq!(
+            bzimage_kernel_end(&reloc, 0x210_0000, 0x230_0000),
+            0x220_0000 + 0xbb_3000
+        );
+        // Old protocol: only what was loaded.
+        let old = bzimage_header(0x0209, 0);
+        assert_eq!(bzimage_kernel_end(&old, 0x10_0000, 0x50_0000), 0x50_0000);
     }
 
     #[test]
