@@ -94,7 +94,7 @@ const COM_HID: &str = "PNP0501";
 
 /// Highest vCPU count the MADT can describe with 8-bit APIC IDs (0xff is
 /// broadcast, and the I/O APIC takes the ID after the last vCPU).
-pub const MAX_CPUS: u32 = 254;
+pub const MAX_CPUS: u32 = super::cpuid::MAX_VCPUS;
 
 /// One virtio-mmio device to describe in the DSDT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,8 +7,8 @@
 //! * the **64-bit Linux boot protocol** (Documentation/arch/x86/boot.rst,
 //!   "64-bit BOOT PROTOCOL"): the VMM loads the protected-mode kernel, fills a
 //!   zero page and jumps to `startup_64` with `%rsi` pointing at it;
-//! * **PVH** (Xen's `hvm_start_info`, arch/x86/include/uapi/asm/... and
-//!   xen/include/public/arch-x86/hvm/start_info.h): the VMM jumps to the entry
+//! * **PVH** (Xen's `hvm_start_info`, xen/include/public/arch-x86/hvm/start_info.h;
+//!   Linux's side is arch/x86/platform/pvh/): the VMM jumps to the entry
 //!   named by the ELF note `XEN_ELFNOTE_PHYS32_ENTRY` in 32-bit protected mode
 //!   with `%ebx` pointing at a start-info block.
 //!

@@ -106,7 +106,7 @@ const LINT1: u8 = 1;
 pub const MPTABLE_MAX_SIZE: usize = (RSDP_START - EBDA_START) as usize;
 /// APIC IDs are 8 bits, 0xff is the broadcast ID, and the I/O APIC takes
 /// the ID after the last vCPU: at most 254 vCPUs.
-const MAX_APIC_CPUS: u32 = 254;
+const MAX_APIC_CPUS: u32 = super::cpuid::MAX_VCPUS;
 
 /// Errors while writing the MP table.
 #[derive(Debug, thiserror::Error)]
