@@ -59,6 +59,10 @@ pub const SETUP_HEAP_END: u16 = 0xfe00;
 /// kernels use for `CONFIG_PHYSICAL_ALIGN`).
 pub const DEFAULT_KERNEL_ALIGNMENT: u32 = 0x20_0000;
 
+/// Longest command line (without the NUL) an x86 Linux kernel keeps when it
+/// brings no setup header to say so (ELF `vmlinux`, PVH): `COMMAND_LINE_SIZE`
+/// is 2048 on x86, and the kernel silently truncates anything longer.
+pub const LINUX_CMDLINE_MAX: usize = 2047;
 /// Protocol 2.10 added `pref_address` and `init_size`.
 pub const PROTOCOL_2_10: u16 = 0x020a;
 /// Protocol 2.12 added `xloadflags`, where XLF_KERNEL_64 announces the 64-bit
@@ -149,7 +153,7 @@ pub struct BootLayout<'a> {
 /// Writes the NUL-terminated command line at `CMDLINE_START`.
 ///
 /// `max_len` is the kernel's limit without the NUL (the bzImage header's
-/// `cmdline_size`, or the kernel's `COMMAND_LINE_SIZE - 1` for ELF kernels);
+/// `cmdline_size`, or [`LINUX_CMDLINE_MAX`] for ELF kernels);
 /// it is further capped by the space ember reserves (`CMDLINE_MAX_SIZE`,
 /// including the NUL).
 pub fn write_cmdline(mem: &GuestMemoryMmap, cmdline: &str, max_len: usize) -> Result<(), Error> {
