@@ -30,6 +30,7 @@ pub use block::{Block, DiskConfig};
 pub use console::{Console, ConsoleInput};
 
 pub use mmio::MmioTransport;
+pub use pmem::{Pmem, PmemRegion};
 
 pub use rng::Rng;
 
