@@ -29,6 +29,7 @@ pub(crate) mod test_utils;
 pub use block::{Block, DiskConfig};
 pub use console::{Console, ConsoleInput};
 
+pub use balloon::{Balloon, BalloonHandle, BalloonStats};
 pub use mmio::MmioTransport;
 pub use pmem::{Pmem, PmemRegion};
 
