@@ -15,7 +15,8 @@
 use crate::arch::x86_64::{boot, cpuid, layout, mptable, msr, regs};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::{
-    AcpiSleep, BootTimer, ConsoleSink, DebugExit, DebugPort, I8042, Serial, SerialIrq, SerialUart, VmEnd,
+    AcpiSleep, BootTimer, ConsoleSink, DebugExit, DebugPort, I8042, Serial, SerialIrq, SerialUart,
+    VmEnd,
 };
 use crate::events::{Recorder, kind};
 use crate::vstate::kvm::{self, KvmError};
@@ -163,9 +164,14 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
 
     // 1. KVM and the VM.
     let kvm = kvm::open()?;
-    let max = u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX).min(mptable::max_cpus());
+    let max = u32::try_from(kvm.get_max_vcpus())
+        .unwrap_or(u32::MAX)
+        .min(mptable::max_cpus());
     if cfg.vcpus > max {
-        return Err(BuildError::TooManyVcpus { asked: cfg.vcpus, max });
+        return Err(BuildError::TooManyVcpus {
+            asked: cfg.vcpus,
+            max,
+        });
     }
     let supported = kvm::supported_cpuid(&kvm)?;
     let mut vm = Vm::new(&kvm)?;
@@ -186,29 +192,36 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     for id in 0..cfg.vcpus {
         let (tx, rx) = mpsc::channel::<Arc<Start>>();
         starts.push(tx);
-        let (vm, end, recorder, configured) = (vm.clone(), end.clone(), recorder.clone(), configured.clone());
+        let (vm, end, recorder, configured) = (
+            vm.clone(),
+            end.clone(),
+            recorder.clone(),
+            configured.clone(),
+        );
         let vcpus = cfg.vcpus;
-        let thread = std::thread::Builder::new().name(format!("ember-vcpu{id}")).spawn(move || {
-            let result = (|| -> Result<(), BuildError> {
-                let mut vcpu = Vcpu::new(vm.fd(), id)?;
-                // The TSC rate goes into the KVM timing leaf so guests need not calibrate.
-                let cpuid = cpuid::configure_cpuid(supported, id, vcpus, vcpu.tsc_khz())?;
-                vcpu.configure(&cpuid, &msr::boot_msrs())?;
-                if configured.fetch_add(1, Ordering::SeqCst) + 1 == vcpus {
-                    recorder.mark(kind::VCPUS_CREATED);
+        let thread = std::thread::Builder::new()
+            .name(format!("ember-vcpu{id}"))
+            .spawn(move || {
+                let result = (|| -> Result<(), BuildError> {
+                    let mut vcpu = Vcpu::new(vm.fd(), id)?;
+                    // The TSC rate goes into the KVM timing leaf so guests need not calibrate.
+                    let cpuid = cpuid::configure_cpuid(supported, id, vcpus, vcpu.tsc_khz())?;
+                    vcpu.configure(&cpuid, &msr::boot_msrs())?;
+                    if configured.fetch_add(1, Ordering::SeqCst) + 1 == vcpus {
+                        recorder.mark(kind::VCPUS_CREATED);
+                    }
+                    // A closed channel means the build failed: just leave.
+                    let Ok(start) = rx.recv() else { return Ok(()) };
+                    if id == 0 {
+                        vcpu.set_boot_state(start.entry)?;
+                        recorder.mark(kind::FIRST_GUEST_ENTRY);
+                    }
+                    Ok(vcpu.run(&start.io, &start.mmio, &end, || {})?)
+                })();
+                if let Err(e) = result {
+                    end.fail(error_chain(&e));
                 }
-                // A closed channel means the build failed: just leave.
-                let Ok(start) = rx.recv() else { return Ok(()) };
-                if id == 0 {
-                    vcpu.set_boot_state(start.entry)?;
-                    recorder.mark(kind::FIRST_GUEST_ENTRY);
-                }
-                Ok(vcpu.run(&start.io, &start.mmio, &end, || {})?)
-            })();
-            if let Err(e) = result {
-                end.fail(error_chain(&e));
-            }
-        })?;
+            })?;
         vcpu_threads.push(thread);
     }
 
@@ -228,7 +241,9 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
 
     // 5. Boot structures.
     let cmdline_max = match hdr {
-        Some(h) if h.version >= MIN_BOOT_PROTOCOL => (h.cmdline_size as usize).min(layout::CMDLINE_MAX_SIZE),
+        Some(h) if h.version >= MIN_BOOT_PROTOCOL => {
+            (h.cmdline_size as usize).min(layout::CMDLINE_MAX_SIZE)
+        }
         Some(_) => DEFAULT_CMDLINE_SIZE,
         None => layout::CMDLINE_MAX_SIZE,
     };
@@ -238,7 +253,12 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     regs::write_identity_page_tables(&mem)?;
     mptable::setup_mptable(&mem, cfg.vcpus)?;
     let rsdp = None; // TEMP
-    let boot_layout = boot::BootLayout { ram: &ram, cmdline: &cmdline, initrd, rsdp };
+    let boot_layout = boot::BootLayout {
+        ram: &ram,
+        cmdline: &cmdline,
+        initrd,
+        rsdp,
+    };
     match entry {
         BootEntry::Pvh(_) => boot::configure_pvh(&mem, &boot_layout)?,
         BootEntry::Linux64(_) => boot::configure_linux(&mem, &boot_layout, hdr)?,
@@ -248,17 +268,44 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     let serial_irq = EventFd::new(libc::EFD_NONBLOCK)?;
     vm.register_irqfd(&serial_irq, layout::COM1_IRQ)?;
     let sink = ConsoleSink::new(cfg.console, recorder.clone());
-    let serial = Arc::new(Mutex::new(Serial(SerialUart::new(SerialIrq(serial_irq), sink))));
+    let serial = Arc::new(Mutex::new(Serial(SerialUart::new(
+        SerialIrq(serial_irq),
+        sink,
+    ))));
     let mut io = Bus::new();
-    io.insert(serial.clone(), layout::COM1_PORT.into(), layout::COM1_PORT_LEN.into())?;
+    io.insert(
+        serial.clone(),
+        layout::COM1_PORT.into(),
+        layout::COM1_PORT_LEN.into(),
+    )?;
     let i8042_len = u64::from(layout::I8042_COMMAND_PORT - layout::I8042_DATA_PORT) + 1;
-    io.insert(Arc::new(Mutex::new(I8042::new(end.clone()))), layout::I8042_DATA_PORT.into(), i8042_len)?;
-    io.insert(Arc::new(Mutex::new(DebugPort::new(recorder.clone()))), layout::DEBUG_PORT.into(), 1)?;
-    io.insert(Arc::new(Mutex::new(DebugExit::new(end.clone()))), layout::DEBUG_EXIT_PORT.into(), 1)?;
-    io.insert(Arc::new(Mutex::new(AcpiSleep::new(end.clone()))), layout::ACPI_SLEEP_CONTROL_PORT.into(), 2)?;
+    io.insert(
+        Arc::new(Mutex::new(I8042::new(end.clone()))),
+        layout::I8042_DATA_PORT.into(),
+        i8042_len,
+    )?;
+    io.insert(
+        Arc::new(Mutex::new(DebugPort::new(recorder.clone()))),
+        layout::DEBUG_PORT.into(),
+        1,
+    )?;
+    io.insert(
+        Arc::new(Mutex::new(DebugExit::new(end.clone()))),
+        layout::DEBUG_EXIT_PORT.into(),
+        1,
+    )?;
+    io.insert(
+        Arc::new(Mutex::new(AcpiSleep::new(end.clone()))),
+        layout::ACPI_SLEEP_CONTROL_PORT.into(),
+        2,
+    )?;
     let mut mmio = Bus::new();
     let timer = Arc::new(Mutex::new(BootTimer::new(recorder.clone())));
-    mmio.insert(timer, layout::BOOT_TIMER_MMIO_START, layout::BOOT_TIMER_MMIO_SIZE)?;
+    mmio.insert(
+        timer,
+        layout::BOOT_TIMER_MMIO_START,
+        layout::BOOT_TIMER_MMIO_SIZE,
+    )?;
 
     // 7. Go: every vCPU gets the finished buses; the boot vCPU also its entry.
     let start = Arc::new(Start { io, mmio, entry });
@@ -266,12 +313,21 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         // A vCPU thread that already failed has hung up; its error is in `end`.
         let _ = tx.send(start.clone());
     }
-    Ok(Vmm { mem, end, serial, vm, vcpu_threads })
+    Ok(Vmm {
+        mem,
+        end,
+        serial,
+        vm,
+        vcpu_threads,
+    })
 }
 
 /// Loads the kernel from `path`: an ELF (entered through its PVH note when it
 /// has one, else at its 64-bit entry) or a bzImage (64-bit entry).
-fn load_kernel(mem: &GuestMemoryMmap, path: &Path) -> Result<(BootEntry, Option<setup_header>, u64), BuildError> {
+fn load_kernel(
+    mem: &GuestMemoryMmap,
+    path: &Path,
+) -> Result<(BootEntry, Option<setup_header>, u64), BuildError> {
     let mut file = File::open(path).map_err(|e| BuildError::KernelOpen(path.to_owned(), e))?;
     let himem = Some(GuestAddress(layout::HIMEM_START));
     let elf_err = match Elf::load(mem, None, &mut file, himem) {
@@ -288,9 +344,14 @@ fn load_kernel(mem: &GuestMemoryMmap, path: &Path) -> Result<(BootEntry, Option<
     };
     match BzImage::load(mem, None, &mut file, himem) {
         Ok(r) => {
-            let hdr = r.setup_header.ok_or_else(|| not_a_kernel(path, elf_err.clone(), "no setup header".into()))?;
+            let hdr = r
+                .setup_header
+                .ok_or_else(|| not_a_kernel(path, elf_err.clone(), "no setup header".into()))?;
             if hdr.version < MIN_BOOT_PROTOCOL {
-                return Err(BuildError::OldBootProtocol { path: path.to_owned(), version: hdr.version });
+                return Err(BuildError::OldBootProtocol {
+                    path: path.to_owned(),
+                    version: hdr.version,
+                });
             }
             let entry = BootEntry::Linux64(r.kernel_load.0 + BZIMAGE_64BIT_ENTRY_OFFSET);
             Ok((entry, Some(hdr), r.kernel_end))
@@ -300,7 +361,11 @@ fn load_kernel(mem: &GuestMemoryMmap, path: &Path) -> Result<(BootEntry, Option<
 }
 
 fn not_a_kernel(path: &Path, elf: String, bzimage: String) -> BuildError {
-    BuildError::NotAKernel { path: path.to_owned(), elf, bzimage }
+    BuildError::NotAKernel {
+        path: path.to_owned(),
+        elf,
+        bzimage,
+    }
 }
 
 /// Reads the initramfs straight into guest memory, as high as the protocol allows.

@@ -94,8 +94,7 @@ const GDT_ADDR: u64 = field_addr(offset_of!(BootTables, gdt));
 const TSS_ADDR: u64 = field_addr(offset_of!(BootTables, tss));
 const GDTR_ADDR: u64 = field_addr(offset_of!(BootTables, gdtr));
 const IDTR_ADDR: u64 = field_addr(offset_of!(BootTables, idtr));
-const KERNEL_STACK_TOP: u64 =
-    field_addr(offset_of!(BootTables, kernel_stack) + KERNEL_STACK_SIZE);
+const KERNEL_STACK_TOP: u64 = field_addr(offset_of!(BootTables, kernel_stack) + KERNEL_STACK_SIZE);
 
 const fn page_tables() -> ([u64; 512], [u64; 512], [[u64; 512]; 4]) {
     let mut pml4 = [0; 512];

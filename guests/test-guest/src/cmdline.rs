@@ -106,7 +106,10 @@ pub fn number(text: &str) -> Result<u64, &'static str> {
         Some(b'g' | b'G') => (&text[..text.len() - 1], 1 << 30),
         _ => (text, 1),
     };
-    let value = match digits.strip_prefix("0x").or_else(|| digits.strip_prefix("0X")) {
+    let value = match digits
+        .strip_prefix("0x")
+        .or_else(|| digits.strip_prefix("0X"))
+    {
         Some(hex) => u64::from_str_radix(hex, 16),
         None => digits.parse(),
     }

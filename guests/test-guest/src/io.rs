@@ -29,7 +29,9 @@ pub const BOOT_TIMER_MAGIC: u8 = 123;
 pub fn outb(port: u16, value: u8) {
     // SAFETY: IOPL=3 (or our #GP handler) makes port I/O legal in ring 3; the
     // ports we use have no effect on our own memory.
-    unsafe { asm!("out dx, al", in("dx") port, in("al") value, options(nomem, nostack, preserves_flags)) }
+    unsafe {
+        asm!("out dx, al", in("dx") port, in("al") value, options(nomem, nostack, preserves_flags))
+    }
 }
 
 /// The COM1 console. The UART's transmit register is written blindly: the

@@ -76,6 +76,11 @@ impl Options {
 }
 
 /// Runs a benchmark or verification on the device at `base` (or the first found).
-pub fn run(_opts: &Options, _base: Option<u64>, _verify: bool, _clock: &Clock) -> Result<(), &'static str> {
+pub fn run(
+    _opts: &Options,
+    _base: Option<u64>,
+    _verify: bool,
+    _clock: &Clock,
+) -> Result<(), &'static str> {
     Err("virtio-blk is not implemented yet")
 }
