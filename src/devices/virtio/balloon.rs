@@ -472,7 +472,6 @@ mod tests {
     use super::*;
     use crate::devices::CountingInterrupt;
     use crate::devices::virtio::test_utils::*;
-    use virtio_queue::mock::MockSplitQueue;
 
     const Q1: u64 = 0x8000;
     const Q2: u64 = 0x1_0000;
@@ -492,7 +491,7 @@ mod tests {
         }
     }
 
-    fn handler(rig: &Rig, vqs: &[&MockSplitQueue<GuestMemory>], roles: &[Role]) -> BalloonHandler {
+    fn handler(rig: &Rig, vqs: &[&TestQueue], roles: &[Role]) -> BalloonHandler {
         BalloonHandler {
             mem: rig.mem.clone(),
             queues: vqs.iter().map(|v| v.create_queue().unwrap()).collect(),
@@ -507,8 +506,8 @@ mod tests {
     #[test]
     fn inflated_pages_are_discarded() {
         let rig = rig();
-        let inflate = MockSplitQueue::new(&rig.mem, 16);
-        let deflate = MockSplitQueue::create(&rig.mem, GuestAddress(Q1), 16);
+        let inflate = TestQueue::new(&rig.mem, 16);
+        let deflate = TestQueue::create(&rig.mem, GuestAddress(Q1), 16);
         let page = DATA_START + 0x10000;
         rig.mem
             .write_slice(&[0xab; 0x3000], GuestAddress(page))
@@ -546,7 +545,7 @@ mod tests {
         let rig = rig();
         let vqs: Vec<_> = [0, Q1, Q2]
             .iter()
-            .map(|&a| MockSplitQueue::create(&rig.mem, GuestAddress(a), 16))
+            .map(|&a| TestQueue::create(&rig.mem, GuestAddress(a), 16))
             .collect();
         let base = DATA_START + 0x40000;
         rig.mem
@@ -577,7 +576,7 @@ mod tests {
         let rig = rig();
         let vqs: Vec<_> = [0, Q1, Q3]
             .iter()
-            .map(|&a| MockSplitQueue::create(&rig.mem, GuestAddress(a), 16))
+            .map(|&a| TestQueue::create(&rig.mem, GuestAddress(a), 16))
             .collect();
         let mut buf = Vec::new();
         for (tag, val) in [

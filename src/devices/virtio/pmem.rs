@@ -322,7 +322,6 @@ mod tests {
     use crate::devices::CountingInterrupt;
     use crate::devices::virtio::test_utils::*;
     use std::sync::Arc;
-    use virtio_queue::mock::MockSplitQueue;
     use vm_memory::{Bytes, GuestAddress};
 
     #[test]
@@ -366,7 +365,7 @@ mod tests {
     #[test]
     fn flush_requests_get_a_response() {
         let mem = memory();
-        let vq = MockSplitQueue::new(&mem, 16);
+        let vq = TestQueue::new(&mem, 16);
         let tmp = TempFile::new(&[0u8; 512]);
         mem.write_obj(REQ_TYPE_FLUSH, GuestAddress(DATA_START))
             .unwrap();
