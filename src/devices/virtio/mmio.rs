@@ -172,6 +172,15 @@ impl MmioTransport {
         &self.interrupt
     }
 
+    /// Stops the device as a reset would — its threads finish in-flight requests and are
+    /// joined — without touching guest-visible state. Call on VM shutdown.
+    pub fn shutdown(&mut self) {
+        if self.active {
+            self.device.reset();
+            self.active = false;
+        }
+    }
+
     fn selected_queue(&self) -> Option<&Queue> {
         self.queues.get(self.queue_sel as usize)
     }
