@@ -397,7 +397,7 @@ impl Default for Milestones {
                 "kernel".into(),
                 Regex::new(r"Linux version \d").expect("valid"),
             )],
-            userspace: Regex::new(r"^Run /init as init process").expect("valid"),
+            userspace: Regex::new(r"^Run /init as init process|^ember-lab: ").expect("valid"),
             shutdown: Regex::new(r"^reboot: (Power down|Restarting system)|^@guest_shutdown")
                 .expect("valid"),
         }

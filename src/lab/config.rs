@@ -20,17 +20,19 @@ pub enum ConfigError {
     /// The backend cannot be used.
     #[error("cannot use the backend")]
     Backend(#[source] BackendError),
+    /// The generated initramfs could not be built.
+    #[error("cannot build the busybox initramfs")]
+    Guest(#[source] super::guest::GuestError),
     /// An option value makes no sense.
     #[error("{0}")]
     Invalid(String),
     /// A regex option does not compile.
-    #[error("bad regex in {option}")]
+    #[error("bad regex in {option}: {reason}")]
     Regex {
         /// The option.
         option: String,
-        /// Why.
-        #[source]
-        source: regex::Error,
+        /// Why, on one line.
+        reason: String,
     },
 }
 
@@ -65,8 +67,12 @@ pub struct GuestOpts {
     #[arg(long)]
     pub kernel: Option<PathBuf>,
     /// Guest initramfs.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "busybox_init")]
     pub initrd: Option<PathBuf>,
+    /// Use a generated initramfs instead: busybox with an /init that prints the
+    /// lab's markers and powers off at once (see `ember::lab::guest`).
+    #[arg(long)]
+    pub busybox_init: bool,
     /// Kernel command line.
     #[arg(long, default_value = "console=ttyS0 panic=-1")]
     pub cmdline: String,
@@ -84,7 +90,7 @@ pub struct GuestOpts {
     #[arg(
         long,
         value_name = "REGEX",
-        default_value = "^Run /init as init process"
+        default_value = "^Run /init as init process|^ember-lab: "
     )]
     pub userspace: String,
     /// Extra boot mark: NAME=REGEX on console lines (printk prefix stripped).
@@ -211,6 +217,11 @@ pub fn build(opts: &GuestOpts, label: &str) -> Result<(BootConfig, Milestones), 
         .kernel
         .clone()
         .ok_or_else(|| ConfigError::Invalid("--kernel is required".into()))?;
+    let mut opts = opts.clone();
+    if opts.busybox_init {
+        opts.initrd = Some(super::guest::busybox_initramfs().map_err(ConfigError::Guest)?);
+    }
+    let opts = &opts;
     for (what, p) in [("kernel", Some(&kernel)), ("initrd", opts.initrd.as_ref())] {
         if let Some(p) = p {
             if !p.is_file() {
@@ -243,9 +254,9 @@ pub fn build(opts: &GuestOpts, label: &str) -> Result<(BootConfig, Milestones), 
 /// The milestones (`--mark`, `--userspace`) of `opts`.
 pub fn milestones(opts: &GuestOpts) -> Result<Milestones, ConfigError> {
     let compile = |option: &str, re: &str| {
-        Regex::new(re).map_err(|source| ConfigError::Regex {
+        Regex::new(re).map_err(|e| ConfigError::Regex {
             option: option.into(),
-            source,
+            reason: super::rules::regex_reason(&e),
         })
     };
     let mut m = Milestones {
@@ -260,6 +271,27 @@ pub fn milestones(opts: &GuestOpts) -> Result<Milestones, ConfigError> {
             .push((name.to_owned(), compile(&format!("--mark {name}"), re)?));
     }
     Ok(m)
+}
+
+/// How long a VMM may take to answer `--version`.
+const VERSION_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The backend's version, asked on a helper thread so a VMM binary that hangs
+/// on `--version` delays the report by `limit` at most.
+fn version_within(cfg: &BootConfig, limit: Duration) -> String {
+    let backend = cfg.backend.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(backend.version());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => format!("unknown ({e})"),
+        Err(_) => format!(
+            "unknown (no answer to --version within {} s)",
+            limit.as_secs()
+        ),
+    }
 }
 
 /// The machine and configuration a report was made on.
@@ -314,10 +346,7 @@ impl Header {
             ),
             host_cpu: format!("{model} ({cpus} CPUs)"),
             backend: cfg.backend.name().to_owned(),
-            backend_version: cfg
-                .backend
-                .version()
-                .unwrap_or_else(|e| format!("unknown ({e})")),
+            backend_version: version_within(cfg, VERSION_TIMEOUT),
             accel: cfg.backend.describe(),
             kernel: cfg.spec.kernel.display().to_string(),
             initrd: cfg.spec.initrd.as_ref().map(|p| p.display().to_string()),
@@ -397,7 +426,7 @@ mod tests {
         assert!(chain.contains("/nonexistent/qemu` not found"), "{chain}");
         assert!(backend(&opts(&["--backend", "bochs"])).is_err());
         let e = milestones(&opts(&["--mark", "x=("])).unwrap_err();
-        assert_eq!(e.to_string(), "bad regex in --mark x");
+        assert_eq!(e.to_string(), "bad regex in --mark x: unclosed group");
         assert!(milestones(&opts(&["--mark", "nonsense"])).is_err());
     }
 }

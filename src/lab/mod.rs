@@ -16,6 +16,7 @@
 pub mod analysis;
 pub mod boot;
 pub mod config;
+pub mod guest;
 pub mod range;
 pub mod report;
 pub mod rules;

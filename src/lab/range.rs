@@ -183,7 +183,7 @@ fn save_state(path: &Path, state: &State) -> Result<(), RangeError> {
 fn fingerprint(args: &RangeArgs) -> String {
     let g = &args.guest;
     format!(
-        "build={}|artifact={}|kind={:?}|backend={}|machine={}|accel={:?}|vmm={:?}|kernel={:?}|initrd={:?}|cmdline={}|mem={}|cpus={}|userspace={}|metric={}|n={}|w={}",
+        "build={}|artifact={}|kind={:?}|backend={}|machine={}|accel={:?}|vmm={:?}|kernel={:?}|initrd={:?}|busybox={}|cmdline={}|mem={}|cpus={}|userspace={}|metric={}|n={}|w={}",
         args.build,
         args.artifact.display(),
         args.artifact_kind,
@@ -193,6 +193,7 @@ fn fingerprint(args: &RangeArgs) -> String {
         g.vmm,
         g.kernel,
         g.initrd,
+        g.busybox_init,
         g.cmdline,
         g.mem,
         g.cpus,

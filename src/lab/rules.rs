@@ -30,7 +30,7 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum RuleError {
     /// A regex does not compile.
-    #[error("{origin}:{line}: bad regex in `{key}`")]
+    #[error("{origin}:{line}: bad regex in `{key}`: {reason}")]
     BadRegex {
         /// File name.
         origin: String,
@@ -38,9 +38,8 @@ pub enum RuleError {
         line: usize,
         /// `start` or `end`.
         key: String,
-        /// The compiler's complaint.
-        #[source]
-        source: regex::Error,
+        /// The compiler's complaint, on one line.
+        reason: String,
     },
     /// A line that is neither a header, a key, a comment nor blank.
     #[error("{origin}:{line}: {message}")]
@@ -71,6 +70,19 @@ pub enum RuleError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// The regex compiler's complaint on one line: its message draws the pattern
+/// with a caret over several lines, which a one-line error cannot carry; the
+/// last line says what is wrong.
+pub fn regex_reason(e: &regex::Error) -> String {
+    let text = e.to_string();
+    let last = text
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
+    last.trim().trim_start_matches("error: ").to_owned()
 }
 
 /// One activity rule.
@@ -135,6 +147,12 @@ pub fn builtin_linux() -> Vec<Rule> {
             Some("run"),
         ),
         (
+            "guest:to-userspace",
+            r"^@first_output$",
+            r"^Run /init as init process|^ember-lab: begin ",
+            Some("run"),
+        ),
+        (
             "firmware",
             r"SeaBIOS \(version|^@first_guest_entry",
             r"Linux version \d",
@@ -190,7 +208,7 @@ pub fn builtin_linux() -> Vec<Rule> {
         ),
         (
             "userspace",
-            r"^Run /init as init process",
+            r"^Run /init as init process|^ember-lab: begin ",
             r"^ember-lab: poweroff|^reboot: |^@guest_shutdown",
             Some("run"),
         ),
@@ -286,11 +304,11 @@ pub fn parse(text: &str, origin: &str) -> Result<Vec<Rule>, RuleError> {
         };
         let (key, value) = (key.trim(), value.trim());
         let compile = |v: &str| {
-            Regex::new(v).map_err(|source| RuleError::BadRegex {
+            Regex::new(v).map_err(|e| RuleError::BadRegex {
                 origin: origin.to_owned(),
                 line: line_no,
                 key: key.to_owned(),
-                source,
+                reason: regex_reason(&e),
             })
         };
         match key {
