@@ -43,7 +43,7 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-fn base<'a>(vmm: &'a str) -> Vec<&'a str> {
+fn base(vmm: &str) -> Vec<&str> {
     vec![
         "--backend",
         "qemu",
