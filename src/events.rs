@@ -38,6 +38,10 @@ pub struct EventFile {
     pub version: u32,
     /// Who wrote it (`ember 0.1.0`).
     pub producer: String,
+    /// CLOCK_MONOTONIC (ns) at process start, so a parent that noted the clock
+    /// before exec can place these events on its own time axis.
+    #[serde(default)]
+    pub t0_monotonic_ns: u64,
     /// Events in time order.
     pub events: Vec<Event>,
 }
@@ -64,16 +68,26 @@ pub mod kind {
     pub const GUEST_SHUTDOWN: &str = "guest_shutdown";
     /// The guest reset (reboot request, triple fault).
     pub const GUEST_RESET: &str = "guest_reset";
+    /// Memory use at exit: `vm_hwm_kib=N guest_resident_kib=M`.
+    pub const MEMORY: &str = "memory";
     /// The VMM is about to exit.
     pub const PROCESS_EXIT: &str = "process_exit";
 }
 
-static START: OnceLock<Instant> = OnceLock::new();
+static START: OnceLock<(Instant, u64)> = OnceLock::new();
 
 /// The instant the process started, as near as we can tell: the first call to
 /// this function, which `main` makes first thing.
 pub fn process_start() -> Instant {
-    *START.get_or_init(Instant::now)
+    START.get_or_init(|| (Instant::now(), monotonic_ns())).0
+}
+
+/// CLOCK_MONOTONIC in nanoseconds (the clock `Instant` uses on Linux).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid timespec to write into; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Microseconds since [`process_start`].
@@ -144,9 +158,11 @@ impl Recorder {
             .unwrap_or_else(|e| e.into_inner())
             .clone();
         events.sort_by(|a, b| a.t_us.total_cmp(&b.t_us));
+        process_start();
         EventFile {
             version: EVENT_FORMAT_VERSION,
             producer: format!("ember {}", env!("CARGO_PKG_VERSION")),
+            t0_monotonic_ns: START.get().map_or(0, |s| s.1),
             events,
         }
     }

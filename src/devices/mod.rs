@@ -3,6 +3,7 @@
 //! a `Write` sink, a file), so each can be unit-tested on its own.
 
 pub mod bus;
+pub mod legacy;
 pub mod virtio;
 
 use std::io;

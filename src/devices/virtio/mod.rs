@@ -1,1 +1,315 @@
 //! Virtio devices over the MMIO transport.
+//!
+//! Every device here has the same shape:
+//!
+//! - a state struct implementing [`VirtioDevice`]: what it offers (type, queues, features,
+//!   config space) and what it does when the driver sets `DRIVER_OK` (`activate`) or
+//!   writes 0 to the status register (`reset`);
+//! - a queue handler that turns descriptor chains into side effects; it is a plain struct
+//!   that unit tests drive directly on a mock queue;
+//! - a worker thread ([`worker`]) that owns an epoll over the queue eventfds and a kill
+//!   eventfd and calls the handler. virtio-blk has its own loop (it also waits for io_uring
+//!   completions), following Cloud Hypervisor's dedicated per-device I/O thread.
+//!
+//! Devices never see KVM. [`MmioTransport`] is the register file the guest pokes; the VMM
+//! puts it on the MMIO bus, registers [`MmioTransport::queue_evts`] as ioeventfds and backs
+//! its interrupt line with an irqfd.
+
+pub mod balloon;
+pub mod block;
+pub mod console;
+pub mod mmio;
+pub mod pmem;
+pub mod rng;
+mod worker;
+
+#[cfg(test)]
+pub(crate) mod test_utils;
+
+pub use block::{Block, DiskConfig};
+pub use console::{Console, ConsoleInput};
+
+pub use mmio::MmioTransport;
+
+pub use rng::Rng;
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+use thiserror::Error;
+use virtio_bindings::virtio_mmio::{VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING};
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::Interrupt;
+
+/// The guest memory type every device works on.
+pub type GuestMemory = GuestMemoryMmap<()>;
+
+/// `VIRTIO_F_VERSION_1`: the device is a modern (virtio 1.x) device. Every device offers it
+/// and the transport refuses a driver that does not accept it.
+pub const VIRTIO_F_VERSION_1: u64 = 1 << virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+/// `VIRTIO_RING_F_INDIRECT_DESC`: the driver may use indirect descriptor tables.
+/// `virtio-queue` walks them for us, so every device offers it.
+pub const VIRTIO_RING_F_INDIRECT_DESC: u64 =
+    1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC;
+
+/// Errors a device reports when the driver sets `DRIVER_OK`.
+#[derive(Debug, Error)]
+pub enum ActivateError {
+    /// The device needs this queue and the driver did not set it up.
+    #[error("queue {0} is not ready")]
+    QueueNotReady(usize),
+    /// The driver set up fewer queues than the device needs.
+    #[error("expected {expected} queues, got {got}")]
+    QueueCount {
+        /// How many the device needs.
+        expected: usize,
+        /// How many it got.
+        got: usize,
+    },
+    /// Creating or cloning an eventfd failed.
+    #[error("failed to set up a device eventfd")]
+    EventFd(#[source] io::Error),
+    /// The worker thread could not be started.
+    #[error("failed to spawn the device thread")]
+    Spawn(#[source] io::Error),
+    /// A device-specific resource could not be prepared.
+    #[error("failed to prepare the device backend")]
+    Backend(#[source] io::Error),
+}
+
+/// What the transport hands a device for each queue on activation: the queue the driver
+/// configured and a clone of the eventfd its notifications arrive on.
+#[derive(Debug)]
+pub struct ActiveQueue {
+    /// The configured queue (ready, sized, addresses set).
+    pub queue: Queue,
+    /// Readable when the driver notified this queue.
+    pub evt: EventFd,
+}
+
+/// The interrupt side of a virtio device: an interrupt-status word the transport shows in
+/// its `InterruptStatus` register, and the line that tells the guest to look at it.
+///
+/// Cheap to clone; the device's worker thread keeps one.
+#[derive(Clone)]
+pub struct VirtioInterrupt {
+    status: Arc<AtomicU32>,
+    line: Arc<dyn Interrupt>,
+    needs_reset: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for VirtioInterrupt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VirtioInterrupt")
+            .field("status", &self.status())
+            .field("needs_reset", &self.needs_reset())
+            .finish()
+    }
+}
+
+impl VirtioInterrupt {
+    /// A fresh interrupt with no pending causes.
+    pub fn new(line: Arc<dyn Interrupt>) -> Self {
+        Self {
+            status: Arc::new(AtomicU32::new(0)),
+            line,
+            needs_reset: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Tells the driver that a used ring has new entries.
+    pub fn signal_used_queue(&self) {
+        self.signal(VIRTIO_MMIO_INT_VRING);
+    }
+
+    /// Tells the driver that the configuration space (or the device status) changed.
+    pub fn signal_config_change(&self) {
+        self.signal(VIRTIO_MMIO_INT_CONFIG);
+    }
+
+    /// Marks the device broken (`DEVICE_NEEDS_RESET`) after guest input it cannot recover
+    /// from, and tells the driver through a configuration-change interrupt.
+    pub fn set_needs_reset(&self) {
+        self.needs_reset.store(true, Ordering::SeqCst);
+        self.signal_config_change();
+    }
+
+    /// Whether [`set_needs_reset`](Self::set_needs_reset) was called since the last reset.
+    pub fn needs_reset(&self) -> bool {
+        self.needs_reset.load(Ordering::SeqCst)
+    }
+
+    /// The pending interrupt causes (`VIRTIO_MMIO_INT_*` bits).
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    /// Clears the causes the driver acknowledged.
+    pub(crate) fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    /// Forgets every pending cause and the needs-reset mark (device reset).
+    pub(crate) fn clear(&self) {
+        self.status.store(0, Ordering::SeqCst);
+        self.needs_reset.store(false, Ordering::SeqCst);
+    }
+
+    fn signal(&self, cause: u32) {
+        // Set the cause before raising the line: the guest's handler reads it.
+        self.status.fetch_or(cause, Ordering::SeqCst);
+        if let Err(e) = self.line.trigger() {
+            log::warn!("virtio: failed to raise the interrupt: {e}");
+        }
+    }
+}
+
+/// A virtio device as the transport sees it.
+///
+/// The transport calls these from the vCPU thread that touched the MMIO window; the work
+/// itself happens on the device's own thread, started by `activate` and stopped by `reset`
+/// (and on drop).
+pub trait VirtioDevice: Send {
+    /// The virtio device ID (`VIRTIO_ID_*`).
+    fn device_type(&self) -> u32;
+    /// The maximum size of each queue; its length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// The feature bits the device offers.
+    fn avail_features(&self) -> u64;
+    /// The driver accepted these features (a subset of `avail_features`, checked by the
+    /// transport) when it set `FEATURES_OK`.
+    fn ack_features(&mut self, features: u64);
+    /// A driver read of the device configuration space.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// A driver write to the configuration space. Most devices have nothing writable.
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        log::warn!(
+            "virtio: ignoring a {}-byte write to read-only config offset {offset:#x}",
+            data.len()
+        );
+    }
+    /// Bumped whenever the device changes its configuration space on its own.
+    fn config_generation(&self) -> u32 {
+        0
+    }
+    /// The driver set `DRIVER_OK`: start serving the queues.
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        interrupt: VirtioInterrupt,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError>;
+    /// The driver reset the device: stop serving (finishing what is in flight) and return
+    /// to the state before `activate`.
+    fn reset(&mut self);
+}
+
+/// Copies the `data.len()` bytes at `offset` of a configuration space into `data`; bytes
+/// past its end read as zero.
+pub(crate) fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    data.fill(0);
+    let Ok(start) = usize::try_from(offset) else {
+        return;
+    };
+    if let Some(src) = config.get(start..) {
+        let n = src.len().min(data.len());
+        data[..n].copy_from_slice(&src[..n]);
+    }
+}
+
+/// Checks the queues the transport handed over: the right number, each ready.
+pub(crate) fn check_queues(queues: &[ActiveQueue], expected: usize) -> Result<(), ActivateError> {
+    use virtio_queue::QueueT;
+    if queues.len() != expected {
+        return Err(ActivateError::QueueCount {
+            expected,
+            got: queues.len(),
+        });
+    }
+    match queues.iter().position(|q| !q.queue.ready()) {
+        Some(i) => Err(ActivateError::QueueNotReady(i)),
+        None => Ok(()),
+    }
+}
+
+/// Takes up to one queue's worth of available chains — a driver can keep adding while we
+/// read, so a bound is what keeps one wake-up finite. A corrupt available ring marks the
+/// device `NEEDS_RESET` and yields nothing.
+pub(crate) fn pop_chains<'m>(
+    queue: &mut Queue,
+    mem: &'m GuestMemory,
+    irq: &VirtioInterrupt,
+    device: &str,
+) -> Vec<virtio_queue::DescriptorChain<&'m GuestMemory>> {
+    use virtio_queue::{QueueOwnedT, QueueT};
+    let budget = usize::from(queue.size());
+    match queue.iter(mem) {
+        Ok(iter) => iter.take(budget).collect(),
+        Err(e) => {
+            log::warn!("{device}: unusable available ring ({e}); device needs reset");
+            irq.set_needs_reset();
+            Vec::new()
+        }
+    }
+}
+
+/// Puts a finished chain in the used ring; a head the ring cannot take (guest garbage)
+/// marks the device `NEEDS_RESET`. Returns whether it was added.
+pub(crate) fn return_chain(
+    queue: &mut Queue,
+    mem: &GuestMemory,
+    irq: &VirtioInterrupt,
+    device: &str,
+    head: u16,
+    len: u32,
+) -> bool {
+    use virtio_queue::QueueT;
+    match queue.add_used(mem, head, len) {
+        Ok(()) => true,
+        Err(e) => {
+            log::warn!("{device}: cannot return chain {head}: {e}; device needs reset");
+            irq.set_needs_reset();
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::CountingInterrupt;
+
+    #[test]
+    fn interrupt_sets_cause_then_triggers_and_acks() {
+        let line = Arc::new(CountingInterrupt::default());
+        let irq = VirtioInterrupt::new(line.clone());
+        irq.signal_used_queue();
+        assert_eq!(irq.status(), VIRTIO_MMIO_INT_VRING);
+        irq.signal_config_change();
+        assert_eq!(irq.status(), VIRTIO_MMIO_INT_VRING | VIRTIO_MMIO_INT_CONFIG);
+        assert_eq!(line.count(), 2);
+        irq.ack(VIRTIO_MMIO_INT_VRING);
+        assert_eq!(irq.status(), VIRTIO_MMIO_INT_CONFIG);
+        irq.set_needs_reset();
+        assert!(irq.needs_reset());
+        irq.clear();
+        assert_eq!(irq.status(), 0);
+        assert!(!irq.needs_reset());
+    }
+
+    #[test]
+    fn config_reads_are_bounded_and_zero_filled() {
+        let cfg = [1u8, 2, 3, 4];
+        let mut d = [0xffu8; 4];
+        read_config_bytes(&cfg, 2, &mut d);
+        assert_eq!(d, [3, 4, 0, 0]);
+        read_config_bytes(&cfg, 100, &mut d);
+        assert_eq!(d, [0; 4]);
+        read_config_bytes(&cfg, u64::MAX, &mut d);
+        assert_eq!(d, [0; 4]);
+    }
+}

@@ -1,0 +1,156 @@
+//! VMM-core benchmark: ember against QEMU microvm (KVM) on the same machine,
+//! in one run, interleaved so both see the same noise.
+//!
+//! `cargo bench --bench vmm` (EMBER_BENCH_RUNS=N to change the run count).
+//! The guest is ember's test guest told to end at once (`halt`): a null guest.
+
+use ember::events::{EventFile, monotonic_ns};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// One measured process run.
+#[derive(Debug, Default, Clone)]
+struct Run {
+    /// exec -> exit (ms).
+    exit_ms: f64,
+    /// exec -> first complete stdout line (ms).
+    first_line_ms: Option<f64>,
+    /// Peak RSS (KiB) from wait4.
+    maxrss_kib: u64,
+}
+
+/// Spawns `cmd`, timing its first stdout line and its exit.
+fn measure(cmd: &mut Command) -> Run {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::null()).stdin(Stdio::null());
+    let t0 = monotonic_ns();
+    let mut child = cmd.spawn().expect("spawn");
+    let mut out = child.stdout.take().unwrap();
+    let mut first_line = None;
+    let mut buf = [0u8; 4096];
+    while let Ok(n @ 1..) = out.read(&mut buf) {
+        if first_line.is_none() && buf[..n].contains(&b'\n') {
+            first_line = Some((monotonic_ns() - t0) as f64 / 1e6);
+        }
+    }
+    let mut status = 0;
+    // SAFETY: a zeroed rusage is a valid out-parameter for wait4.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waiting for our own child; `status` and `ru` are valid out-pointers.
+    unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut ru) };
+    let exit_ms = (monotonic_ns() - t0) as f64 / 1e6;
+    Run { exit_ms, first_line_ms: first_line, maxrss_kib: ru.ru_maxrss as u64 }
+}
+
+/// Runs ember with an events file; returns (exec -> first guest instruction ms,
+/// VMM overhead KiB = peak RSS - guest memory resident).
+fn ember_internals(ember: &Path, guest: &Path, dir: &Path) -> (f64, f64) {
+    let events = dir.join("ev.json");
+    let t0 = monotonic_ns();
+    let st = Command::new(ember)
+        .args(["run", "--mem", "512M", "--cmdline", "halt", "--console", "none", "--kernel"])
+        .arg(guest)
+        .arg("--events")
+        .arg(&events)
+        .status()
+        .expect("ember");
+    assert!(st.success());
+    let ev: EventFile = serde_json::from_slice(&std::fs::read(&events).unwrap()).unwrap();
+    let exec_to_main_us = (ev.t0_monotonic_ns as f64 - t0 as f64) / 1e3;
+    let first = ev.events.iter().find(|e| e.kind == "boot_mark" && e.code == Some(0x40)).expect("mark 0x40").t_us;
+    let mem = ev.events.iter().find(|e| e.kind == "memory").and_then(|e| e.text.clone()).unwrap_or_default();
+    let field = |k: &str| -> f64 {
+        mem.split_whitespace().find_map(|f| f.strip_prefix(k)).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+    };
+    ((exec_to_main_us + first) / 1e3, field("vm_hwm_kib=") - field("guest_resident_kib="))
+}
+
+struct Stats {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+fn stats(mut v: Vec<f64>) -> Stats {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+    Stats { median, min: v[0], max: v[n - 1] }
+}
+
+fn row(name: &str, unit: &str, v: Vec<f64>) -> f64 {
+    let s = stats(v);
+    println!("| {name} | {:.2} {unit} | {:.2} – {:.2} |", s.median, s.min, s.max);
+    s.median
+}
+
+fn main() {
+    // `cargo bench` passes --bench; anything else is ignored.
+    let runs: usize = std::env::var("EMBER_BENCH_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    let ember = PathBuf::from(env!("CARGO_BIN_EXE_ember"));
+    let guest = ember::testing::test_guest().expect("test guest");
+    let dir = std::env::temp_dir().join(format!("ember-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let qemu = ember::backend::find_binary("qemu-system-x86_64");
+
+    let ember_cmd = |mem: &str| {
+        let mut c = Command::new(&ember);
+        c.args(["run", "--mem", mem, "--cmdline", "print=up halt", "--kernel"]).arg(&guest);
+        c
+    };
+    let qemu_cmd = |q: &Path| {
+        let mut c = Command::new(q);
+        c.args(["-M", "microvm", "-enable-kvm", "-cpu", "qemu64", "-m", "512M", "-smp", "1"]);
+        c.args(["-nodefaults", "-no-user-config", "-nographic", "-serial", "stdio", "-no-reboot"]);
+        c.args(["-device", "isa-debug-exit,iobase=0x501,iosize=1", "-append", "print=up exit=0", "-kernel"]);
+        c.arg(&guest);
+        c
+    };
+
+    // Warm-up: page cache, THP pool, binaries.
+    for _ in 0..3 {
+        measure(&mut ember_cmd("512M"));
+        if let Some(q) = &qemu {
+            measure(&mut qemu_cmd(q));
+        }
+    }
+    let (mut e, mut e64g, mut ver, mut q) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut first_insn, mut overhead) = (Vec::new(), Vec::new());
+    for i in 0..runs {
+        eprint!("\rrun {}/{runs}", i + 1);
+        e.push(measure(&mut ember_cmd("512M")));
+        e64g.push(measure(&mut ember_cmd("64G")));
+        ver.push(measure(Command::new(&ember).arg("--version")));
+        if let Some(qb) = &qemu {
+            q.push(measure(&mut qemu_cmd(qb)));
+        }
+        let (fi, oh) = ember_internals(&ember, &guest, &dir);
+        first_insn.push(fi);
+        overhead.push(oh);
+    }
+    eprintln!();
+    let ms = |v: &[Run]| v.iter().map(|r| r.exit_ms).collect::<Vec<_>>();
+    let line = |v: &[Run]| v.iter().filter_map(|r| r.first_line_ms).collect::<Vec<_>>();
+    let rss = |v: &[Run]| v.iter().map(|r| r.maxrss_kib as f64 / 1024.0).collect::<Vec<_>>();
+
+    println!("\nember VMM core, {runs} interleaved runs (test guest, 512 MiB, 1 vCPU)\n");
+    println!("| measure | median | min – max |");
+    println!("| --- | --- | --- |");
+    row("ember: exec → first guest instruction", "ms", first_insn);
+    let e_line = row("ember: exec → first console line", "ms", line(&e));
+    let e_exit = row("ember: exec → exit", "ms", ms(&e));
+    let e64 = row("ember: exec → exit, 64 GiB guest", "ms", ms(&e64g));
+    let v = row("ember --version: exec → exit", "ms", ms(&ver));
+    row("ember: peak RSS", "MiB", rss(&e));
+    row("ember: VMM overhead (peak RSS − guest resident)", "MiB", overhead.iter().map(|k| k / 1024.0).collect());
+    if !q.is_empty() {
+        let q_line = row("QEMU microvm (KVM): exec → first console line", "ms", line(&q));
+        let q_exit = row("QEMU microvm (KVM): exec → exit", "ms", ms(&q));
+        row("QEMU microvm (KVM): peak RSS", "MiB", rss(&q));
+        println!("\nratios (QEMU / ember, medians): exit {:.1}×, first line {:.1}×", q_exit / e_exit, q_line / e_line);
+    } else {
+        println!("\nQEMU not found: no comparison");
+    }
+    println!("64 GiB vs 512 MiB guest: {:.2}× ; ember run vs ember --version: {:.2}×", e64 / e_exit, e_exit / v);
+    let _ = std::fs::remove_dir_all(&dir);
+}

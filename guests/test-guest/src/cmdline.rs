@@ -1,0 +1,122 @@
+//! The command-line language: whitespace-separated tokens, run in order.
+//! Tokens whose key isn't ours (`console=ttyS0`, `quiet`) are ignored; a token
+//! with our key and a bad value is an error. README.md lists every token.
+
+use crate::virtio_blk::{BlkOpt, Op, Pattern};
+
+/// One of our tokens, parsed.
+pub enum Command<'a> {
+    /// `print=WORD`: underscores become spaces.
+    Print(&'a str),
+    /// `mark=N`: a byte to the POST port.
+    Mark(u8),
+    /// `timer`: the Firecracker boot-timer write.
+    Timer,
+    /// `touch=MIB`.
+    Touch(u64),
+    /// `spin=MS`.
+    Spin(u64),
+    /// `exit=N`.
+    Exit(u8),
+    /// `reset`: i8042 reset.
+    Reset,
+    /// `shutdown`: ACPI S5.
+    Shutdown,
+    /// `halt`: stop reading tokens; go to the ending.
+    Halt,
+    /// A virtio-blk option for later `blk`/`blkverify` runs.
+    Blk(BlkOpt),
+    /// `blk[=BASE]` (benchmark) or `blkverify[=BASE]` (data check).
+    BlkRun { base: Option<u64>, verify: bool },
+}
+
+/// Splits a command line into tokens.
+pub struct Tokens<'a>(core::str::SplitAsciiWhitespace<'a>);
+
+impl<'a> Tokens<'a> {
+    /// Tokens of `cmdline`.
+    pub fn new(cmdline: &'a str) -> Self {
+        Tokens(cmdline.split_ascii_whitespace())
+    }
+}
+
+impl<'a> Iterator for Tokens<'a> {
+    type Item = &'a str;
+    fn next(&mut self) -> Option<&'a str> {
+        self.0.next()
+    }
+}
+
+/// Parses one token: `Ok(None)` if it isn't ours.
+pub fn parse(token: &str) -> Result<Option<Command<'_>>, &'static str> {
+    let (key, value) = match token.split_once('=') {
+        Some((k, v)) => (k, Some(v)),
+        None => (token, None),
+    };
+    let command = match (key, value) {
+        ("print", Some(v)) => Command::Print(v),
+        ("mark", Some(v)) => Command::Mark(byte(v)?),
+        ("timer", None) => Command::Timer,
+        ("touch", Some(v)) => Command::Touch(number(v)?),
+        ("spin", Some(v)) => Command::Spin(number(v)?),
+        ("exit", Some(v)) => Command::Exit(byte(v)?),
+        ("reset", None) => Command::Reset,
+        ("shutdown", None) => Command::Shutdown,
+        ("halt", None) => Command::Halt,
+        ("blk", v) => Command::BlkRun {
+            base: v.map(number).transpose()?,
+            verify: false,
+        },
+        ("blkverify", v) => Command::BlkRun {
+            base: v.map(number).transpose()?,
+            verify: true,
+        },
+        ("blkop", Some(v)) => Command::Blk(BlkOpt::Op(match v {
+            "read" => Op::Read,
+            "write" => Op::Write,
+            "rw" => Op::ReadWrite,
+            _ => return Err("expected read, write or rw"),
+        })),
+        ("pattern", Some(v)) => Command::Blk(BlkOpt::Pattern(match v {
+            "seq" => Pattern::Sequential,
+            "rand" => Pattern::Random,
+            _ => return Err("expected seq or rand"),
+        })),
+        ("bs", Some(v)) => Command::Blk(BlkOpt::BlockSize(number(v)?)),
+        ("qd", Some(v)) => Command::Blk(BlkOpt::QueueDepth(number(v)?)),
+        ("blkmib", Some(v)) => Command::Blk(BlkOpt::SpanMib(number(v)?)),
+        ("secs", Some(v)) => Command::Blk(BlkOpt::Seconds(number(v)?)),
+        ("ios", Some(v)) => Command::Blk(BlkOpt::Ios(number(v)?)),
+        (
+            "print" | "mark" | "touch" | "spin" | "exit" | "blkop" | "pattern" | "bs" | "qd"
+            | "blkmib" | "secs" | "ios",
+            None,
+        ) => return Err("needs a value"),
+        ("timer" | "reset" | "shutdown" | "halt", Some(_)) => return Err("takes no value"),
+        _ => return Ok(None),
+    };
+    Ok(Some(command))
+}
+
+/// A number: decimal or `0x` hex, with an optional `k`, `m` or `g` suffix (×1024ⁿ).
+pub fn number(text: &str) -> Result<u64, &'static str> {
+    let (digits, scale) = match text.as_bytes().last() {
+        Some(b'k' | b'K') => (&text[..text.len() - 1], 1 << 10),
+        Some(b'm' | b'M') => (&text[..text.len() - 1], 1 << 20),
+        Some(b'g' | b'G') => (&text[..text.len() - 1], 1 << 30),
+        _ => (text, 1),
+    };
+    let value = match digits
+        .strip_prefix("0x")
+        .or_else(|| digits.strip_prefix("0X"))
+    {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => digits.parse(),
+    }
+    .map_err(|_| "not a number")?;
+    value.checked_mul(scale).ok_or("number too large")
+}
+
+fn byte(text: &str) -> Result<u8, &'static str> {
+    u8::try_from(number(text)?).map_err(|_| "must be 0..255")
+}

@@ -1,0 +1,972 @@
+//! The virtio-blk I/O thread: one per device, owning an epoll over the queue eventfd, a
+//! kill eventfd and the engine's completion eventfd.
+//!
+//! Each wake-up drains the available ring — at most one queue's worth, since a buggy or
+//! malicious driver can keep adding while we read — submits the batch, completes whatever
+//! has finished into the used ring and raises the interrupt once for the batch. A request
+//! is acknowledged (put in the used ring) only after its syscall has completed.
+
+use std::io;
+use std::os::fd::AsRawFd;
+
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
+    VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
+};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::io::{AlignedBuf, Completion, Engine, Op};
+use super::request::{self, DISCARD_SEGMENT_LEN, ParseError, Request, RequestType, Segment};
+use super::{MAX_DISCARD_SECTORS, SECTOR_SHIFT, SECTOR_SIZE};
+use crate::devices::virtio::{GuestMemory, VirtioInterrupt};
+
+/// What the I/O thread knows about its disk.
+#[derive(Debug, Clone)]
+pub struct DiskParams {
+    /// Size in 512-byte sectors.
+    pub capacity: u64,
+    /// Refuse writes.
+    pub read_only: bool,
+    /// The file is open with `O_DIRECT`: buffers must be aligned.
+    pub direct: bool,
+    /// `GET_ID` answer, zero-padded.
+    pub serial: [u8; VIRTIO_BLK_ID_BYTES as usize],
+}
+
+/// Guest buffers handed to `O_DIRECT` must be aligned to the logical block size.
+const DIRECT_IO_ALIGN: usize = SECTOR_SIZE as usize;
+
+/// A request the engine is working on. Owns everything the kernel may still touch.
+struct InFlight {
+    head: u16,
+    status: GuestAddress,
+    expect: usize,
+    used_len: u32,
+    discard: bool,
+    // Read by the kernel until completion: must not be dropped before then.
+    _iovecs: Vec<libc::iovec>,
+    bounce: Option<Bounce>,
+}
+
+// SAFETY: the iovecs point into guest memory (mapped for as long as the handler holds its
+// `GuestMemory`) or into the slot's own bounce buffer; neither is tied to a thread, and only
+// the thread that owns the handler touches them.
+unsafe impl Send for InFlight {}
+
+/// An aligned copy of an unaligned guest data area (`O_DIRECT` only).
+struct Bounce {
+    buf: AlignedBuf,
+    /// For reads: where the data goes once it has arrived.
+    copy_back: Option<Vec<Segment>>,
+}
+
+/// The request-processing half of the I/O thread, free of epoll so tests can drive it.
+pub struct BlockHandler {
+    mem: GuestMemory,
+    queue: Queue,
+    irq: VirtioInterrupt,
+    engine: Box<dyn Engine>,
+    disk: DiskParams,
+    slots: Vec<Option<InFlight>>,
+    free: Vec<usize>,
+    pending_irq: bool,
+    broken: bool,
+    completions: Vec<Completion>,
+}
+
+impl BlockHandler {
+    /// A handler for `queue` doing its I/O through `engine`.
+    pub fn new(
+        mem: GuestMemory,
+        queue: Queue,
+        irq: VirtioInterrupt,
+        engine: Box<dyn Engine>,
+        disk: DiskParams,
+    ) -> Self {
+        Self {
+            mem,
+            queue,
+            irq,
+            engine,
+            disk,
+            slots: Vec::new(),
+            free: Vec::new(),
+            pending_irq: false,
+            broken: false,
+            completions: Vec::new(),
+        }
+    }
+
+    /// Requests submitted and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    /// Processes up to one queue's worth of available requests. Returns true when the
+    /// ring may hold more (the caller should come back, after checking for a kill).
+    pub fn process_queue(&mut self) -> bool {
+        if self.broken {
+            return false;
+        }
+        let budget = usize::from(self.queue.size());
+        let parsed: Vec<Result<Request, ParseError>> = match self.queue.iter(&self.mem) {
+            Ok(iter) => iter
+                .take(budget)
+                .map(|chain| request::parse(&self.mem, chain))
+                .collect(),
+            Err(e) => {
+                log::warn!("virtio-blk: unusable available ring ({e}); device needs reset");
+                self.broken = true;
+                self.irq.set_needs_reset();
+                return false;
+            }
+        };
+        let more = parsed.len() == budget;
+        for p in parsed {
+            self.start(p);
+        }
+        if let Err(e) = self.engine.submit() {
+            log::warn!("virtio-blk: {} submit failed: {e}", self.engine.name());
+        }
+        self.process_completions();
+        more
+    }
+
+    /// Completes whatever the engine has finished and raises the interrupt once.
+    pub fn process_completions(&mut self) {
+        let mut done = std::mem::take(&mut self.completions);
+        self.engine.reap(&mut done);
+        for (token, result) in done.drain(..) {
+            self.finish(token, result);
+        }
+        self.completions = done;
+        self.flush_irq();
+    }
+
+    /// Waits for every in-flight request and completes it (shutdown and reset).
+    pub fn drain(&mut self) {
+        while self.in_flight() > 0 {
+            if let Err(e) = self.engine.wait() {
+                log::warn!("virtio-blk: waiting for in-flight I/O failed: {e}");
+                break;
+            }
+            self.process_completions();
+        }
+        self.flush_irq();
+    }
+
+    fn start(&mut self, parsed: Result<Request, ParseError>) {
+        let req = match parsed {
+            Ok(req) => req,
+            Err(ParseError::Invalid {
+                head,
+                status,
+                reason,
+            }) => {
+                log::warn!("virtio-blk: bad request {head}: {reason}");
+                self.complete(head, status, VIRTIO_BLK_S_IOERR, 1);
+                return;
+            }
+            Err(ParseError::NoStatus { head, reason }) => {
+                log::warn!("virtio-blk: dropping request {head}: {reason}; device needs reset");
+                self.irq.set_needs_reset();
+                self.add_used(head, 0);
+                return;
+            }
+        };
+        if let Err((status, reason)) = self.submit(&req) {
+            if status != VIRTIO_BLK_S_OK {
+                log::warn!(
+                    "virtio-blk: request {} ({:?}): {reason}",
+                    req.head,
+                    req.kind
+                );
+            }
+            let used_len = if status == VIRTIO_BLK_S_OK {
+                reason_len(&req)
+            } else {
+                1
+            };
+            self.complete(req.head, req.status, status, used_len);
+        }
+    }
+
+    /// Hands `req` to the engine; `Err((status, why))` means it completes right away.
+    fn submit(&mut self, req: &Request) -> Result<(), (u32, &'static str)> {
+        let ioerr = |reason| (VIRTIO_BLK_S_IOERR, reason);
+        match req.kind {
+            RequestType::In | RequestType::Out => {
+                let write = req.kind == RequestType::Out;
+                if write && self.disk.read_only {
+                    return Err(ioerr("write to a read-only disk"));
+                }
+                if req.data_len % SECTOR_SIZE != 0 {
+                    return Err(ioerr("data length is not a whole number of sectors"));
+                }
+                let offset =
+                    self.check_range(req.sector, u64::from(req.data_len >> SECTOR_SHIFT))?;
+                if req.data_len == 0 {
+                    return Err((VIRTIO_BLK_S_OK, ""));
+                }
+                self.submit_rw(req, offset, write)
+            }
+            RequestType::Flush => self.push(req, Op::Flush, 0, false, Vec::new(), None),
+            RequestType::GetId => {
+                self.write_segments(&req.data, &self.disk.serial);
+                Err((VIRTIO_BLK_S_OK, ""))
+            }
+            RequestType::Discard | RequestType::WriteZeroes => {
+                if self.disk.read_only {
+                    return Err(ioerr("discard or write-zeroes on a read-only disk"));
+                }
+                if req.data_len as usize != DISCARD_SEGMENT_LEN {
+                    return Err(ioerr("expected exactly one discard/write-zeroes segment"));
+                }
+                let mut seg = [0u8; DISCARD_SEGMENT_LEN];
+                self.read_segments(&req.data, &mut seg)
+                    .ok_or(ioerr("unreadable discard segment"))?;
+                let sector = u64::from_le_bytes(seg[..8].try_into().unwrap_or_default());
+                let sectors = u32::from_le_bytes(seg[8..12].try_into().unwrap_or_default());
+                let flags = u32::from_le_bytes(seg[12..].try_into().unwrap_or_default());
+                let discard = req.kind == RequestType::Discard;
+                let allowed = if discard {
+                    0
+                } else {
+                    VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP
+                };
+                if flags & !allowed != 0 {
+                    return Err((VIRTIO_BLK_S_UNSUPP, "unknown discard/write-zeroes flags"));
+                }
+                if sectors > MAX_DISCARD_SECTORS {
+                    return Err(ioerr("discard/write-zeroes larger than advertised"));
+                }
+                let offset = self.check_range(sector, u64::from(sectors))?;
+                let len = u64::from(sectors) << SECTOR_SHIFT;
+                let op = if discard {
+                    Op::Discard { offset, len }
+                } else {
+                    Op::WriteZeroes { offset, len }
+                };
+                self.push(req, op, 0, discard, Vec::new(), None)
+            }
+            RequestType::Unsupported(t) => {
+                log::warn!("virtio-blk: unsupported request type {t}");
+                Err((VIRTIO_BLK_S_UNSUPP, "unsupported request type"))
+            }
+        }
+    }
+
+    /// Byte offset of `sector`, if `sectors` sectors from there fit on the disk.
+    fn check_range(&self, sector: u64, sectors: u64) -> Result<u64, (u32, &'static str)> {
+        match sector.checked_add(sectors) {
+            Some(end) if end <= self.disk.capacity => Ok(sector << SECTOR_SHIFT),
+            _ => Err((
+                VIRTIO_BLK_S_IOERR,
+                "sector range beyond the end of the disk",
+            )),
+        }
+    }
+
+    fn submit_rw(
+        &mut self,
+        req: &Request,
+        offset: u64,
+        write: bool,
+    ) -> Result<(), (u32, &'static str)> {
+        let mut iovecs = Vec::with_capacity(req.data.len());
+        for seg in &req.data {
+            let slice = self
+                .mem
+                .get_slice(seg.addr, seg.len as usize)
+                .map_err(|_| (VIRTIO_BLK_S_IOERR, "data buffer crosses a memory region"))?;
+            iovecs.push(libc::iovec {
+                iov_base: slice.ptr_guard_mut().as_ptr().cast(),
+                iov_len: slice.len(),
+            });
+        }
+        let mut bounce = None;
+        let misaligned = |v: &libc::iovec| {
+            v.iov_base as usize % DIRECT_IO_ALIGN != 0 || v.iov_len % DIRECT_IO_ALIGN != 0
+        };
+        if self.disk.direct && iovecs.iter().any(misaligned) {
+            let mut buf = AlignedBuf::new(req.data_len as usize)
+                .map_err(|_| (VIRTIO_BLK_S_IOERR, "no memory for a bounce buffer"))?;
+            if write {
+                self.read_segments(&req.data, buf.as_mut_slice())
+                    .ok_or((VIRTIO_BLK_S_IOERR, "unreadable data buffer"))?;
+            }
+            iovecs = vec![libc::iovec {
+                iov_base: buf.as_ptr().cast(),
+                iov_len: req.data_len as usize,
+            }];
+            bounce = Some(Bounce {
+                buf,
+                copy_back: (!write).then(|| req.data.clone()),
+            });
+        }
+        let op = if write {
+            Op::Write {
+                offset,
+                iovecs: iovecs.as_ptr(),
+                count: iovecs.len(),
+            }
+        } else {
+            Op::Read {
+                offset,
+                iovecs: iovecs.as_ptr(),
+                count: iovecs.len(),
+            }
+        };
+        self.push(req, op, req.data_len as usize, false, iovecs, bounce)
+    }
+
+    fn push(
+        &mut self,
+        req: &Request,
+        op: Op,
+        expect: usize,
+        discard: bool,
+        iovecs: Vec<libc::iovec>,
+        bounce: Option<Bounce>,
+    ) -> Result<(), (u32, &'static str)> {
+        let used_len = match req.kind {
+            RequestType::In => req.data_len + 1,
+            _ => 1,
+        };
+        let slot = InFlight {
+            head: req.head,
+            status: req.status,
+            expect,
+            used_len,
+            discard,
+            _iovecs: iovecs,
+            bounce,
+        };
+        let token = match self.free.pop() {
+            Some(i) => {
+                self.slots[i] = Some(slot);
+                i
+            }
+            None => {
+                self.slots.push(Some(slot));
+                self.slots.len() - 1
+            }
+        };
+        if let Err(e) = self.engine.push(op, token as u64) {
+            log::warn!("virtio-blk: {} rejected a request: {e}", self.engine.name());
+            self.slots[token] = None;
+            self.free.push(token);
+            return Err((VIRTIO_BLK_S_IOERR, "engine rejected the request"));
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, token: u64, result: io::Result<usize>) {
+        let Some(slot) = usize::try_from(token)
+            .ok()
+            .and_then(|i| self.slots.get_mut(i))
+            .and_then(Option::take)
+        else {
+            log::warn!("virtio-blk: completion for unknown token {token}");
+            return;
+        };
+        self.free.push(token as usize);
+        let status = match result {
+            Ok(n) if n == slot.expect => VIRTIO_BLK_S_OK,
+            Ok(n) => {
+                log::warn!("virtio-blk: short transfer ({n} of {} bytes)", slot.expect);
+                VIRTIO_BLK_S_IOERR
+            }
+            // Discard is advisory: a file system without hole punching just keeps the data.
+            Err(e) if slot.discard && e.raw_os_error() == Some(libc::EOPNOTSUPP) => VIRTIO_BLK_S_OK,
+            Err(e) => {
+                log::warn!("virtio-blk: I/O error: {e}");
+                VIRTIO_BLK_S_IOERR
+            }
+        };
+        if status == VIRTIO_BLK_S_OK
+            && let Some(Bounce {
+                mut buf,
+                copy_back: Some(segs),
+            }) = slot.bounce
+        {
+            let len = slot.expect;
+            self.write_segments(&segs, &buf.as_mut_slice()[..len]);
+        }
+        self.complete(slot.head, slot.status, status, slot.used_len);
+    }
+
+    /// Writes the status byte and returns the chain to the driver.
+    fn complete(&mut self, head: u16, status_addr: GuestAddress, status: u32, used_len: u32) {
+        if let Err(e) = self.mem.write_obj(status as u8, status_addr) {
+            log::warn!("virtio-blk: cannot write the status of request {head}: {e}");
+        }
+        self.add_used(head, used_len);
+    }
+
+    fn add_used(&mut self, head: u16, len: u32) {
+        match self.queue.add_used(&self.mem, head, len) {
+            Ok(()) => self.pending_irq = true,
+            Err(e) => {
+                log::warn!("virtio-blk: cannot return request {head}: {e}; device needs reset");
+                self.irq.set_needs_reset();
+            }
+        }
+    }
+
+    fn flush_irq(&mut self) {
+        if !std::mem::take(&mut self.pending_irq) {
+            return;
+        }
+        match self.queue.needs_notification(&self.mem) {
+            Ok(false) => {}
+            Ok(true) => self.irq.signal_used_queue(),
+            Err(e) => {
+                log::warn!("virtio-blk: cannot read the used event index: {e}");
+                self.irq.signal_used_queue();
+            }
+        }
+    }
+
+    /// Copies `src` into the guest segments, in order; returns the bytes written.
+    fn write_segments(&self, segs: &[Segment], src: &[u8]) -> usize {
+        let mut done = 0;
+        for seg in segs {
+            let n = (seg.len as usize).min(src.len() - done);
+            if n == 0 {
+                break;
+            }
+            if self
+                .mem
+                .write_slice(&src[done..done + n], seg.addr)
+                .is_err()
+            {
+                break;
+            }
+            done += n;
+        }
+        done
+    }
+
+    /// Fills `dst` from the guest segments, in order; `None` if they are too short or
+    /// unreadable.
+    fn read_segments(&self, segs: &[Segment], dst: &mut [u8]) -> Option<()> {
+        let mut done = 0;
+        for seg in segs {
+            let n = (seg.len as usize).min(dst.len() - done);
+            if n == 0 {
+                break;
+            }
+            self.mem
+                .read_slice(&mut dst[done..done + n], seg.addr)
+                .ok()?;
+            done += n;
+        }
+        (done == dst.len()).then_some(())
+    }
+}
+
+/// Used length of a request that completed without I/O: GET_ID reports the serial bytes
+/// it wrote, everything else only the status byte.
+fn reason_len(req: &Request) -> u32 {
+    match req.kind {
+        RequestType::GetId => req.data_len.min(VIRTIO_BLK_ID_BYTES) + 1,
+        _ => 1,
+    }
+}
+
+/// Epoll tokens of the I/O thread.
+const QUEUE_TOKEN: u64 = 0;
+const KILL_TOKEN: u64 = 1;
+const COMPLETION_TOKEN: u64 = 2;
+
+/// The I/O thread body: runs until `kill`, then finishes what is in flight.
+pub fn run(mut handler: BlockHandler, queue_evt: EventFd, kill: EventFd) {
+    if let Err(e) = event_loop(&mut handler, &queue_evt, &kill) {
+        log::warn!("virtio-blk: I/O thread failed: {e}");
+    }
+    handler.drain();
+}
+
+fn event_loop(handler: &mut BlockHandler, queue_evt: &EventFd, kill: &EventFd) -> io::Result<()> {
+    let epoll = Epoll::new()?;
+    let add = |fd, token| {
+        epoll.ctl(
+            ControlOperation::Add,
+            fd,
+            EpollEvent::new(EventSet::IN, token),
+        )
+    };
+    add(queue_evt.as_raw_fd(), QUEUE_TOKEN)?;
+    add(kill.as_raw_fd(), KILL_TOKEN)?;
+    if let Some(fd) = handler.engine.notifier() {
+        add(fd, COMPLETION_TOKEN)?;
+    }
+    // The driver may have notified before we started watching.
+    let mut events = [EpollEvent::default(); 3];
+    loop {
+        let n = match epoll.wait(-1, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        let ready = |token| events[..n].iter().any(|e| e.data() == token);
+        if ready(KILL_TOKEN) {
+            return Ok(());
+        }
+        if ready(COMPLETION_TOKEN) {
+            handler.process_completions();
+        }
+        if ready(QUEUE_TOKEN) {
+            let _ = queue_evt.read();
+            if handler.process_queue() {
+                // More than a queue's worth was waiting: come back through epoll so a
+                // kill is still seen between batches.
+                queue_evt.write(1)?;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::CountingInterrupt;
+    use crate::devices::virtio::block::io::{self as bio, EngineKind};
+    use crate::devices::virtio::test_utils::*;
+    use std::sync::Arc;
+    use virtio_bindings::virtio_blk::{
+        VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+        VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
+    };
+    use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use virtio_queue::mock::MockSplitQueue;
+
+    const QSIZE: u16 = 16;
+    const DISK_SECTORS: u64 = 64;
+    const HDR: u64 = DATA_START;
+    const DATA: u64 = DATA_START + 0x1000;
+    const STATUS: u64 = DATA_START + 0x3000;
+
+    struct Rig {
+        mem: GuestMemory,
+        file: TempFile,
+        irq: Arc<CountingInterrupt>,
+        virq: VirtioInterrupt,
+    }
+
+    impl Rig {
+        fn new() -> Self {
+            let pattern: Vec<u8> = (0..DISK_SECTORS * 512).map(|i| (i / 512) as u8).collect();
+            let irq = Arc::new(CountingInterrupt::default());
+            Self {
+                mem: memory(),
+                file: TempFile::new(&pattern),
+                virq: VirtioInterrupt::new(irq.clone()),
+                irq,
+            }
+        }
+
+        fn handler(
+            &self,
+            vq: &MockSplitQueue<GuestMemory>,
+            kind: EngineKind,
+            ro: bool,
+        ) -> BlockHandler {
+            let mut serial = [0u8; 20];
+            serial[..5].copy_from_slice(b"disk0");
+            BlockHandler::new(
+                self.mem.clone(),
+                vq.create_queue().unwrap(),
+                self.virq.clone(),
+                bio::open(kind, self.file.open()).unwrap(),
+                DiskParams {
+                    capacity: DISK_SECTORS,
+                    read_only: ro,
+                    direct: false,
+                    serial,
+                },
+            )
+        }
+
+        fn header(&self, at: u64, kind: u32, sector: u64) {
+            self.mem.write_obj(kind, GuestAddress(at)).unwrap();
+            self.mem.write_obj(0u32, GuestAddress(at + 4)).unwrap();
+            self.mem.write_obj(sector, GuestAddress(at + 8)).unwrap();
+            self.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+        }
+
+        fn status(&self) -> u8 {
+            byte(&self.mem, STATUS)
+        }
+    }
+
+    fn both_engines(f: impl Fn(EngineKind)) {
+        f(EngineKind::Sync);
+        f(EngineKind::IoUring);
+    }
+
+    fn run_all(h: &mut BlockHandler) {
+        h.process_queue();
+        h.drain();
+    }
+
+    #[test]
+    fn reads_sectors_into_guest_buffers() {
+        both_engines(|kind| {
+            let rig = Rig::new();
+            let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+            rig.header(HDR, VIRTIO_BLK_T_IN, 3);
+            add_chain(
+                &vq,
+                0,
+                &[r(HDR, 16), w(DATA, 512), w(DATA + 512, 512), w(STATUS, 1)],
+            );
+            let mut h = rig.handler(&vq, kind, false);
+            run_all(&mut h);
+            assert_eq!(rig.status(), VIRTIO_BLK_S_OK as u8);
+            assert_eq!(byte(&rig.mem, DATA), 3);
+            assert_eq!(byte(&rig.mem, DATA + 1023), 4);
+            assert_eq!(used(&vq), [(0, 1025)]);
+            assert_eq!(rig.irq.count(), 1);
+        });
+    }
+
+    #[test]
+    fn writes_reach_the_file_only_before_acknowledgement() {
+        both_engines(|kind| {
+            let rig = Rig::new();
+            let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+            rig.header(HDR, VIRTIO_BLK_T_OUT, 1);
+            rig.mem
+                .write_slice(&[0x5a; 1024], GuestAddress(DATA))
+                .unwrap();
+            add_chain(&vq, 0, &[r(HDR, 16), r(DATA, 1024), w(STATUS, 1)]);
+            let mut h = rig.handler(&vq, kind, false);
+            run_all(&mut h);
+            assert_eq!(rig.status(), VIRTIO_BLK_S_OK as u8);
+            assert_eq!(used(&vq), [(0, 1)]);
+            let c = rig.file.contents();
+            assert!(c[512..1536].iter().all(|&b| b == 0x5a));
+            assert_eq!(c[511], 0);
+            assert_eq!(c[1536], 3);
+        });
+    }
+
+    #[test]
+    fn a_batch_raises_one_interrupt_and_flush_follows_writes() {
+        both_engines(|kind| {
+            let rig = Rig::new();
+            let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+            for i in 0..4u64 {
+                let hdr = HDR + i * 16;
+                rig.header(hdr, VIRTIO_BLK_T_OUT, i);
+                add_chain(
+                    &vq,
+                    (i * 3) as u16,
+                    &[r(hdr, 16), r(DATA, 512), w(STATUS + i, 1)],
+                );
+            }
+            rig.header(HDR + 0x100, VIRTIO_BLK_T_FLUSH, 0);
+            add_chain(&vq, 12, &[r(HDR + 0x100, 16), w(STATUS + 8, 1)]);
+            rig.mem.write_slice(&[7; 512], GuestAddress(DATA)).unwrap();
+            let mut h = rig.handler(&vq, kind, false);
+            run_all(&mut h);
+            let u = used(&vq);
+            assert_eq!(u.len(), 5);
+            // The flush is drained behind the writes, so it is acknowledged last.
+            assert_eq!(u.last().unwrap().0, 12);
+            // Synchronous completions all land in one batch; io_uring may finish the
+            // drained flush in a later reap, but never one interrupt per request.
+            match kind {
+                EngineKind::Sync => assert_eq!(rig.irq.count(), 1, "one interrupt per batch"),
+                _ => assert!((1..5).contains(&rig.irq.count()), "{}", rig.irq.count()),
+            }
+            for i in 0..4 {
+                assert_eq!(byte(&rig.mem, STATUS + i), 0);
+            }
+            assert_eq!(byte(&rig.mem, STATUS + 8), 0);
+            assert!(rig.file.contents()[..2048].iter().all(|&b| b == 7));
+        });
+    }
+
+    #[test]
+    fn get_id_discard_and_write_zeroes() {
+        both_engines(|kind| {
+            let rig = Rig::new();
+            let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+            rig.header(HDR, VIRTIO_BLK_T_GET_ID, 0);
+            add_chain(&vq, 0, &[r(HDR, 16), w(DATA, 20), w(STATUS, 1)]);
+            let mut h = rig.handler(&vq, kind, false);
+            run_all(&mut h);
+            let mut id = [0u8; 20];
+            rig.mem.read_slice(&mut id, GuestAddress(DATA)).unwrap();
+            assert_eq!(&id[..6], b"disk0\0");
+            assert_eq!(used(&vq), [(0, 21)]);
+
+            for (i, (t, sector)) in [
+                (VIRTIO_BLK_T_WRITE_ZEROES, 8u64),
+                (VIRTIO_BLK_T_DISCARD, 16),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let hdr = HDR + 0x40 * (i as u64 + 1);
+                let seg = DATA + 0x100 * (i as u64 + 1);
+                rig.header(hdr, t, 0);
+                rig.mem.write_obj(sector, GuestAddress(seg)).unwrap();
+                rig.mem.write_obj(8u32, GuestAddress(seg + 8)).unwrap();
+                rig.mem.write_obj(0u32, GuestAddress(seg + 12)).unwrap();
+                add_chain(
+                    &vq,
+                    3 + 3 * i as u16,
+                    &[r(hdr, 16), r(seg, 16), w(STATUS, 1)],
+                );
+                run_all(&mut h);
+                assert_eq!(rig.status(), 0, "type {t}");
+            }
+            let c = rig.file.contents();
+            assert_eq!(c.len() as u64, DISK_SECTORS * 512, "size kept");
+            assert!(c[8 * 512..24 * 512].iter().all(|&b| b == 0));
+            assert_eq!(c[7 * 512], 7);
+            assert_eq!(c[24 * 512], 24);
+        });
+    }
+
+    #[test]
+    fn read_only_disks_refuse_writes_and_leave_the_file_identical() {
+        both_engines(|kind| {
+            let rig = Rig::new();
+            let before = rig.file.contents();
+            let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+            rig.header(HDR, VIRTIO_BLK_T_OUT, 0);
+            add_chain(&vq, 0, &[r(HDR, 16), r(DATA, 512), w(STATUS, 1)]);
+            rig.header(HDR + 16, VIRTIO_BLK_T_DISCARD, 0);
+            add_chain(&vq, 3, &[r(HDR + 16, 16), r(DATA, 16), w(STATUS + 1, 1)]);
+            rig.header(HDR + 32, VIRTIO_BLK_T_WRITE_ZEROES, 0);
+            add_chain(&vq, 6, &[r(HDR + 32, 16), r(DATA, 16), w(STATUS + 2, 1)]);
+            let mut h = rig.handler(&vq, kind, true);
+            rig.mem.write_slice(&[0; 16], GuestAddress(DATA)).unwrap();
+            rig.mem.write_obj(1u32, GuestAddress(DATA + 8)).unwrap();
+            run_all(&mut h);
+            for i in 0..3 {
+                assert_eq!(byte(&rig.mem, STATUS + i), VIRTIO_BLK_S_IOERR as u8);
+            }
+            assert_eq!(used(&vq).len(), 3);
+            assert_eq!(rig.file.contents(), before);
+        });
+    }
+
+    #[test]
+    fn bad_requests_get_error_statuses() {
+        let rig = Rig::new();
+        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        let cases: [(u32, u64, Vec<Seg>, u32); 7] = [
+            // Past the end of the disk.
+            (
+                VIRTIO_BLK_T_IN,
+                DISK_SECTORS,
+                vec![r(HDR, 16), w(DATA, 512), w(STATUS, 1)],
+                VIRTIO_BLK_S_IOERR,
+            ),
+            // Sector arithmetic overflowing.
+            (
+                VIRTIO_BLK_T_IN,
+                u64::MAX,
+                vec![r(HDR, 16), w(DATA, 512), w(STATUS, 1)],
+                VIRTIO_BLK_S_IOERR,
+            ),
+            // Not a whole sector.
+            (
+                VIRTIO_BLK_T_OUT,
+                0,
+                vec![r(HDR, 16), r(DATA, 100), w(STATUS, 1)],
+                VIRTIO_BLK_S_IOERR,
+            ),
+            // Unknown type.
+            (99, 0, vec![r(HDR, 16), w(STATUS, 1)], VIRTIO_BLK_S_UNSUPP),
+            // Header in a device-writable buffer.
+            (
+                VIRTIO_BLK_T_IN,
+                0,
+                vec![w(HDR, 16), w(DATA, 512), w(STATUS, 1)],
+                VIRTIO_BLK_S_IOERR,
+            ),
+            // Data outside guest memory.
+            (
+                VIRTIO_BLK_T_IN,
+                0,
+                vec![r(HDR, 16), w(1 << 40, 512), w(STATUS, 1)],
+                VIRTIO_BLK_S_IOERR,
+            ),
+            // Readable after writable.
+            (
+                VIRTIO_BLK_T_OUT,
+                0,
+                vec![r(HDR, 16), w(DATA, 512), r(DATA, 512), w(STATUS, 1)],
+                VIRTIO_BLK_S_IOERR,
+            ),
+        ];
+        let mut h = rig.handler(&vq, EngineKind::Sync, false);
+        for (i, (t, sector, segs, want)) in cases.iter().enumerate() {
+            rig.header(HDR, *t, *sector);
+            add_chain(&vq, 0, segs);
+            run_all(&mut h);
+            assert_eq!(u32::from(rig.status()), *want, "case {i}");
+            assert_eq!(used(&vq).len(), i + 1, "case {i} returned");
+        }
+        assert!(!rig.virq.needs_reset());
+        assert_eq!(rig.file.contents()[0], 0, "nothing written");
+    }
+
+    #[test]
+    fn chains_without_a_writable_status_are_dropped_with_needs_reset() {
+        let rig = Rig::new();
+        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        rig.header(HDR, VIRTIO_BLK_T_IN, 0);
+        // Status byte device-readable.
+        add_chain(&vq, 0, &[r(HDR, 16), r(STATUS, 1)]);
+        let mut h = rig.handler(&vq, EngineKind::Sync, false);
+        run_all(&mut h);
+        assert_eq!(rig.status(), 0xff, "nothing written");
+        assert!(rig.virq.needs_reset());
+        assert_eq!(used(&vq), [(0, 0)], "the chain is still returned");
+    }
+
+    #[test]
+    fn looping_and_overlong_chains_do_not_hang() {
+        let rig = Rig::new();
+        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        rig.header(HDR, VIRTIO_BLK_T_IN, 0);
+        let next = VRING_DESC_F_NEXT as u16;
+        let wr = VRING_DESC_F_WRITE as u16;
+        // 0 -> 1 -> 2 -> 1 -> ...
+        put_desc(&vq, 0, HDR, 16, next, 1);
+        put_desc(&vq, 1, DATA, 512, next | wr, 2);
+        put_desc(&vq, 2, STATUS, 1, next | wr, 1);
+        publish(&vq, QSIZE, 0);
+        // Next index beyond the table.
+        put_desc(&vq, 5, HDR, 16, next, 200);
+        publish(&vq, QSIZE, 5);
+        // Head index beyond the table.
+        publish(&vq, QSIZE, 900);
+        let mut h = rig.handler(&vq, EngineKind::Sync, false);
+        run_all(&mut h);
+        assert!(rig.virq.needs_reset());
+        // The first two come back; the bogus head cannot be put in the used ring.
+        assert_eq!(used(&vq), [(0, 0), (5, 0)]);
+    }
+
+    #[test]
+    fn an_avail_index_far_ahead_breaks_the_queue_not_the_vmm() {
+        let rig = Rig::new();
+        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        vq.avail().idx().store(QSIZE + 5);
+        let mut h = rig.handler(&vq, EngineKind::Sync, false);
+        assert!(!h.process_queue());
+        assert!(rig.virq.needs_reset());
+        assert!(used(&vq).is_empty());
+        assert!(!h.process_queue(), "stays broken until reset");
+    }
+
+    #[test]
+    fn one_wakeup_takes_at_most_a_queue_worth() {
+        let rig = Rig::new();
+        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        rig.header(HDR, VIRTIO_BLK_T_FLUSH, 0);
+        add_chain(&vq, 0, &[r(HDR, 16), w(STATUS, 1)]);
+        for _ in 1..QSIZE {
+            publish(&vq, QSIZE, 0);
+        }
+        let mut h = rig.handler(&vq, EngineKind::Sync, false);
+        assert!(h.process_queue(), "a full ring may have more");
+        h.drain();
+        assert_eq!(vq.used().idx().load(), QSIZE);
+        assert!(!h.process_queue());
+    }
+
+    #[test]
+    fn indirect_chains_are_followed() {
+        let rig = Rig::new();
+        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        rig.header(HDR, VIRTIO_BLK_T_IN, 2);
+        let table = DATA_START + 0x8000;
+        let descs = [
+            (HDR, 16, VRING_DESC_F_NEXT),
+            (DATA, 512, VRING_DESC_F_NEXT | VRING_DESC_F_WRITE),
+            (STATUS, 1, VRING_DESC_F_WRITE),
+        ];
+        for (i, (a, l, f)) in descs.into_iter().enumerate() {
+            let d = virtio_queue::desc::split::Descriptor::new(a, l, f as u16, i as u16 + 1);
+            rig.mem
+                .write_obj(d, GuestAddress(table + 16 * i as u64))
+                .unwrap();
+        }
+        put_desc(
+            &vq,
+            0,
+            table,
+            48,
+            virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16,
+            0,
+        );
+        publish(&vq, QSIZE, 0);
+        let mut h = rig.handler(&vq, EngineKind::Sync, false);
+        run_all(&mut h);
+        assert_eq!(rig.status(), 0);
+        assert_eq!(byte(&rig.mem, DATA), 2);
+    }
+
+    #[test]
+    fn direct_io_bounces_unaligned_guest_buffers() {
+        let rig = Rig::new();
+        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&rig.file.path)
+            .unwrap();
+        let mut h = BlockHandler::new(
+            rig.mem.clone(),
+            vq.create_queue().unwrap(),
+            rig.virq.clone(),
+            bio::open(EngineKind::IoUring, file).unwrap(),
+            DiskParams {
+                capacity: DISK_SECTORS,
+                read_only: false,
+                direct: true,
+                serial: [0; 20],
+            },
+        );
+        // Write from an odd address, then read back into another odd address.
+        rig.header(HDR, VIRTIO_BLK_T_OUT, 4);
+        rig.mem
+            .write_slice(&[0x33; 512], GuestAddress(DATA + 3))
+            .unwrap();
+        add_chain(
+            &vq,
+            0,
+            &[
+                r(HDR, 16),
+                r(DATA + 3, 300),
+                r(DATA + 303, 212),
+                w(STATUS, 1),
+            ],
+        );
+        run_all(&mut h);
+        assert_eq!(rig.status(), 0);
+        assert!(rig.file.contents()[2048..2560].iter().all(|&b| b == 0x33));
+        rig.header(HDR, VIRTIO_BLK_T_IN, 4);
+        add_chain(&vq, 4, &[r(HDR, 16), w(DATA + 0x801, 512), w(STATUS, 1)]);
+        run_all(&mut h);
+        assert_eq!(rig.status(), 0);
+        assert_eq!(byte(&rig.mem, DATA + 0x801), 0x33);
+        assert_eq!(byte(&rig.mem, DATA + 0x800 + 512), 0x33);
+    }
+
+    use std::os::unix::fs::OpenOptionsExt;
+}

@@ -1,0 +1,159 @@
+//! Guest memory: anonymous, lazily allocated, transparent-huge-page advised.
+//!
+//! Nothing is touched at creation, so a 64 GiB guest costs what a 512 MiB one
+//! does until the guest uses its memory (the Alibaba talk's point: boot time
+//! must not grow with memory size).
+
+use crate::arch::x86_64::layout;
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use thiserror::Error;
+
+/// Smallest guest ember will build: room for the boot structures in the low
+/// megabyte plus a kernel above it.
+pub const MIN_MEM_SIZE: u64 = 4 << 20;
+/// Largest guest: KVM's guest-physical limit on common hosts is 2^46+; stay well under.
+pub const MAX_MEM_SIZE: u64 = 1 << 42;
+
+/// Guest memory errors.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum MemoryError {
+    /// Not a size.
+    #[error("`{0}` is not a memory size (examples: 512M, 2G, 1048576)")]
+    Parse(String),
+    /// Too small to boot anything.
+    #[error("guest memory of {0} bytes is too small (at least {MIN_MEM_SIZE} bytes, i.e. 4M)")]
+    TooSmall(u64),
+    /// Too large for this VMM.
+    #[error("guest memory of {0} bytes is too large (at most 4T)")]
+    TooLarge(u64),
+    /// The mmap failed.
+    #[error("cannot map {0} bytes of guest memory")]
+    Map(u64),
+}
+
+/// Parses `512M`, `2G`, `64k`, `1048576` (bytes) into bytes. Sizes must be a
+/// whole number of 4 KiB pages.
+pub fn parse_size(s: &str) -> Result<u64, MemoryError> {
+    let err = || MemoryError::Parse(s.to_owned());
+    let t = s.trim();
+    let (digits, shift) = match t.char_indices().last().ok_or_else(err)? {
+        (i, 'k' | 'K') => (&t[..i], 10),
+        (i, 'm' | 'M') => (&t[..i], 20),
+        (i, 'g' | 'G') => (&t[..i], 30),
+        (i, 't' | 'T') => (&t[..i], 40),
+        _ => (t, 0),
+    };
+    let n: u64 = digits.parse().map_err(|_| err())?;
+    let bytes = n.checked_mul(1 << shift).ok_or_else(err)?;
+    if bytes % 4096 != 0 {
+        return Err(err());
+    }
+    Ok(bytes)
+}
+
+/// Checks a guest memory size.
+pub fn check_size(size: u64) -> Result<(), MemoryError> {
+    if size < MIN_MEM_SIZE {
+        return Err(MemoryError::TooSmall(size));
+    }
+    if size > MAX_MEM_SIZE {
+        return Err(MemoryError::TooLarge(size));
+    }
+    Ok(())
+}
+
+/// Maps `size` bytes of guest RAM around the 32-bit device hole. The mapping is
+/// MAP_NORESERVE (vm-memory's default) and advised for huge pages.
+pub fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
+    check_size(size)?;
+    let ranges: Vec<(GuestAddress, usize)> = layout::ram_ranges(size)
+        .into_iter()
+        .map(|(start, len)| (GuestAddress(start), len as usize))
+        .collect();
+    let mem = GuestMemoryMmap::from_ranges(&ranges).map_err(|_| MemoryError::Map(size))?;
+    for region in mem.iter() {
+        let len = region.len() as usize;
+        if let Ok(addr) = region.get_host_address(vm_memory::MemoryRegionAddress(0)) {
+            // SAFETY: `addr..addr+len` is exactly one mapping vm-memory owns and keeps
+            // alive as long as `mem`; MADV_HUGEPAGE only changes how future faults are
+            // backed, never the contents, so it cannot break any Rust reference.
+            let rc = unsafe { libc::madvise(addr.cast(), len, libc::MADV_HUGEPAGE) };
+            if rc != 0 {
+                // THP disabled on the host: a performance hint lost, not an error.
+                log::debug!("madvise(MADV_HUGEPAGE) failed: {}", std::io::Error::last_os_error());
+            }
+            // The teardown child (see `vstate::teardown`) must not inherit guest
+            // memory: fork would have to copy its page tables.
+            // SAFETY: as above; MADV_DONTFORK only affects future forks.
+            if unsafe { libc::madvise(addr.cast(), len, libc::MADV_DONTFORK) } != 0 {
+                log::debug!("madvise(MADV_DONTFORK) failed: {}", std::io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(mem)
+}
+
+/// How many bytes of guest memory are resident on the host (mincore).
+pub fn resident_bytes(mem: &GuestMemoryMmap) -> u64 {
+    const PAGE: usize = 4096;
+    let mut total = 0u64;
+    for region in mem.iter() {
+        let Ok(addr) = region.get_host_address(vm_memory::MemoryRegionAddress(0)) else { continue };
+        let len = region.len() as usize;
+        let mut vec = vec![0u8; len.div_ceil(PAGE)];
+        // SAFETY: `addr..addr+len` is a live mapping owned by `mem`, and `vec` has
+        // one byte per page of it, as mincore(2) requires.
+        if unsafe { libc::mincore(addr.cast(), len, vec.as_mut_ptr()) } == 0 {
+            total += vec.iter().filter(|&&b| b & 1 != 0).count() as u64 * PAGE as u64;
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_suffixes() {
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        assert_eq!(parse_size("64K"), Ok(64 << 10));
+        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert_eq!(parse_size(" 1T "), Ok(1 << 40));
+    }
+
+    #[test]
+    fn rejects_garbage() {
+        for bad in ["", "M", "12Q", "-1M", "1.5G", "99999999999999999999G", "4097"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn bounds() {
+        assert_eq!(check_size(1 << 20), Err(MemoryError::TooSmall(1 << 20)));
+        assert_eq!(check_size(MAX_MEM_SIZE * 2), Err(MemoryError::TooLarge(MAX_MEM_SIZE * 2)));
+        assert!(check_size(MIN_MEM_SIZE).is_ok());
+    }
+
+    #[test]
+    fn resident_bytes_counts_touched_pages() {
+        use vm_memory::Bytes;
+        let mem = create(16 << 20).unwrap();
+        let before = resident_bytes(&mem);
+        mem.write_obj(1u8, GuestAddress(8 << 20)).unwrap();
+        assert!(resident_bytes(&mem) >= before + 4096);
+    }
+
+    #[test]
+    fn large_guests_are_lazy_and_split_around_the_hole() {
+        // 64 GiB of address space must map instantly and touch nothing.
+        let mem = create(64 << 30).unwrap();
+        assert_eq!(mem.num_regions(), 2);
+        let total: u64 = mem.iter().map(|r| r.len()).sum();
+        assert_eq!(total, 64 << 30);
+        assert!(mem.address_in_range(GuestAddress(layout::MMIO_GAP_END)));
+        assert!(!mem.address_in_range(GuestAddress(layout::MMIO_GAP_START)));
+    }
+}

@@ -1,0 +1,252 @@
+//! vCPUs: creation, boot register state, and the run loop that hands exits
+//! to the device buses.
+
+use crate::devices::bus::Bus;
+use crate::devices::legacy::{GuestEnd, VmEnd};
+use crate::arch::x86_64::regs;
+use kvm_bindings::{CpuId, Msrs, kvm_msr_entry};
+use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
+use thiserror::Error;
+
+/// LAPIC register offsets and delivery modes for the local interrupt pins:
+/// LINT0 carries the 8259 PIC's output (ExtINT), LINT1 the NMI line, as on a PC.
+const APIC_LVT_LINT0: usize = 0x350;
+const APIC_LVT_LINT1: usize = 0x360;
+const APIC_DELIVERY_MODE_MASK: u32 = 0x700;
+const APIC_MODE_NMI: u32 = 0x400;
+const APIC_MODE_EXTINT: u32 = 0x700;
+
+/// vCPU errors.
+#[derive(Debug, Error)]
+pub enum VcpuError {
+    /// KVM_CREATE_VCPU failed.
+    #[error("cannot create vCPU {id}")]
+    Create {
+        /// vCPU index.
+        id: u32,
+        /// The ioctl error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// Setting boot state failed.
+    #[error("cannot set vCPU {id} {what}")]
+    Configure {
+        /// vCPU index.
+        id: u32,
+        /// Which state.
+        what: &'static str,
+        /// The ioctl error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// KVM refused some of the boot MSRs.
+    #[error("KVM accepted only {set} of {wanted} boot MSRs")]
+    Msrs {
+        /// Accepted.
+        set: usize,
+        /// Asked.
+        wanted: usize,
+    },
+    /// KVM_RUN itself failed.
+    #[error("KVM_RUN failed on vCPU {id}")]
+    Run {
+        /// vCPU index.
+        id: u32,
+        /// The ioctl error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// KVM could not emulate what the guest did.
+    #[error("KVM internal error on vCPU {id} at guest RIP {rip:#x} (suberror {suberror})")]
+    Internal {
+        /// vCPU index.
+        id: u32,
+        /// Guest instruction pointer.
+        rip: u64,
+        /// KVM's suberror code.
+        suberror: u32,
+    },
+    /// Entering the guest failed.
+    #[error("KVM could not enter the guest on vCPU {id} (hardware reason {reason:#x}) at RIP {rip:#x}")]
+    FailEntry {
+        /// vCPU index.
+        id: u32,
+        /// Hardware entry failure reason.
+        reason: u64,
+        /// Guest instruction pointer.
+        rip: u64,
+    },
+    /// An exit ember does not handle.
+    #[error("unexpected KVM exit {exit} on vCPU {id} at RIP {rip:#x}")]
+    Unexpected {
+        /// vCPU index.
+        id: u32,
+        /// Exit description.
+        exit: String,
+        /// Guest instruction pointer.
+        rip: u64,
+    },
+}
+
+/// How the boot vCPU enters the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BootEntry {
+    /// 32-bit protected mode, paging off, EBX = hvm_start_info (PVH).
+    Pvh(u64),
+    /// 64-bit long mode, identity paging, RSI = zero page (Linux boot protocol).
+    Linux64(u64),
+}
+
+/// One vCPU.
+#[derive(Debug)]
+pub struct Vcpu {
+    fd: VcpuFd,
+    id: u32,
+}
+
+impl Vcpu {
+    /// Creates vCPU `id` (also its APIC id).
+    pub fn new(vm: &VmFd, id: u32) -> Result<Vcpu, VcpuError> {
+        let fd = vm.create_vcpu(u64::from(id)).map_err(|source| VcpuError::Create { id, source })?;
+        Ok(Vcpu { fd, id })
+    }
+
+    /// The vCPU index.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// The guest TSC frequency in kHz, when KVM knows it.
+    pub fn tsc_khz(&self) -> Option<u32> {
+        self.fd.get_tsc_khz().ok().filter(|&k| k != 0)
+    }
+
+    fn cfg(&self, what: &'static str) -> impl Fn(kvm_ioctls::Error) -> VcpuError + '_ {
+        move |source| VcpuError::Configure { id: self.id, what, source }
+    }
+
+    /// Sets CPUID, MSRs and the LAPIC's local interrupt pins: what every vCPU needs.
+    pub fn configure(&self, cpuid: &CpuId, msrs: &[kvm_msr_entry]) -> Result<(), VcpuError> {
+        self.fd.set_cpuid2(cpuid).map_err(self.cfg("CPUID"))?;
+        let wanted = msrs.len();
+        let list = Msrs::from_entries(msrs).map_err(|_| VcpuError::Msrs { set: 0, wanted })?;
+        let set = self.fd.set_msrs(&list).map_err(self.cfg("MSRs"))?;
+        if set != wanted {
+            return Err(VcpuError::Msrs { set, wanted });
+        }
+        self.set_lint()
+    }
+
+    /// Puts the boot vCPU at the kernel's entry point. Application processors
+    /// skip this: they wait for INIT/SIPI in the in-kernel LAPIC.
+    pub fn set_boot_state(&self, entry: BootEntry) -> Result<(), VcpuError> {
+        let mut sregs = self.fd.get_sregs().map_err(self.cfg("segment registers"))?;
+        let regs = match entry {
+            BootEntry::Pvh(rip) => {
+                regs::protected_mode_sregs(&mut sregs);
+                regs::pvh_regs(rip)
+            }
+            BootEntry::Linux64(rip) => {
+                regs::long_mode_sregs(&mut sregs);
+                regs::linux64_regs(rip)
+            }
+        };
+        self.fd.set_sregs(&sregs).map_err(self.cfg("segment registers"))?;
+        self.fd.set_regs(&regs).map_err(self.cfg("registers"))?;
+        self.fd.set_fpu(&regs::boot_fpu()).map_err(self.cfg("FPU state"))
+    }
+
+    fn set_lint(&self) -> Result<(), VcpuError> {
+        let mut lapic = self.fd.get_lapic().map_err(self.cfg("LAPIC"))?;
+        for (reg, mode) in [(APIC_LVT_LINT0, APIC_MODE_EXTINT), (APIC_LVT_LINT1, APIC_MODE_NMI)] {
+            let v = read_lapic_reg(&lapic.regs, reg);
+            write_lapic_reg(&mut lapic.regs, reg, (v & !APIC_DELIVERY_MODE_MASK) | mode);
+        }
+        self.fd.set_lapic(&lapic).map_err(self.cfg("LAPIC"))
+    }
+
+    fn rip(&self) -> u64 {
+        self.fd.get_regs().map(|r| r.rip).unwrap_or(0)
+    }
+
+    /// Runs the guest until it ends (reported to `end`) or fails.
+    ///
+    /// `on_first_entry` is called right before the first KVM_RUN, so the
+    /// timeline can mark the first guest instruction.
+    pub fn run(&mut self, io: &Bus, mmio: &Bus, end: &VmEnd, on_first_entry: impl FnOnce()) -> Result<(), VcpuError> {
+        let id = self.id;
+        on_first_entry();
+        loop {
+            if end.is_over() {
+                return Ok(());
+            }
+            let exit = match self.fd.run() {
+                Ok(exit) => exit,
+                // A signal kicked us out; re-check whether the VM is over.
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
+                Err(source) => return Err(VcpuError::Run { id, source }),
+            };
+            match exit {
+                VcpuExit::IoOut(port, data) => {
+                    io.write(u64::from(port), data);
+                }
+                VcpuExit::IoIn(port, data) => {
+                    io.read(u64::from(port), data);
+                }
+                VcpuExit::MmioWrite(addr, data) => {
+                    mmio.write(addr, data);
+                }
+                VcpuExit::MmioRead(addr, data) => {
+                    mmio.read(addr, data);
+                }
+                // A triple fault: the CPU gives up.
+                VcpuExit::Shutdown => end.report(GuestEnd::TripleFault),
+                // With the in-kernel LAPIC, HLT only exits when the guest halted for good.
+                VcpuExit::Hlt => end.report(GuestEnd::PowerOff),
+                VcpuExit::SystemEvent(kind, _) => end.report(match kind {
+                    kvm_bindings::KVM_SYSTEM_EVENT_RESET => GuestEnd::Reset,
+                    _ => GuestEnd::PowerOff,
+                }),
+                VcpuExit::InternalError => {
+                    let run = self.fd.get_kvm_run();
+                    // SAFETY: KVM filled the `internal` member of the exit union because
+                    // exit_reason is KVM_EXIT_INTERNAL_ERROR; it is plain integers.
+                    let suberror = unsafe { run.__bindgen_anon_1.internal.suberror };
+                    return Err(VcpuError::Internal { id, rip: self.rip(), suberror });
+                }
+                VcpuExit::FailEntry(reason, _) => {
+                    return Err(VcpuError::FailEntry { id, reason, rip: self.rip() });
+                }
+                VcpuExit::Intr => {}
+                other => {
+                    let exit = format!("{other:?}");
+                    return Err(VcpuError::Unexpected { id, exit, rip: self.rip() });
+                }
+            }
+        }
+    }
+}
+
+fn read_lapic_reg(regs: &[std::os::raw::c_char; 1024], offset: usize) -> u32 {
+    let b: [u8; 4] = std::array::from_fn(|i| regs[offset + i] as u8);
+    u32::from_le_bytes(b)
+}
+
+fn write_lapic_reg(regs: &mut [std::os::raw::c_char; 1024], offset: usize, value: u32) {
+    for (i, b) in value.to_le_bytes().into_iter().enumerate() {
+        regs[offset + i] = b as std::os::raw::c_char;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lapic_register_round_trip() {
+        let mut regs = [0 as std::os::raw::c_char; 1024];
+        write_lapic_reg(&mut regs, APIC_LVT_LINT0, 0x0001_0700);
+        assert_eq!(read_lapic_reg(&regs, APIC_LVT_LINT0), 0x0001_0700);
+        assert_eq!(read_lapic_reg(&regs, APIC_LVT_LINT1), 0);
+    }
+}

@@ -1,0 +1,134 @@
+//! The VM file descriptor: memory slots, in-kernel irqchip and PIT, and the
+//! eventfd plumbing (ioeventfd, irqfd) devices use to bypass the vCPU thread.
+
+use crate::arch::x86_64::layout;
+use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region};
+use kvm_ioctls::{IoEventAddress, Kvm, VmFd};
+use thiserror::Error;
+use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, MemoryRegionAddress};
+use vmm_sys_util::eventfd::EventFd;
+
+/// VM errors.
+#[derive(Debug, Error)]
+pub enum VmError {
+    /// KVM_CREATE_VM failed.
+    #[error("cannot create a KVM VM")]
+    Create(#[source] kvm_ioctls::Error),
+    /// A memory slot could not be registered.
+    #[error("cannot register guest memory at {addr:#x} with KVM")]
+    Memory {
+        /// Guest address of the region.
+        addr: u64,
+        /// The ioctl error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// More memory regions than KVM has slots.
+    #[error("KVM has only {0} memory slots")]
+    TooManySlots(usize),
+    /// TSS / identity map / irqchip / PIT set-up failed.
+    #[error("cannot set up {what}")]
+    Setup {
+        /// Which step.
+        what: &'static str,
+        /// The ioctl error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// Registering an ioeventfd or irqfd failed.
+    #[error("cannot register {what}")]
+    EventFd {
+        /// Which registration.
+        what: &'static str,
+        /// The ioctl error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+}
+
+/// A VM with its interrupt controllers set up.
+#[derive(Debug)]
+pub struct Vm {
+    fd: VmFd,
+    next_slot: u32,
+    max_slots: usize,
+}
+
+impl Vm {
+    /// Creates the VM. Register guest memory next, then call
+    /// [`Vm::create_irqchip`]: on this host a memory slot added after the irqchip
+    /// exists waits out an SRCU grace period (5-7 ms), before it costs microseconds.
+    pub fn new(kvm: &Kvm) -> Result<Vm, VmError> {
+        let fd = kvm.create_vm().map_err(VmError::Create)?;
+        let setup = |what| move |source| VmError::Setup { what, source };
+        // Intel VMX needs these three pages for real-mode emulation; they must not
+        // overlap RAM or devices, so they sit just below the BIOS area at 4 GiB.
+        fd.set_tss_address(layout::KVM_TSS_ADDRESS as usize).map_err(setup("the TSS area"))?;
+        fd.set_identity_map_address(layout::KVM_IDENTITY_MAP_ADDRESS)
+            .map_err(setup("the identity-map page"))?;
+        Ok(Vm { fd, next_slot: 0, max_slots: kvm.get_nr_memslots() })
+    }
+
+    /// Creates the in-kernel PIC/IOAPIC/LAPIC and PIT (before any vCPU).
+    pub fn create_irqchip(&self) -> Result<(), VmError> {
+        let setup = |what| move |source| VmError::Setup { what, source };
+        self.fd.create_irq_chip().map_err(setup("the in-kernel irqchip"))?;
+        // The PIT's speaker port is a dummy: nothing can beep.
+        let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
+        self.fd.create_pit2(pit).map_err(setup("the in-kernel PIT"))
+    }
+
+    /// The raw VM fd, for vCPU creation.
+    pub fn fd(&self) -> &VmFd {
+        &self.fd
+    }
+
+    /// Registers every region of `mem` as a KVM memory slot.
+    pub fn register_memory(&mut self, mem: &GuestMemoryMmap) -> Result<(), VmError> {
+        for region in mem.iter() {
+            let host = region
+                .get_host_address(MemoryRegionAddress(0))
+                .map_err(|_| VmError::TooManySlots(self.max_slots))?;
+            self.add_region(region.start_addr().0, region.len(), host as u64)?;
+        }
+        Ok(())
+    }
+
+    /// Maps `len` bytes of host memory at `host_addr` into the guest at
+    /// `guest_addr` (guest RAM, or a virtio-pmem file mapping).
+    ///
+    /// The caller keeps the host mapping alive for as long as the VM exists.
+    pub fn add_region(&mut self, guest_addr: u64, len: u64, host_addr: u64) -> Result<(), VmError> {
+        if self.next_slot as usize >= self.max_slots {
+            return Err(VmError::TooManySlots(self.max_slots));
+        }
+        let region = kvm_userspace_memory_region {
+            slot: self.next_slot,
+            flags: 0,
+            guest_phys_addr: guest_addr,
+            memory_size: len,
+            userspace_addr: host_addr,
+        };
+        // SAFETY: the caller guarantees `host_addr..host_addr+len` is a live mapping
+        // that outlives the VM (guest memory is owned by the VMM for the VM's whole
+        // life), and slots are never reused, so KVM cannot alias another region.
+        unsafe { self.fd.set_user_memory_region(region) }
+            .map_err(|source| VmError::Memory { addr: guest_addr, source })?;
+        self.next_slot += 1;
+        Ok(())
+    }
+
+    /// Routes `evt` to GSI `gsi`: writing the eventfd raises the interrupt
+    /// without a trip through the VMM.
+    pub fn register_irqfd(&self, evt: &EventFd, gsi: u32) -> Result<(), VmError> {
+        self.fd.register_irqfd(evt, gsi).map_err(|source| VmError::EventFd { what: "an irqfd", source })
+    }
+
+    /// Has KVM signal `evt` when the guest writes `datamatch` (4 bytes) to the
+    /// MMIO address `addr`, instead of exiting to the vCPU thread.
+    pub fn register_mmio_ioevent(&self, evt: &EventFd, addr: u64, datamatch: u32) -> Result<(), VmError> {
+        self.fd
+            .register_ioevent(evt, &IoEventAddress::Mmio(addr), datamatch)
+            .map_err(|source| VmError::EventFd { what: "an ioeventfd", source })
+    }
+}

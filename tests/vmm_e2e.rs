@@ -1,0 +1,176 @@
+//! End-to-end: ember boots its own test guest on KVM through every loader path
+//! and reports how it ended. (On this host guest kernel mode is emulated, so the
+//! test guest does its work in ring 3; see guests/test-guest.)
+
+mod common;
+
+use common::{Scratch, ember, output, require_kvm, stderr, stdout};
+use ember::events::EventFile;
+use std::path::{Path, PathBuf};
+
+fn guest() -> PathBuf {
+    ember::testing::test_guest().expect("build the test guest")
+}
+
+/// Runs the guest with `cmdline`; returns (exit status, stdout, stderr, events).
+fn boot(kernel: &Path, cmdline: &str, extra: &[&str]) -> (i32, String, String, EventFile) {
+    let dir = Scratch::new("boot");
+    let events = dir.path("events.json");
+    let o = output(
+        ember()
+            .args(["run", "--kernel"])
+            .arg(kernel)
+            .args(["--mem", "128M", "--cmdline", cmdline, "--events"])
+            .arg(&events)
+            .args(extra),
+    );
+    let ev: EventFile = std::fs::read(&events)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    (o.status.code().unwrap_or(-1), stdout(&o), stderr(&o), ev)
+}
+
+fn kinds(ev: &EventFile) -> Vec<&str> {
+    ev.events.iter().map(|e| e.kind.as_str()).collect()
+}
+
+fn marks(ev: &EventFile) -> Vec<u32> {
+    ev.events.iter().filter(|e| e.kind == "boot_mark").filter_map(|e| e.code).collect()
+}
+
+#[test]
+fn pvh_entry_prints_marks_and_returns_the_guest_status() {
+    if !require_kvm("pvh_entry") {
+        return;
+    }
+    let (code, out, err, ev) = boot(&guest(), "print=hello_world mark=0x42 timer exit=7", &[]);
+    assert_eq!(code, 7, "stderr: {err}");
+    assert!(out.contains("entry=pvh"), "{out}");
+    assert!(out.contains("hello world\n"), "{out}");
+    assert_eq!(marks(&ev), [0x40, 0x41, 0x42, ember::devices::legacy::BOOT_TIMER_MAGIC_CODE]);
+    let k = kinds(&ev);
+    for want in ["kvm_open", "memory_ready", "kernel_loaded", "vcpus_created", "first_guest_entry", "guest_shutdown", "process_exit"] {
+        assert!(k.contains(&want), "{want} missing from {k:?}");
+    }
+    let pos = |w: &str| k.iter().position(|x| *x == w).unwrap();
+    assert!(pos("kvm_open") < pos("memory_ready") && pos("memory_ready") < pos("first_guest_entry"));
+    assert!(pos("first_guest_entry") < pos("boot_mark"));
+    assert!(ev.events.windows(2).all(|w| w[0].t_us <= w[1].t_us));
+    let lines: Vec<_> = ev.events.iter().filter(|e| e.kind == "console_line").filter_map(|e| e.text.as_deref()).collect();
+    assert!(lines.contains(&"hello world"), "{lines:?}");
+}
+
+#[test]
+fn linux64_entry_without_pvh_note() {
+    if !require_kvm("linux64_entry") {
+        return;
+    }
+    let dir = Scratch::new("nopvh");
+    let plain = dir.path("guest-nopvh.elf");
+    ember::testing::without_pvh_note(&guest(), &plain).unwrap();
+    let (code, out, err, _) = boot(&plain, "print=sixty-four exit=0", &[]);
+    assert_eq!(code, 0, "stderr: {err}");
+    assert!(out.contains("entry=linux64"), "{out}");
+    assert!(out.contains("sixty-four"), "{out}");
+}
+
+#[test]
+fn bzimage_entry() {
+    if !require_kvm("bzimage_entry") {
+        return;
+    }
+    let dir = Scratch::new("bz");
+    let bz = dir.path("guest.bzImage");
+    ember::testing::as_bzimage(&guest(), &bz).unwrap();
+    let (code, out, err, _) = boot(&bz, "print=from_a_bzimage exit=0", &[]);
+    assert_eq!(code, 0, "stderr: {err}");
+    assert!(out.contains("from a bzimage"), "{out}");
+    assert!(out.contains("entry=linux64"), "{out}");
+}
+
+#[test]
+fn each_ending_has_its_own_status() {
+    if !require_kvm("endings") {
+        return;
+    }
+    let g = guest();
+    let (code, _, err, ev) = boot(&g, "shutdown", &[]);
+    assert_eq!(code, 0, "ACPI power-off: {err}");
+    assert!(kinds(&ev).contains(&"guest_shutdown"));
+    let (code, _, _, ev) = boot(&g, "reset", &[]);
+    assert_eq!(code, ember::run::EXIT_GUEST_RESET);
+    assert!(kinds(&ev).contains(&"guest_reset"));
+    let (code, _, _, _) = boot(&g, "exit=42", &[]);
+    assert_eq!(code, 42);
+}
+
+#[test]
+fn timeout_kills_a_guest_that_never_ends() {
+    if !require_kvm("timeout") {
+        return;
+    }
+    let started = std::time::Instant::now();
+    let (code, _, err, _) = boot(&guest(), "spin=60000", &["--timeout", "0.5"]);
+    assert_eq!(code, ember::run::EXIT_TIMEOUT, "{err}");
+    assert!(err.contains("did not finish"), "{err}");
+    assert!(started.elapsed().as_secs() < 20);
+}
+
+#[test]
+fn several_vcpus_and_large_lazy_memory() {
+    if !require_kvm("vcpus_memory") {
+        return;
+    }
+    let o = output(ember().arg("run").arg("--kernel").arg(guest()).args(["--cpus", "4", "--mem", "64G", "--cmdline", "touch=32 exit=3"]));
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stdout(&o).contains("touch: mib=32"), "{}", stdout(&o));
+}
+
+#[test]
+fn console_none_prints_nothing() {
+    if !require_kvm("console_none") {
+        return;
+    }
+    let o = output(ember().arg("run").arg("--kernel").arg(guest()).args(["--console", "none", "--cmdline", "print=quiet exit=0"]));
+    assert_eq!(o.status.code(), Some(0));
+    assert!(o.stdout.is_empty(), "{}", stdout(&o));
+}
+
+/// Bad input gets one clear line and a non-zero status, never a panic.
+#[test]
+fn bad_input_is_a_clear_error() {
+    if !require_kvm("bad_input") {
+        return;
+    }
+    let dir = Scratch::new("bad");
+    let text = dir.path("notes.txt");
+    std::fs::write(&text, "not a kernel at all").unwrap();
+    let truncated = dir.path("truncated.elf");
+    let g = std::fs::read(guest()).unwrap();
+    std::fs::write(&truncated, &g[..200]).unwrap();
+    let big = dir.path("big.img");
+    std::fs::File::create(&big).unwrap().set_len(64 << 20).unwrap();
+    let g = guest();
+    let gs = g.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--kernel", "/nonexistent/vmlinux"], "cannot open kernel"),
+        (vec!["--kernel", text.to_str().unwrap()], "not a kernel"),
+        (vec!["--kernel", truncated.to_str().unwrap()], "not a kernel"),
+        (vec!["--kernel", gs, "--initrd", big.to_str().unwrap(), "--mem", "32M"], "does not fit"),
+        (vec!["--kernel", gs, "--initrd", "/nonexistent/initrd"], "cannot read initrd"),
+        (vec!["--kernel", gs, "--mem", "lots"], "not a memory size"),
+        (vec!["--kernel", gs, "--mem", "1M"], "too small"),
+        (vec!["--kernel", gs, "--cpus", "100000"], "vCPUs requested"),
+        (vec!["--kernel", gs, "--cpus", "0"], "at least one vCPU"),
+        (vec![], "give a kernel"),
+    ];
+    for (args, want) in cases {
+        let o = output(ember().arg("run").args(&args));
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: expected `{want}` in: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line please: {err}");
+    }
+}
