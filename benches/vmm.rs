@@ -22,7 +22,9 @@ struct Run {
 
 /// Spawns `cmd`, timing its first stdout line and its exit.
 fn measure(cmd: &mut Command) -> Run {
-    cmd.stdout(Stdio::piped()).stderr(Stdio::null()).stdin(Stdio::null());
+    cmd.stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .stdin(Stdio::null());
     let t0 = monotonic_ns();
     let mut child = cmd.spawn().expect("spawn");
     let mut out = child.stdout.take().unwrap();
@@ -39,7 +41,11 @@ fn measure(cmd: &mut Command) -> Run {
     // SAFETY: waiting for our own child; `status` and `ru` are valid out-pointers.
     unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut ru) };
     let exit_ms = (monotonic_ns() - t0) as f64 / 1e6;
-    Run { exit_ms, first_line_ms: first_line, maxrss_kib: ru.ru_maxrss as u64 }
+    Run {
+        exit_ms,
+        first_line_ms: first_line,
+        maxrss_kib: ru.ru_maxrss as u64,
+    }
 }
 
 /// Runs ember with an events file; returns (exec -> first guest instruction ms,
@@ -48,7 +54,16 @@ fn ember_internals(ember: &Path, guest: &Path, dir: &Path) -> (f64, f64) {
     let events = dir.join("ev.json");
     let t0 = monotonic_ns();
     let st = Command::new(ember)
-        .args(["run", "--mem", "512M", "--cmdline", "halt", "--console", "none", "--kernel"])
+        .args([
+            "run",
+            "--mem",
+            "512M",
+            "--cmdline",
+            "halt",
+            "--console",
+            "none",
+            "--kernel",
+        ])
         .arg(guest)
         .arg("--events")
         .arg(&events)
@@ -57,12 +72,28 @@ fn ember_internals(ember: &Path, guest: &Path, dir: &Path) -> (f64, f64) {
     assert!(st.success());
     let ev: EventFile = serde_json::from_slice(&std::fs::read(&events).unwrap()).unwrap();
     let exec_to_main_us = (ev.t0_monotonic_ns as f64 - t0 as f64) / 1e3;
-    let first = ev.events.iter().find(|e| e.kind == "boot_mark" && e.code == Some(0x40)).expect("mark 0x40").t_us;
-    let mem = ev.events.iter().find(|e| e.kind == "memory").and_then(|e| e.text.clone()).unwrap_or_default();
+    let first = ev
+        .events
+        .iter()
+        .find(|e| e.kind == "boot_mark" && e.code == Some(0x40))
+        .expect("mark 0x40")
+        .t_us;
+    let mem = ev
+        .events
+        .iter()
+        .find(|e| e.kind == "memory")
+        .and_then(|e| e.text.clone())
+        .unwrap_or_default();
     let field = |k: &str| -> f64 {
-        mem.split_whitespace().find_map(|f| f.strip_prefix(k)).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+        mem.split_whitespace()
+            .find_map(|f| f.strip_prefix(k))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
     };
-    ((exec_to_main_us + first) / 1e3, field("vm_hwm_kib=") - field("guest_resident_kib="))
+    (
+        (exec_to_main_us + first) / 1e3,
+        field("vm_hwm_kib=") - field("guest_resident_kib="),
+    )
 }
 
 struct Stats {
@@ -74,19 +105,33 @@ struct Stats {
 fn stats(mut v: Vec<f64>) -> Stats {
     v.sort_by(f64::total_cmp);
     let n = v.len();
-    let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
-    Stats { median, min: v[0], max: v[n - 1] }
+    let median = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    };
+    Stats {
+        median,
+        min: v[0],
+        max: v[n - 1],
+    }
 }
 
 fn row(name: &str, unit: &str, v: Vec<f64>) -> f64 {
     let s = stats(v);
-    println!("| {name} | {:.2} {unit} | {:.2} – {:.2} |", s.median, s.min, s.max);
+    println!(
+        "| {name} | {:.2} {unit} | {:.2} – {:.2} |",
+        s.median, s.min, s.max
+    );
     s.median
 }
 
 fn main() {
     // `cargo bench` passes --bench; anything else is ignored.
-    let runs: usize = std::env::var("EMBER_BENCH_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    let runs: usize = std::env::var("EMBER_BENCH_RUNS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
     let ember = PathBuf::from(env!("CARGO_BIN_EXE_ember"));
     let guest = ember::testing::test_guest().expect("test guest");
     let dir = std::env::temp_dir().join(format!("ember-bench-{}", std::process::id()));
@@ -95,14 +140,45 @@ fn main() {
 
     let ember_cmd = |mem: &str| {
         let mut c = Command::new(&ember);
-        c.args(["run", "--mem", mem, "--cmdline", "print=up halt", "--kernel"]).arg(&guest);
+        c.args([
+            "run",
+            "--mem",
+            mem,
+            "--cmdline",
+            "print=up halt",
+            "--kernel",
+        ])
+        .arg(&guest);
         c
     };
     let qemu_cmd = |q: &Path| {
         let mut c = Command::new(q);
-        c.args(["-M", "microvm", "-enable-kvm", "-cpu", "qemu64", "-m", "512M", "-smp", "1"]);
-        c.args(["-nodefaults", "-no-user-config", "-nographic", "-serial", "stdio", "-no-reboot"]);
-        c.args(["-device", "isa-debug-exit,iobase=0x501,iosize=1", "-append", "print=up exit=0", "-kernel"]);
+        c.args([
+            "-M",
+            "microvm",
+            "-enable-kvm",
+            "-cpu",
+            "qemu64",
+            "-m",
+            "512M",
+            "-smp",
+            "1",
+        ]);
+        c.args([
+            "-nodefaults",
+            "-no-user-config",
+            "-nographic",
+            "-serial",
+            "stdio",
+            "-no-reboot",
+        ]);
+        c.args([
+            "-device",
+            "isa-debug-exit,iobase=0x501,iosize=1",
+            "-append",
+            "print=up exit=0",
+            "-kernel",
+        ]);
         c.arg(&guest);
         c
     };
@@ -131,7 +207,11 @@ fn main() {
     eprintln!();
     let ms = |v: &[Run]| v.iter().map(|r| r.exit_ms).collect::<Vec<_>>();
     let line = |v: &[Run]| v.iter().filter_map(|r| r.first_line_ms).collect::<Vec<_>>();
-    let rss = |v: &[Run]| v.iter().map(|r| r.maxrss_kib as f64 / 1024.0).collect::<Vec<_>>();
+    let rss = |v: &[Run]| {
+        v.iter()
+            .map(|r| r.maxrss_kib as f64 / 1024.0)
+            .collect::<Vec<_>>()
+    };
 
     println!("\nember VMM core, {runs} interleaved runs (test guest, 512 MiB, 1 vCPU)\n");
     println!("| measure | median | min – max |");
@@ -142,15 +222,31 @@ fn main() {
     let e64 = row("ember: exec → exit, 64 GiB guest", "ms", ms(&e64g));
     let v = row("ember --version: exec → exit", "ms", ms(&ver));
     row("ember: peak RSS", "MiB", rss(&e));
-    row("ember: VMM overhead (peak RSS − guest resident)", "MiB", overhead.iter().map(|k| k / 1024.0).collect());
+    row(
+        "ember: VMM overhead (peak RSS − guest resident)",
+        "MiB",
+        overhead.iter().map(|k| k / 1024.0).collect(),
+    );
     if !q.is_empty() {
-        let q_line = row("QEMU microvm (KVM): exec → first console line", "ms", line(&q));
+        let q_line = row(
+            "QEMU microvm (KVM): exec → first console line",
+            "ms",
+            line(&q),
+        );
         let q_exit = row("QEMU microvm (KVM): exec → exit", "ms", ms(&q));
         row("QEMU microvm (KVM): peak RSS", "MiB", rss(&q));
-        println!("\nratios (QEMU / ember, medians): exit {:.1}×, first line {:.1}×", q_exit / e_exit, q_line / e_line);
+        println!(
+            "\nratios (QEMU / ember, medians): exit {:.1}×, first line {:.1}×",
+            q_exit / e_exit,
+            q_line / e_line
+        );
     } else {
         println!("\nQEMU not found: no comparison");
     }
-    println!("64 GiB vs 512 MiB guest: {:.2}× ; ember run vs ember --version: {:.2}×", e64 / e_exit, e_exit / v);
+    println!(
+        "64 GiB vs 512 MiB guest: {:.2}× ; ember run vs ember --version: {:.2}×",
+        e64 / e_exit,
+        e_exit / v
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -15,12 +15,11 @@
 use crate::arch::x86_64::{acpi, boot, cpuid, layout, mptable, msr, regs};
 use crate::devices::IrqFdLine;
 use crate::devices::bus::{Bus, BusError};
-use crate::devices::virtio::{self, Block, Console, DiskConfig, MmioTransport, Rng, VirtioDevice};
-use std::os::unix::net::UnixStream;
-use virtio_bindings::virtio_mmio::VIRTIO_MMIO_QUEUE_NOTIFY;
 use crate::devices::legacy::{
-    AcpiSleep, BootTimer, ConsoleSink, DebugExit, DebugPort, I8042, Serial, SerialIrq, SerialUart, VmEnd,
+    AcpiSleep, BootTimer, ConsoleSink, DebugExit, DebugPort, I8042, Serial, SerialIrq, SerialUart,
+    VmEnd,
 };
+use crate::devices::virtio::{self, Block, Console, DiskConfig, MmioTransport, Rng, VirtioDevice};
 use crate::events::{Recorder, kind};
 use crate::vstate::kvm::{self, KvmError};
 use crate::vstate::memory::{self, MemoryError};
@@ -31,12 +30,14 @@ use linux_loader::loader::elf::{self, Elf, PvhBootCapability};
 use linux_loader::loader::{self, KernelLoader, bzimage::BzImage};
 use std::fs::File;
 use std::io::Write;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use thiserror::Error;
+use virtio_bindings::virtio_mmio::VIRTIO_MMIO_QUEUE_NOTIFY;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -126,7 +127,10 @@ pub enum BuildError {
     #[error("cannot attach disk {0}")]
     Disk(PathBuf, #[source] virtio::block::Error),
     /// More virtio devices than MMIO windows.
-    #[error("at most {} virtio devices are supported", layout::VIRTIO_MMIO_MAX_DEVICES)]
+    #[error(
+        "at most {} virtio devices are supported",
+        layout::VIRTIO_MMIO_MAX_DEVICES
+    )]
     TooManyDevices,
     /// The appliance channel socket could not be reached.
     #[error("cannot connect the channel to {0}")]
@@ -194,9 +198,14 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
 
     // 1. KVM and the VM.
     let kvm = kvm::open()?;
-    let max = u32::try_from(kvm.get_max_vcpus()).unwrap_or(u32::MAX).min(mptable::max_cpus());
+    let max = u32::try_from(kvm.get_max_vcpus())
+        .unwrap_or(u32::MAX)
+        .min(mptable::max_cpus());
     if cfg.vcpus > max {
-        return Err(BuildError::TooManyVcpus { asked: cfg.vcpus, max });
+        return Err(BuildError::TooManyVcpus {
+            asked: cfg.vcpus,
+            max,
+        });
     }
     let supported = kvm::supported_cpuid(&kvm)?;
     let mut vm = Vm::new(&kvm)?;
@@ -217,29 +226,36 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     for id in 0..cfg.vcpus {
         let (tx, rx) = mpsc::channel::<Arc<Start>>();
         starts.push(tx);
-        let (vm, end, recorder, configured) = (vm.clone(), end.clone(), recorder.clone(), configured.clone());
+        let (vm, end, recorder, configured) = (
+            vm.clone(),
+            end.clone(),
+            recorder.clone(),
+            configured.clone(),
+        );
         let vcpus = cfg.vcpus;
-        let thread = std::thread::Builder::new().name(format!("ember-vcpu{id}")).spawn(move || {
-            let result = (|| -> Result<(), BuildError> {
-                let mut vcpu = Vcpu::new(vm.fd(), id)?;
-                // The TSC rate goes into the KVM timing leaf so guests need not calibrate.
-                let cpuid = cpuid::configure_cpuid(supported, id, vcpus, vcpu.tsc_khz())?;
-                vcpu.configure(&cpuid, &msr::boot_msrs())?;
-                if configured.fetch_add(1, Ordering::SeqCst) + 1 == vcpus {
-                    recorder.mark(kind::VCPUS_CREATED);
+        let thread = std::thread::Builder::new()
+            .name(format!("ember-vcpu{id}"))
+            .spawn(move || {
+                let result = (|| -> Result<(), BuildError> {
+                    let mut vcpu = Vcpu::new(vm.fd(), id)?;
+                    // The TSC rate goes into the KVM timing leaf so guests need not calibrate.
+                    let cpuid = cpuid::configure_cpuid(supported, id, vcpus, vcpu.tsc_khz())?;
+                    vcpu.configure(&cpuid, &msr::boot_msrs())?;
+                    if configured.fetch_add(1, Ordering::SeqCst) + 1 == vcpus {
+                        recorder.mark(kind::VCPUS_CREATED);
+                    }
+                    // A closed channel means the build failed: just leave.
+                    let Ok(start) = rx.recv() else { return Ok(()) };
+                    if id == 0 {
+                        vcpu.set_boot_state(start.entry)?;
+                        recorder.mark(kind::FIRST_GUEST_ENTRY);
+                    }
+                    Ok(vcpu.run(&start.io, &start.mmio, &end, || {})?)
+                })();
+                if let Err(e) = result {
+                    end.fail(error_chain(&e));
                 }
-                // A closed channel means the build failed: just leave.
-                let Ok(start) = rx.recv() else { return Ok(()) };
-                if id == 0 {
-                    vcpu.set_boot_state(start.entry)?;
-                    recorder.mark(kind::FIRST_GUEST_ENTRY);
-                }
-                Ok(vcpu.run(&start.io, &start.mmio, &end, || {})?)
-            })();
-            if let Err(e) = result {
-                end.fail(error_chain(&e));
-            }
-        })?;
+            })?;
         vcpu_threads.push(thread);
     }
 
@@ -270,13 +286,24 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         let gsi = layout::VIRTIO_IRQ_BASE + i as u32;
         let irq = EventFd::new(libc::EFD_NONBLOCK)?;
         vm.register_irqfd(&irq, gsi)?;
-        let transport = make(mem.clone(), Arc::new(IrqFdLine(irq)))
-            .map_err(|source| BuildError::Virtio { name: name.to_owned(), source })?;
+        let transport =
+            make(mem.clone(), Arc::new(IrqFdLine(irq))).map_err(|source| BuildError::Virtio {
+                name: name.to_owned(),
+                source,
+            })?;
         for (q, evt) in transport.queue_evts().iter().enumerate() {
             vm.register_mmio_ioevent(evt, base + u64::from(VIRTIO_MMIO_QUEUE_NOTIFY), q as u32)?;
         }
-        mmio.insert(Arc::new(Mutex::new(transport)), base, layout::VIRTIO_MMIO_SIZE)?;
-        announced.push(acpi::VirtioMmioAcpi { base, len: layout::VIRTIO_MMIO_SIZE, gsi });
+        mmio.insert(
+            Arc::new(Mutex::new(transport)),
+            base,
+            layout::VIRTIO_MMIO_SIZE,
+        )?;
+        announced.push(acpi::VirtioMmioAcpi {
+            base,
+            len: layout::VIRTIO_MMIO_SIZE,
+            gsi,
+        });
         Ok(())
     };
     for disk in &cfg.disks {
@@ -285,7 +312,8 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     }
     if let Some(sock) = &cfg.channel {
         let stream = UnixStream::connect(sock).map_err(|e| BuildError::Channel(sock.clone(), e))?;
-        let console = Console::from_unix_stream(stream).map_err(|e| BuildError::Channel(sock.clone(), e))?;
+        let console =
+            Console::from_unix_stream(stream).map_err(|e| BuildError::Channel(sock.clone(), e))?;
         place("console", transport_for(console))?;
     }
     if cfg.rng {
@@ -294,7 +322,9 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
 
     // 6. Boot structures.
     let cmdline_max = match hdr {
-        Some(h) if h.version >= MIN_BOOT_PROTOCOL => (h.cmdline_size as usize).min(layout::CMDLINE_MAX_SIZE),
+        Some(h) if h.version >= MIN_BOOT_PROTOCOL => {
+            (h.cmdline_size as usize).min(layout::CMDLINE_MAX_SIZE)
+        }
         Some(_) => DEFAULT_CMDLINE_SIZE,
         None => layout::CMDLINE_MAX_SIZE,
     };
@@ -302,14 +332,28 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     // VIRTIO_MMIO_CMDLINE_DEVICES, in the DSDT for kernels that only read ACPI.
     let mut cmdline = cfg.cmdline.trim().to_owned();
     for d in &announced {
-        cmdline.push_str(&format!(" virtio_mmio.device={}K@{:#x}:{}", d.len >> 10, d.base, d.gsi));
+        cmdline.push_str(&format!(
+            " virtio_mmio.device={}K@{:#x}:{}",
+            d.len >> 10,
+            d.base,
+            d.gsi
+        ));
     }
     boot::write_cmdline(&mem, &cmdline, cmdline_max)?;
     regs::write_gdt_and_idt(&mem)?;
     regs::write_identity_page_tables(&mem)?;
     mptable::setup_mptable(&mem, cfg.vcpus)?;
-    let rsdp = if cfg.acpi { Some(acpi::setup_acpi(&mem, cfg.vcpus, &announced)?) } else { None };
-    let boot_layout = boot::BootLayout { ram: &ram, cmdline: &cmdline, initrd, rsdp };
+    let rsdp = if cfg.acpi {
+        Some(acpi::setup_acpi(&mem, cfg.vcpus, &announced)?)
+    } else {
+        None
+    };
+    let boot_layout = boot::BootLayout {
+        ram: &ram,
+        cmdline: &cmdline,
+        initrd,
+        rsdp,
+    };
     match entry {
         BootEntry::Pvh(_) => boot::configure_pvh(&mem, &boot_layout)?,
         BootEntry::Linux64(_) => boot::configure_linux(&mem, &boot_layout, hdr)?,
@@ -319,16 +363,43 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     let serial_irq = EventFd::new(libc::EFD_NONBLOCK)?;
     vm.register_irqfd(&serial_irq, layout::COM1_IRQ)?;
     let sink = ConsoleSink::new(cfg.console, recorder.clone());
-    let serial = Arc::new(Mutex::new(Serial(SerialUart::new(SerialIrq(serial_irq), sink))));
+    let serial = Arc::new(Mutex::new(Serial(SerialUart::new(
+        SerialIrq(serial_irq),
+        sink,
+    ))));
     let mut io = Bus::new();
-    io.insert(serial.clone(), layout::COM1_PORT.into(), layout::COM1_PORT_LEN.into())?;
+    io.insert(
+        serial.clone(),
+        layout::COM1_PORT.into(),
+        layout::COM1_PORT_LEN.into(),
+    )?;
     let i8042_len = u64::from(layout::I8042_COMMAND_PORT - layout::I8042_DATA_PORT) + 1;
-    io.insert(Arc::new(Mutex::new(I8042::new(end.clone()))), layout::I8042_DATA_PORT.into(), i8042_len)?;
-    io.insert(Arc::new(Mutex::new(DebugPort::new(recorder.clone()))), layout::DEBUG_PORT.into(), 1)?;
-    io.insert(Arc::new(Mutex::new(DebugExit::new(end.clone()))), layout::DEBUG_EXIT_PORT.into(), 1)?;
-    io.insert(Arc::new(Mutex::new(AcpiSleep::new(end.clone()))), layout::ACPI_SLEEP_CONTROL_PORT.into(), 2)?;
+    io.insert(
+        Arc::new(Mutex::new(I8042::new(end.clone()))),
+        layout::I8042_DATA_PORT.into(),
+        i8042_len,
+    )?;
+    io.insert(
+        Arc::new(Mutex::new(DebugPort::new(recorder.clone()))),
+        layout::DEBUG_PORT.into(),
+        1,
+    )?;
+    io.insert(
+        Arc::new(Mutex::new(DebugExit::new(end.clone()))),
+        layout::DEBUG_EXIT_PORT.into(),
+        1,
+    )?;
+    io.insert(
+        Arc::new(Mutex::new(AcpiSleep::new(end.clone()))),
+        layout::ACPI_SLEEP_CONTROL_PORT.into(),
+        2,
+    )?;
     let timer = Arc::new(Mutex::new(BootTimer::new(recorder.clone())));
-    mmio.insert(timer, layout::BOOT_TIMER_MMIO_START, layout::BOOT_TIMER_MMIO_SIZE)?;
+    mmio.insert(
+        timer,
+        layout::BOOT_TIMER_MMIO_START,
+        layout::BOOT_TIMER_MMIO_SIZE,
+    )?;
 
     // 8. Go: every vCPU gets the finished buses; the boot vCPU also its entry.
     let start = Arc::new(Start { io, mmio, entry });
@@ -336,12 +407,22 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         // A vCPU thread that already failed has hung up; its error is in `end`.
         let _ = tx.send(start.clone());
     }
-    Ok(Vmm { mem, end, serial, vm, vcpu_threads })
+    Ok(Vmm {
+        mem,
+        end,
+        serial,
+        vm,
+        vcpu_threads,
+    })
 }
 
 /// Makes the MMIO transport for a device once guest memory and its interrupt line exist.
-type MmioTransportFactory =
-    Box<dyn FnOnce(GuestMemoryMmap, Arc<dyn crate::devices::Interrupt>) -> Result<MmioTransport, virtio::mmio::Error>>;
+type MmioTransportFactory = Box<
+    dyn FnOnce(
+        GuestMemoryMmap,
+        Arc<dyn crate::devices::Interrupt>,
+    ) -> Result<MmioTransport, virtio::mmio::Error>,
+>;
 
 fn transport_for<D: VirtioDevice + 'static>(dev: D) -> MmioTransportFactory {
     Box::new(move |mem, irq| MmioTransport::new(dev, mem, irq))
@@ -349,7 +430,10 @@ fn transport_for<D: VirtioDevice + 'static>(dev: D) -> MmioTransportFactory {
 
 /// Loads the kernel from `path`: an ELF (entered through its PVH note when it
 /// has one, else at its 64-bit entry) or a bzImage (64-bit entry).
-fn load_kernel(mem: &GuestMemoryMmap, path: &Path) -> Result<(BootEntry, Option<setup_header>, u64), BuildError> {
+fn load_kernel(
+    mem: &GuestMemoryMmap,
+    path: &Path,
+) -> Result<(BootEntry, Option<setup_header>, u64), BuildError> {
     let mut file = File::open(path).map_err(|e| BuildError::KernelOpen(path.to_owned(), e))?;
     let himem = Some(GuestAddress(layout::HIMEM_START));
     let elf_err = match Elf::load(mem, None, &mut file, himem) {
@@ -366,9 +450,14 @@ fn load_kernel(mem: &GuestMemoryMmap, path: &Path) -> Result<(BootEntry, Option<
     };
     match BzImage::load(mem, None, &mut file, himem) {
         Ok(r) => {
-            let hdr = r.setup_header.ok_or_else(|| not_a_kernel(path, elf_err.clone(), "no setup header".into()))?;
+            let hdr = r
+                .setup_header
+                .ok_or_else(|| not_a_kernel(path, elf_err.clone(), "no setup header".into()))?;
             if hdr.version < MIN_BOOT_PROTOCOL {
-                return Err(BuildError::OldBootProtocol { path: path.to_owned(), version: hdr.version });
+                return Err(BuildError::OldBootProtocol {
+                    path: path.to_owned(),
+                    version: hdr.version,
+                });
             }
             let entry = BootEntry::Linux64(r.kernel_load.0 + BZIMAGE_64BIT_ENTRY_OFFSET);
             Ok((entry, Some(hdr), r.kernel_end))
@@ -378,7 +467,11 @@ fn load_kernel(mem: &GuestMemoryMmap, path: &Path) -> Result<(BootEntry, Option<
 }
 
 fn not_a_kernel(path: &Path, elf: String, bzimage: String) -> BuildError {
-    BuildError::NotAKernel { path: path.to_owned(), elf, bzimage }
+    BuildError::NotAKernel {
+        path: path.to_owned(),
+        elf,
+        bzimage,
+    }
 }
 
 /// Reads the initramfs straight into guest memory, as high as the protocol allows.

@@ -101,7 +101,9 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
         return crate::appliance::run_command(&args);
     }
     let Some(kernel) = args.kernel.clone() else {
-        anyhow::bail!("give a kernel (--kernel FILE), or a command to run in the appliance (ember run -- CMD)");
+        anyhow::bail!(
+            "give a kernel (--kernel FILE), or a command to run in the appliance (ember run -- CMD)"
+        );
     };
     let mem_size = memory::parse_size(&args.mem)?;
     let recorder = Arc::new(Recorder::new(args.events.is_some()));
@@ -112,16 +114,24 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
     let cfg = VmConfig {
         kernel,
         initrd: args.initrd.clone(),
-        cmdline: args.cmdline.clone().unwrap_or_else(|| DEFAULT_CMDLINE.to_owned()),
+        cmdline: args
+            .cmdline
+            .clone()
+            .unwrap_or_else(|| DEFAULT_CMDLINE.to_owned()),
         mem_size,
         vcpus: args.cpus,
         console,
         acpi: !args.no_acpi,
-        disks: args.disk.iter().map(|d| DiskConfig::parse(d)).collect::<Result<_, _>>()?,
+        disks: args
+            .disk
+            .iter()
+            .map(|d| DiskConfig::parse(d))
+            .collect::<Result<_, _>>()?,
         channel: args.channel.clone(),
         rng: args.rng,
     };
-    let vmm = builder::build(cfg, recorder.clone()).map_err(|e| anyhow::anyhow!(builder::error_chain(&e)))?;
+    let vmm = builder::build(cfg, recorder.clone())
+        .map_err(|e| anyhow::anyhow!(builder::error_chain(&e)))?;
     if args.console == ConsoleMode::Serial && std::io::stdin().is_terminal() {
         forward_stdin(vmm.serial.clone());
     }
@@ -136,7 +146,10 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
             EXIT_GUEST_CRASHED
         }
         None => {
-            eprintln!("ember: the guest did not finish within {:.1} s", args.timeout.unwrap_or_default());
+            eprintln!(
+                "ember: the guest did not finish within {:.1} s",
+                args.timeout.unwrap_or_default()
+            );
             EXIT_TIMEOUT
         }
     };
@@ -145,7 +158,8 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
         record_memory(&recorder, &vmm);
         recorder.mark(kind::PROCESS_EXIT);
         let json = serde_json::to_vec_pretty(&recorder.snapshot())?;
-        std::fs::write(path, json).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        std::fs::write(path, json)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
     }
     crate::vstate::teardown::exit_leaving_teardown(code)
 }
@@ -167,7 +181,11 @@ fn wait(vmm: &Vmm, timeout: Option<f64>) -> Option<Result<GuestEnd, String>> {
             }
             None => -1,
         };
-        let mut pfd = libc::pollfd { fd: vmm.end.eventfd().as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let mut pfd = libc::pollfd {
+            fd: vmm.end.eventfd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: `pfd` is a valid pollfd for the duration of the call and the count is 1.
         unsafe { libc::poll(&mut pfd, 1, wait_ms) };
     }
@@ -183,7 +201,10 @@ fn record_memory(recorder: &Recorder, vmm: &Vmm) {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .unwrap_or(0);
     let guest = crate::vstate::memory::resident_bytes(&vmm.mem) / 1024;
-    recorder.mark_text(kind::MEMORY, &format!("vm_hwm_kib={hwm} guest_resident_kib={guest}"));
+    recorder.mark_text(
+        kind::MEMORY,
+        &format!("vm_hwm_kib={hwm} guest_resident_kib={guest}"),
+    );
 }
 
 /// Flushes a trailing partial console line into the timeline.
@@ -194,21 +215,28 @@ fn finish_console(vmm: &Vmm) {
 
 /// Feeds terminal input to COM1 from a helper thread.
 fn forward_stdin(serial: Arc<Mutex<Serial>>) {
-    let spawned = std::thread::Builder::new().name("ember-stdin".into()).spawn(move || {
-        let mut buf = [0u8; 64];
-        let mut stdin = std::io::stdin().lock();
-        while let Ok(n @ 1..) = stdin.read(&mut buf) {
-            let mut rest = &buf[..n];
-            while !rest.is_empty() {
-                let taken = serial.lock().unwrap_or_else(|p| p.into_inner()).0.enqueue_raw_bytes(rest).unwrap_or(0);
-                rest = &rest[taken..];
-                if !rest.is_empty() {
-                    // The UART's FIFO is full: let the guest drain it.
-                    std::thread::sleep(Duration::from_millis(1));
+    let spawned = std::thread::Builder::new()
+        .name("ember-stdin".into())
+        .spawn(move || {
+            let mut buf = [0u8; 64];
+            let mut stdin = std::io::stdin().lock();
+            while let Ok(n @ 1..) = stdin.read(&mut buf) {
+                let mut rest = &buf[..n];
+                while !rest.is_empty() {
+                    let taken = serial
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                        .enqueue_raw_bytes(rest)
+                        .unwrap_or(0);
+                    rest = &rest[taken..];
+                    if !rest.is_empty() {
+                        // The UART's FIFO is full: let the guest drain it.
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
                 }
             }
-        }
-    });
+        });
     if let Err(e) = spawned {
         log::warn!("no console input: {e}");
     }

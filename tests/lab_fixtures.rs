@@ -112,3 +112,53 @@ fn a_user_rule_file_adds_activities() {
     assert!(pci.end_us > pci.start_us);
     assert_eq!(pci.parent.as_deref(), Some("kernel"));
 }
+
+#[test]
+fn ember_boot_places_vmm_events_on_the_same_axis() {
+    let rec = fixture("ember-test-guest.json");
+    assert_eq!(rec.header.backend, "ember");
+    let m = Milestones::default();
+    let good: Vec<_> = rec.records.iter().collect();
+    let samples = metric_samples(&good, &m);
+    let names: Vec<&str> = samples.iter().map(|(n, _)| n.as_str()).collect();
+    for want in [
+        "first output",
+        "mark 0x40",
+        "mark 0x41",
+        "mark 0x42",
+        "userspace",
+        "shutdown",
+        "exit",
+    ] {
+        assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+    for r in &rec.records {
+        let t = |kind: &str| r.events.iter().find(|e| e.kind == kind).unwrap().t_us;
+        // Aligned by the VMM's CLOCK_MONOTONIC start: after our spawn, in order,
+        // and the first guest entry precedes the first console byte we saw.
+        assert!(t("kvm_open") > 0.0);
+        assert!(t("kvm_open") < t("first_guest_entry"));
+        assert!(t("first_guest_entry") < r.first_output_us.unwrap());
+        assert!(t("guest_shutdown") <= r.exit_us);
+    }
+    let report = analyze_records(
+        rec.header.clone(),
+        &rec.records,
+        &m,
+        &rules::builtin_linux(),
+        15.0,
+        false,
+    );
+    let names: Vec<&str> = report.activities.iter().map(|a| a.name.as_str()).collect();
+    for want in [
+        "run",
+        "vmm:setup",
+        "vmm:exec+kvm-open",
+        "guest:until-userspace",
+        "userspace:work",
+        "vmm:teardown",
+    ] {
+        assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+    assert!(!names.iter().any(|n| n.starts_with("kernel")), "{names:?}");
+}

@@ -36,7 +36,11 @@ fn kinds(ev: &EventFile) -> Vec<&str> {
 }
 
 fn marks(ev: &EventFile) -> Vec<u32> {
-    ev.events.iter().filter(|e| e.kind == "boot_mark").filter_map(|e| e.code).collect()
+    ev.events
+        .iter()
+        .filter(|e| e.kind == "boot_mark")
+        .filter_map(|e| e.code)
+        .collect()
 }
 
 #[test]
@@ -48,16 +52,39 @@ fn pvh_entry_prints_marks_and_returns_the_guest_status() {
     assert_eq!(code, 7, "stderr: {err}");
     assert!(out.contains("entry=pvh"), "{out}");
     assert!(out.contains("hello world\n"), "{out}");
-    assert_eq!(marks(&ev), [0x40, 0x41, 0x42, ember::devices::legacy::BOOT_TIMER_MAGIC_CODE]);
+    assert_eq!(
+        marks(&ev),
+        [
+            0x40,
+            0x41,
+            0x42,
+            ember::devices::legacy::BOOT_TIMER_MAGIC_CODE
+        ]
+    );
     let k = kinds(&ev);
-    for want in ["kvm_open", "memory_ready", "kernel_loaded", "vcpus_created", "first_guest_entry", "guest_shutdown", "process_exit"] {
+    for want in [
+        "kvm_open",
+        "memory_ready",
+        "kernel_loaded",
+        "vcpus_created",
+        "first_guest_entry",
+        "guest_shutdown",
+        "process_exit",
+    ] {
         assert!(k.contains(&want), "{want} missing from {k:?}");
     }
     let pos = |w: &str| k.iter().position(|x| *x == w).unwrap();
-    assert!(pos("kvm_open") < pos("memory_ready") && pos("memory_ready") < pos("first_guest_entry"));
+    assert!(
+        pos("kvm_open") < pos("memory_ready") && pos("memory_ready") < pos("first_guest_entry")
+    );
     assert!(pos("first_guest_entry") < pos("boot_mark"));
     assert!(ev.events.windows(2).all(|w| w[0].t_us <= w[1].t_us));
-    let lines: Vec<_> = ev.events.iter().filter(|e| e.kind == "console_line").filter_map(|e| e.text.as_deref()).collect();
+    let lines: Vec<_> = ev
+        .events
+        .iter()
+        .filter(|e| e.kind == "console_line")
+        .filter_map(|e| e.text.as_deref())
+        .collect();
     assert!(lines.contains(&"hello world"), "{lines:?}");
 }
 
@@ -122,7 +149,14 @@ fn several_vcpus_and_large_lazy_memory() {
     if !require_kvm("vcpus_memory") {
         return;
     }
-    let o = output(ember().arg("run").arg("--kernel").arg(guest()).args(["--cpus", "4", "--mem", "64G", "--cmdline", "touch=32 exit=3"]));
+    let o = output(ember().arg("run").arg("--kernel").arg(guest()).args([
+        "--cpus",
+        "4",
+        "--mem",
+        "64G",
+        "--cmdline",
+        "touch=32 exit=3",
+    ]));
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(stdout(&o).contains("touch: mib=32"), "{}", stdout(&o));
 }
@@ -132,7 +166,12 @@ fn console_none_prints_nothing() {
     if !require_kvm("console_none") {
         return;
     }
-    let o = output(ember().arg("run").arg("--kernel").arg(guest()).args(["--console", "none", "--cmdline", "print=quiet exit=0"]));
+    let o = output(ember().arg("run").arg("--kernel").arg(guest()).args([
+        "--console",
+        "none",
+        "--cmdline",
+        "print=quiet exit=0",
+    ]));
     assert_eq!(o.status.code(), Some(0));
     assert!(o.stdout.is_empty(), "{}", stdout(&o));
 }
@@ -150,15 +189,37 @@ fn bad_input_is_a_clear_error() {
     let g = std::fs::read(guest()).unwrap();
     std::fs::write(&truncated, &g[..200]).unwrap();
     let big = dir.path("big.img");
-    std::fs::File::create(&big).unwrap().set_len(64 << 20).unwrap();
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
     let g = guest();
     let gs = g.to_str().unwrap();
     let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec!["--kernel", "/nonexistent/vmlinux"], "cannot open kernel"),
+        (
+            vec!["--kernel", "/nonexistent/vmlinux"],
+            "cannot open kernel",
+        ),
         (vec!["--kernel", text.to_str().unwrap()], "not a kernel"),
-        (vec!["--kernel", truncated.to_str().unwrap()], "not a kernel"),
-        (vec!["--kernel", gs, "--initrd", big.to_str().unwrap(), "--mem", "32M"], "does not fit"),
-        (vec!["--kernel", gs, "--initrd", "/nonexistent/initrd"], "cannot read initrd"),
+        (
+            vec!["--kernel", truncated.to_str().unwrap()],
+            "not a kernel",
+        ),
+        (
+            vec![
+                "--kernel",
+                gs,
+                "--initrd",
+                big.to_str().unwrap(),
+                "--mem",
+                "32M",
+            ],
+            "does not fit",
+        ),
+        (
+            vec!["--kernel", gs, "--initrd", "/nonexistent/initrd"],
+            "cannot read initrd",
+        ),
         (vec!["--kernel", gs, "--mem", "lots"], "not a memory size"),
         (vec!["--kernel", gs, "--mem", "1M"], "too small"),
         (vec!["--kernel", gs, "--cpus", "100000"], "vCPUs requested"),
@@ -171,6 +232,10 @@ fn bad_input_is_a_clear_error() {
         assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: expected `{want}` in: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
-        assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line please: {err}");
+        assert_eq!(
+            err.trim().lines().count(),
+            1,
+            "{args:?}: one line please: {err}"
+        );
     }
 }

@@ -55,7 +55,10 @@ pub struct VmEnd {
 impl VmEnd {
     /// A fresh, not-yet-ended state.
     pub fn new() -> io::Result<Self> {
-        Ok(VmEnd { end: Mutex::new(None), evt: EventFd::new(libc::EFD_NONBLOCK)? })
+        Ok(VmEnd {
+            end: Mutex::new(None),
+            evt: EventFd::new(libc::EFD_NONBLOCK)?,
+        })
     }
 
     /// Records how the guest ended and wakes the VMM.
@@ -110,7 +113,12 @@ pub struct ConsoleSink {
 impl ConsoleSink {
     /// A sink writing to `out` (None: discard) and recording lines.
     pub fn new(out: Option<Box<dyn Write + Send>>, recorder: Arc<Recorder>) -> Self {
-        ConsoleSink { out, stamper: LineStamper::default(), recorder, pending: Vec::new() }
+        ConsoleSink {
+            out,
+            stamper: LineStamper::default(),
+            recorder,
+            pending: Vec::new(),
+        }
     }
 
     /// Records a trailing partial line (at exit).
@@ -124,7 +132,8 @@ impl Write for ConsoleSink {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         if self.recorder.enabled() {
             let rec = &self.recorder;
-            self.stamper.feed(buf, |l| rec.mark_text(kind::CONSOLE_LINE, l));
+            self.stamper
+                .feed(buf, |l| rec.mark_text(kind::CONSOLE_LINE, l));
         }
         self.pending.extend_from_slice(buf);
         Ok(buf.len())
@@ -133,7 +142,11 @@ impl Write for ConsoleSink {
     fn flush(&mut self) -> io::Result<()> {
         if let Some(out) = self.out.as_mut() {
             // A closed terminal must not stop the guest: drop output instead.
-            if out.write_all(&self.pending).and_then(|_| out.flush()).is_err() {
+            if out
+                .write_all(&self.pending)
+                .and_then(|_| out.flush())
+                .is_err()
+            {
                 self.out = None;
             }
         }
@@ -201,7 +214,10 @@ impl BusDevice for I8042 {
 
     fn write(&mut self, offset: u64, data: &[u8]) {
         // The device sits on 0x60..0x65; the command port is at offset 4.
-        let command_port = u64::from(crate::arch::x86_64::layout::I8042_COMMAND_PORT - crate::arch::x86_64::layout::I8042_DATA_PORT);
+        let command_port = u64::from(
+            crate::arch::x86_64::layout::I8042_COMMAND_PORT
+                - crate::arch::x86_64::layout::I8042_DATA_PORT,
+        );
         if offset == command_port && data.first() == Some(&I8042_CMD_RESET_CPU) {
             self.end.report(GuestEnd::Reset);
         }
@@ -271,7 +287,8 @@ impl BusDevice for BootTimer {
 
     fn write(&mut self, _offset: u64, data: &[u8]) {
         if data.first() == Some(&BOOT_TIMER_MAGIC) {
-            self.recorder.mark_code(kind::BOOT_MARK, BOOT_TIMER_MAGIC_CODE);
+            self.recorder
+                .mark_code(kind::BOOT_MARK, BOOT_TIMER_MAGIC_CODE);
             log::info!("guest boot time = {:.0} us", crate::events::now_us());
         }
     }
@@ -425,7 +442,12 @@ mod tests {
         sink.flush().unwrap();
         sink.finish();
         assert_eq!(&*out.0.lock().unwrap(), b"hello\nworld");
-        let lines: Vec<_> = rec.snapshot().events.into_iter().filter_map(|e| e.text).collect();
+        let lines: Vec<_> = rec
+            .snapshot()
+            .events
+            .into_iter()
+            .filter_map(|e| e.text)
+            .collect();
         assert_eq!(lines, ["hello", "world"]);
     }
 

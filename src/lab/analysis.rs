@@ -257,7 +257,7 @@ pub struct ActivityStats {
 }
 
 /// Aggregates per-boot activities; `total_ms` is the mean run length. Sorted
-/// by mean start time.
+/// by mean start time, then depth.
 pub fn aggregate(per_boot: &[Vec<Activity>], total_ms: f64) -> Vec<ActivityStats> {
     let mut by_name: BTreeMap<&str, Vec<&Activity>> = BTreeMap::new();
     for a in per_boot.iter().flatten() {
@@ -297,7 +297,13 @@ pub fn aggregate(per_boot: &[Vec<Activity>], total_ms: f64) -> Vec<ActivityStats
             }
         })
         .collect();
-    out.sort_by(|a, b| a.start_ms.mean.total_cmp(&b.start_ms.mean));
+    // Parents before children when they start together.
+    out.sort_by(|a, b| {
+        a.start_ms
+            .mean
+            .total_cmp(&b.start_ms.mean)
+            .then(a.depth.cmp(&b.depth))
+    });
     out
 }
 
@@ -397,7 +403,10 @@ impl Default for Milestones {
                 "kernel".into(),
                 Regex::new(r"Linux version \d").expect("valid"),
             )],
-            userspace: Regex::new(r"^Run /init as init process|^ember-lab: ").expect("valid"),
+            userspace: Regex::new(
+                r"^Run /init as init process|^ember-lab: |^ember-test-guest: ring 3",
+            )
+            .expect("valid"),
             shutdown: Regex::new(r"^reboot: (Power down|Restarting system)|^@guest_shutdown")
                 .expect("valid"),
         }

@@ -149,6 +149,7 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
         .process_group(0);
     let binary = cmd.get_program().to_string_lossy().into_owned();
     let t0 = Instant::now();
+    let t0_ns = crate::events::monotonic_ns();
     let mut child = cmd
         .spawn()
         .map_err(|source| BootError::Spawn { binary, source })?;
@@ -209,7 +210,7 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
                     path: path.clone(),
                     source,
                 })?;
-            events = align_events(file.events, &lines);
+            events = align_events(&file, t0_ns, &lines);
         }
     }
     Ok(BootRecord {
@@ -301,19 +302,26 @@ fn scratch_events_path() -> PathBuf {
 }
 
 /// Moves VMM events (µs since the VMM process started) onto our clock (µs
-/// since spawn). The VMM stamps each console line just before writing it, so
-/// the smallest gap between our arrival stamp and its stamp of the same line
-/// is the clock offset plus one pipe hop. Without console events we fall back
-/// to offset 0 (the VMM's start is within an exec of our spawn).
-pub fn align_events(mut events: Vec<Event>, lines: &[ConsoleLine]) -> Vec<Event> {
-    let vmm_lines = events
-        .iter()
-        .filter(|e| e.kind == crate::events::kind::CONSOLE_LINE);
-    let offset = vmm_lines
-        .zip(lines)
-        .map(|(e, l)| l.t_us - e.t_us)
-        .fold(f64::INFINITY, f64::min);
-    let offset = if offset.is_finite() { offset } else { 0.0 };
+/// since spawn, `spawn_ns` on CLOCK_MONOTONIC). A VMM that wrote its start on
+/// CLOCK_MONOTONIC gives the offset exactly. Otherwise its console-line
+/// events help: it stamps each line just before writing it, so the smallest
+/// gap between our arrival stamp and its stamp of the same line is the
+/// offset plus one pipe hop. Failing both, offset 0 (the VMM starts within an
+/// exec of our spawn).
+pub fn align_events(file: &EventFile, spawn_ns: u64, lines: &[ConsoleLine]) -> Vec<Event> {
+    let offset = if file.t0_monotonic_ns != 0 && spawn_ns != 0 {
+        (file.t0_monotonic_ns as f64 - spawn_ns as f64) / 1e3
+    } else {
+        let by_lines = file
+            .events
+            .iter()
+            .filter(|e| e.kind == crate::events::kind::CONSOLE_LINE)
+            .zip(lines)
+            .map(|(e, l)| l.t_us - e.t_us)
+            .fold(f64::INFINITY, f64::min);
+        if by_lines.is_finite() { by_lines } else { 0.0 }
+    };
+    let mut events = file.events.clone();
     for e in &mut events {
         e.t_us += offset;
     }
@@ -449,9 +457,21 @@ mod tests {
                 text: "b".into(),
             },
         ];
-        let out = align_events(events, &lines);
+        let file = |events: Vec<Event>, t0: u64| EventFile {
+            version: 1,
+            producer: "test".into(),
+            t0_monotonic_ns: t0,
+            events,
+        };
+        let out = align_events(&file(events.clone(), 0), 5_000_000, &lines);
         // Smallest gap: 1950 - 900 = 1050.
         assert_eq!(out[0].t_us, 1150.0);
-        assert_eq!(align_events(vec![ev(5.0, "x")], &[])[0].t_us, 5.0);
+        // The VMM started 2 ms after our spawn: exact.
+        let out = align_events(&file(events, 7_000_000), 5_000_000, &lines);
+        assert_eq!(out[0].t_us, 2100.0);
+        assert_eq!(
+            align_events(&file(vec![ev(5.0, "x")], 0), 0, &[])[0].t_us,
+            5.0
+        );
     }
 }

@@ -90,7 +90,7 @@ pub struct GuestOpts {
     #[arg(
         long,
         value_name = "REGEX",
-        default_value = "^Run /init as init process|^ember-lab: "
+        default_value = "^Run /init as init process|^ember-lab: |^ember-test-guest: ring 3"
     )]
     pub userspace: String,
     /// Extra boot mark: NAME=REGEX on console lines (printk prefix stripped).

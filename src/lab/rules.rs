@@ -132,6 +132,10 @@ impl Rule {
 /// events ember reports. Levels: 0 the whole run; 1 the phases; 2 kernel
 /// parts; 3 single initcalls and userspace markers.
 pub fn builtin_linux() -> Vec<Rule> {
+    /// Userspace begins: Linux starting /init, the lab's busybox /init
+    /// marker, or the ember test guest's ring-3 banner.
+    const USERSPACE: &str =
+        r"^Run /init as init process|^ember-lab: begin |^ember-test-guest: ring 3";
     const RULES: &[(&str, &str, &str, Option<&str>)] = &[
         ("run", r"^@spawn$", r"^@exit$", None),
         (
@@ -147,21 +151,51 @@ pub fn builtin_linux() -> Vec<Rule> {
             Some("run"),
         ),
         (
-            "guest:to-userspace",
+            "vmm:exec+kvm-open",
+            r"^@spawn$",
+            r"^@kvm_open",
+            Some("vmm:setup"),
+        ),
+        (
+            "vmm:guest-memory",
+            r"^@kvm_open",
+            r"^@memory_ready",
+            Some("vmm:setup"),
+        ),
+        (
+            "vmm:load+vcpus",
+            r"^@memory_ready",
+            r"^@first_guest_entry",
+            Some("vmm:setup"),
+        ),
+        (
+            "guest:until-userspace",
+            r"^@first_guest_entry",
+            USERSPACE,
+            Some("run"),
+        ),
+        (
+            "kernel:before-printk",
+            r"^@first_guest_entry",
+            r"Linux version \d",
+            Some("run"),
+        ),
+        (
+            "guest:first-output-to-userspace",
             r"^@first_output$",
-            r"^Run /init as init process|^ember-lab: begin ",
+            USERSPACE,
             Some("run"),
         ),
         (
             "firmware",
-            r"SeaBIOS \(version|^@first_guest_entry",
+            r"SeaBIOS \(version",
             r"Linux version \d",
             Some("run"),
         ),
         (
             "kernel",
             r"Linux version \d",
-            r"^Run /init as init process|^@boot_mark",
+            r"^Run /init as init process",
             Some("run"),
         ),
         (
@@ -208,7 +242,7 @@ pub fn builtin_linux() -> Vec<Rule> {
         ),
         (
             "userspace",
-            r"^Run /init as init process|^ember-lab: begin ",
+            USERSPACE,
             r"^ember-lab: poweroff|^reboot: |^@guest_shutdown",
             Some("run"),
         ),

@@ -56,7 +56,10 @@ pub fn open() -> Result<Kvm, KvmError> {
     if version != KVM_API_VERSION {
         return Err(KvmError::ApiVersion(version));
     }
-    if let Some((_, what)) = REQUIRED_CAPS.iter().find(|(cap, _)| !kvm.check_extension(*cap)) {
+    if let Some((_, what)) = REQUIRED_CAPS
+        .iter()
+        .find(|(cap, _)| !kvm.check_extension(*cap))
+    {
         return Err(KvmError::MissingCap(what));
     }
     Ok(kvm)
@@ -69,7 +72,9 @@ pub fn supported_cpuid(kvm: &Kvm) -> Result<&'static CpuId, KvmError> {
     if let Some(c) = CPUID.get() {
         return Ok(c);
     }
-    let c = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(KvmError::SupportedCpuid)?;
+    let c = kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(KvmError::SupportedCpuid)?;
     Ok(CPUID.get_or_init(|| c))
 }
 
@@ -80,6 +85,10 @@ mod tests {
     #[test]
     fn errors_say_what_to_do() {
         assert!(KvmError::Permission.to_string().contains("usermod -aG kvm"));
-        assert!(KvmError::NotPresent.to_string().contains("enable virtualization"));
+        assert!(
+            KvmError::NotPresent
+                .to_string()
+                .contains("enable virtualization")
+        );
     }
 }

@@ -5,8 +5,8 @@
 //! must not grow with memory size).
 
 use crate::arch::x86_64::layout;
-use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use thiserror::Error;
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
 /// Smallest guest ember will build: room for the boot structures in the low
 /// megabyte plus a kernel above it.
@@ -80,13 +80,19 @@ pub fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
             let rc = unsafe { libc::madvise(addr.cast(), len, libc::MADV_HUGEPAGE) };
             if rc != 0 {
                 // THP disabled on the host: a performance hint lost, not an error.
-                log::debug!("madvise(MADV_HUGEPAGE) failed: {}", std::io::Error::last_os_error());
+                log::debug!(
+                    "madvise(MADV_HUGEPAGE) failed: {}",
+                    std::io::Error::last_os_error()
+                );
             }
             // The teardown child (see `vstate::teardown`) must not inherit guest
             // memory: fork would have to copy its page tables.
             // SAFETY: as above; MADV_DONTFORK only affects future forks.
             if unsafe { libc::madvise(addr.cast(), len, libc::MADV_DONTFORK) } != 0 {
-                log::debug!("madvise(MADV_DONTFORK) failed: {}", std::io::Error::last_os_error());
+                log::debug!(
+                    "madvise(MADV_DONTFORK) failed: {}",
+                    std::io::Error::last_os_error()
+                );
             }
         }
     }
@@ -98,7 +104,9 @@ pub fn resident_bytes(mem: &GuestMemoryMmap) -> u64 {
     const PAGE: usize = 4096;
     let mut total = 0u64;
     for region in mem.iter() {
-        let Ok(addr) = region.get_host_address(vm_memory::MemoryRegionAddress(0)) else { continue };
+        let Ok(addr) = region.get_host_address(vm_memory::MemoryRegionAddress(0)) else {
+            continue;
+        };
         let len = region.len() as usize;
         let mut vec = vec![0u8; len.div_ceil(PAGE)];
         // SAFETY: `addr..addr+len` is a live mapping owned by `mem`, and `vec` has
@@ -125,7 +133,15 @@ mod tests {
 
     #[test]
     fn rejects_garbage() {
-        for bad in ["", "M", "12Q", "-1M", "1.5G", "99999999999999999999G", "4097"] {
+        for bad in [
+            "",
+            "M",
+            "12Q",
+            "-1M",
+            "1.5G",
+            "99999999999999999999G",
+            "4097",
+        ] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
     }
@@ -133,7 +149,10 @@ mod tests {
     #[test]
     fn bounds() {
         assert_eq!(check_size(1 << 20), Err(MemoryError::TooSmall(1 << 20)));
-        assert_eq!(check_size(MAX_MEM_SIZE * 2), Err(MemoryError::TooLarge(MAX_MEM_SIZE * 2)));
+        assert_eq!(
+            check_size(MAX_MEM_SIZE * 2),
+            Err(MemoryError::TooLarge(MAX_MEM_SIZE * 2))
+        );
         assert!(check_size(MIN_MEM_SIZE).is_ok());
     }
 

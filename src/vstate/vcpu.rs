@@ -1,9 +1,9 @@
 //! vCPUs: creation, boot register state, and the run loop that hands exits
 //! to the device buses.
 
+use crate::arch::x86_64::regs;
 use crate::devices::bus::Bus;
 use crate::devices::legacy::{GuestEnd, VmEnd};
-use crate::arch::x86_64::regs;
 use kvm_bindings::{CpuId, Msrs, kvm_msr_entry};
 use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
 use thiserror::Error;
@@ -67,7 +67,9 @@ pub enum VcpuError {
         suberror: u32,
     },
     /// Entering the guest failed.
-    #[error("KVM could not enter the guest on vCPU {id} (hardware reason {reason:#x}) at RIP {rip:#x}")]
+    #[error(
+        "KVM could not enter the guest on vCPU {id} (hardware reason {reason:#x}) at RIP {rip:#x}"
+    )]
     FailEntry {
         /// vCPU index.
         id: u32,
@@ -107,7 +109,9 @@ pub struct Vcpu {
 impl Vcpu {
     /// Creates vCPU `id` (also its APIC id).
     pub fn new(vm: &VmFd, id: u32) -> Result<Vcpu, VcpuError> {
-        let fd = vm.create_vcpu(u64::from(id)).map_err(|source| VcpuError::Create { id, source })?;
+        let fd = vm
+            .create_vcpu(u64::from(id))
+            .map_err(|source| VcpuError::Create { id, source })?;
         Ok(Vcpu { fd, id })
     }
 
@@ -122,7 +126,11 @@ impl Vcpu {
     }
 
     fn cfg(&self, what: &'static str) -> impl Fn(kvm_ioctls::Error) -> VcpuError + '_ {
-        move |source| VcpuError::Configure { id: self.id, what, source }
+        move |source| VcpuError::Configure {
+            id: self.id,
+            what,
+            source,
+        }
     }
 
     /// Sets CPUID, MSRs and the LAPIC's local interrupt pins: what every vCPU needs.
@@ -151,14 +159,21 @@ impl Vcpu {
                 regs::linux64_regs(rip)
             }
         };
-        self.fd.set_sregs(&sregs).map_err(self.cfg("segment registers"))?;
+        self.fd
+            .set_sregs(&sregs)
+            .map_err(self.cfg("segment registers"))?;
         self.fd.set_regs(&regs).map_err(self.cfg("registers"))?;
-        self.fd.set_fpu(&regs::boot_fpu()).map_err(self.cfg("FPU state"))
+        self.fd
+            .set_fpu(&regs::boot_fpu())
+            .map_err(self.cfg("FPU state"))
     }
 
     fn set_lint(&self) -> Result<(), VcpuError> {
         let mut lapic = self.fd.get_lapic().map_err(self.cfg("LAPIC"))?;
-        for (reg, mode) in [(APIC_LVT_LINT0, APIC_MODE_EXTINT), (APIC_LVT_LINT1, APIC_MODE_NMI)] {
+        for (reg, mode) in [
+            (APIC_LVT_LINT0, APIC_MODE_EXTINT),
+            (APIC_LVT_LINT1, APIC_MODE_NMI),
+        ] {
             let v = read_lapic_reg(&lapic.regs, reg);
             write_lapic_reg(&mut lapic.regs, reg, (v & !APIC_DELIVERY_MODE_MASK) | mode);
         }
@@ -173,7 +188,13 @@ impl Vcpu {
     ///
     /// `on_first_entry` is called right before the first KVM_RUN, so the
     /// timeline can mark the first guest instruction.
-    pub fn run(&mut self, io: &Bus, mmio: &Bus, end: &VmEnd, on_first_entry: impl FnOnce()) -> Result<(), VcpuError> {
+    pub fn run(
+        &mut self,
+        io: &Bus,
+        mmio: &Bus,
+        end: &VmEnd,
+        on_first_entry: impl FnOnce(),
+    ) -> Result<(), VcpuError> {
         let id = self.id;
         on_first_entry();
         loop {
@@ -212,15 +233,27 @@ impl Vcpu {
                     // SAFETY: KVM filled the `internal` member of the exit union because
                     // exit_reason is KVM_EXIT_INTERNAL_ERROR; it is plain integers.
                     let suberror = unsafe { run.__bindgen_anon_1.internal.suberror };
-                    return Err(VcpuError::Internal { id, rip: self.rip(), suberror });
+                    return Err(VcpuError::Internal {
+                        id,
+                        rip: self.rip(),
+                        suberror,
+                    });
                 }
                 VcpuExit::FailEntry(reason, _) => {
-                    return Err(VcpuError::FailEntry { id, reason, rip: self.rip() });
+                    return Err(VcpuError::FailEntry {
+                        id,
+                        reason,
+                        rip: self.rip(),
+                    });
                 }
                 VcpuExit::Intr => {}
                 other => {
                     let exit = format!("{other:?}");
-                    return Err(VcpuError::Unexpected { id, exit, rip: self.rip() });
+                    return Err(VcpuError::Unexpected {
+                        id,
+                        exit,
+                        rip: self.rip(),
+                    });
                 }
             }
         }

@@ -63,18 +63,28 @@ impl Vm {
         let setup = |what| move |source| VmError::Setup { what, source };
         // Intel VMX needs these three pages for real-mode emulation; they must not
         // overlap RAM or devices, so they sit just below the BIOS area at 4 GiB.
-        fd.set_tss_address(layout::KVM_TSS_ADDRESS as usize).map_err(setup("the TSS area"))?;
+        fd.set_tss_address(layout::KVM_TSS_ADDRESS as usize)
+            .map_err(setup("the TSS area"))?;
         fd.set_identity_map_address(layout::KVM_IDENTITY_MAP_ADDRESS)
             .map_err(setup("the identity-map page"))?;
-        Ok(Vm { fd, next_slot: 0, max_slots: kvm.get_nr_memslots() })
+        Ok(Vm {
+            fd,
+            next_slot: 0,
+            max_slots: kvm.get_nr_memslots(),
+        })
     }
 
     /// Creates the in-kernel PIC/IOAPIC/LAPIC and PIT (before any vCPU).
     pub fn create_irqchip(&self) -> Result<(), VmError> {
         let setup = |what| move |source| VmError::Setup { what, source };
-        self.fd.create_irq_chip().map_err(setup("the in-kernel irqchip"))?;
+        self.fd
+            .create_irq_chip()
+            .map_err(setup("the in-kernel irqchip"))?;
         // The PIT's speaker port is a dummy: nothing can beep.
-        let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
         self.fd.create_pit2(pit).map_err(setup("the in-kernel PIT"))
     }
 
@@ -112,8 +122,10 @@ impl Vm {
         // SAFETY: the caller guarantees `host_addr..host_addr+len` is a live mapping
         // that outlives the VM (guest memory is owned by the VMM for the VM's whole
         // life), and slots are never reused, so KVM cannot alias another region.
-        unsafe { self.fd.set_user_memory_region(region) }
-            .map_err(|source| VmError::Memory { addr: guest_addr, source })?;
+        unsafe { self.fd.set_user_memory_region(region) }.map_err(|source| VmError::Memory {
+            addr: guest_addr,
+            source,
+        })?;
         self.next_slot += 1;
         Ok(())
     }
@@ -121,14 +133,27 @@ impl Vm {
     /// Routes `evt` to GSI `gsi`: writing the eventfd raises the interrupt
     /// without a trip through the VMM.
     pub fn register_irqfd(&self, evt: &EventFd, gsi: u32) -> Result<(), VmError> {
-        self.fd.register_irqfd(evt, gsi).map_err(|source| VmError::EventFd { what: "an irqfd", source })
+        self.fd
+            .register_irqfd(evt, gsi)
+            .map_err(|source| VmError::EventFd {
+                what: "an irqfd",
+                source,
+            })
     }
 
     /// Has KVM signal `evt` when the guest writes `datamatch` (4 bytes) to the
     /// MMIO address `addr`, instead of exiting to the vCPU thread.
-    pub fn register_mmio_ioevent(&self, evt: &EventFd, addr: u64, datamatch: u32) -> Result<(), VmError> {
+    pub fn register_mmio_ioevent(
+        &self,
+        evt: &EventFd,
+        addr: u64,
+        datamatch: u32,
+    ) -> Result<(), VmError> {
         self.fd
             .register_ioevent(evt, &IoEventAddress::Mmio(addr), datamatch)
-            .map_err(|source| VmError::EventFd { what: "an ioeventfd", source })
+            .map_err(|source| VmError::EventFd {
+                what: "an ioeventfd",
+                source,
+            })
     }
 }

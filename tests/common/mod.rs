@@ -12,13 +12,19 @@ pub fn ember() -> Command {
 /// Whether this host has a usable /dev/kvm. Without one, KVM tests fail —
 /// unless EMBER_ALLOW_NO_KVM=1, in which case they print a loud SKIPPED line.
 pub fn require_kvm(test: &str) -> bool {
-    let ok = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok();
+    let ok = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_ok();
     if !ok {
         if std::env::var_os("EMBER_ALLOW_NO_KVM").is_some() {
             eprintln!("\n*** SKIPPED {test}: /dev/kvm is not usable on this host ***\n");
             return false;
         }
-        panic!("{test}: /dev/kvm is not usable (set EMBER_ALLOW_NO_KVM=1 to skip KVM tests loudly)");
+        panic!(
+            "{test}: /dev/kvm is not usable (set EMBER_ALLOW_NO_KVM=1 to skip KVM tests loudly)"
+        );
     }
     true
 }
@@ -46,7 +52,8 @@ impl Drop for Scratch {
 
 /// Runs a command, returning its output; panics with context if it cannot start.
 pub fn output(cmd: &mut Command) -> Output {
-    cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
+    cmd.output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
 }
 
 pub fn stdout(o: &Output) -> String {
