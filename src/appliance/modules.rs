@@ -110,7 +110,11 @@ impl ModuleTree {
     }
 
     /// `wanted` and their dependencies, dependencies first, skipping built-ins.
-    pub fn resolve(&self, wanted: &[&str], blacklist: &[&str]) -> Result<Vec<PathBuf>, ModuleError> {
+    pub fn resolve(
+        &self,
+        wanted: &[&str],
+        blacklist: &[&str],
+    ) -> Result<Vec<PathBuf>, ModuleError> {
         let blacklist: BTreeSet<String> = blacklist.iter().map(|b| normalize(b)).collect();
         let mut order = Vec::new();
         let mut state = HashMap::new();
@@ -211,7 +215,11 @@ pub(crate) mod tests {
             let p = dir.join(rel);
             fs::create_dir_all(p.parent().unwrap()).unwrap();
             let name = module_name(rel).unwrap();
-            fs::write(&p, fake_ko(&format!("license=GPL\0depends={deps}\0name={name}\0"))).unwrap();
+            fs::write(
+                &p,
+                fake_ko(&format!("license=GPL\0depends={deps}\0name={name}\0")),
+            )
+            .unwrap();
             order.push_str(rel);
             order.push('\n');
         }
@@ -261,7 +269,10 @@ pub(crate) mod tests {
         let dir = crate::appliance::test_dir("modules-cycle");
         fake_tree(&dir, &[("a.ko", "b"), ("b.ko", "a")], &[]);
         let tree = ModuleTree::open(&dir).unwrap();
-        assert!(matches!(tree.resolve(&["a"], &[]), Err(ModuleError::Cycle(_))));
+        assert!(matches!(
+            tree.resolve(&["a"], &[]),
+            Err(ModuleError::Cycle(_))
+        ));
         let junk = dir.join("junk.ko");
         fs::write(&junk, b"not elf").unwrap();
         assert!(matches!(depends(&junk), Err(ModuleError::NotAModule(_))));
@@ -280,13 +291,20 @@ pub(crate) mod tests {
         };
         let tree = ModuleTree::open(&dir).unwrap();
         let got = names(&tree.resolve(APPLIANCE_MODULES, BLACKLIST).unwrap());
-        let pos = |n: &str| got.iter().position(|g| g == n).unwrap_or_else(|| panic!("{n} in {got:?}"));
+        let pos = |n: &str| {
+            got.iter()
+                .position(|g| g == n)
+                .unwrap_or_else(|| panic!("{n} in {got:?}"))
+        };
         assert!(pos("virtio_ring") < pos("virtio"));
         assert!(pos("virtio") < pos("virtio_console"));
         assert!(pos("libnvdimm") < pos("nd_pmem"));
         assert!(pos("vsock") < pos("vmw_vsock_virtio_transport"));
         assert!(pos("nd_btt") < pos("nd_pmem"));
-        assert!(!got.iter().any(|g| g.contains("drm") || g == "dax"), "{got:?}");
+        assert!(
+            !got.iter().any(|g| g.contains("drm") || g == "dax"),
+            "{got:?}"
+        );
         let unique: BTreeSet<_> = got.iter().collect();
         assert_eq!(unique.len(), got.len());
     }
