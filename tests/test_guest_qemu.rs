@@ -4,7 +4,7 @@
 //! shows: the serial console, isa-debug-exit's status ((N << 1) | 1), and an
 //! isa-debugcon on port 0x80 that records the boot marks.
 
-use ember::testing::{as_bzimage, test_guest};
+use ember::testing::{GUEST_EXIT_ERROR, as_bzimage, test_guest};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -157,7 +157,7 @@ fn malformed_tokens_exit_with_status_2() {
     let guest = test_guest().unwrap();
     for token in ["mark=300", "touch=lots", "exit", "timer=1", "touch=4000"] {
         let run = tcg(&guest, &format!("print=first {token} print=not_reached"));
-        assert_eq!(run.status, qemu_status(2), "{token}: {}", run.console);
+        assert_eq!(run.status, qemu_status(GUEST_EXIT_ERROR.into()), "{token}: {}", run.console);
         assert!(
             run.console.contains("ember-test-guest: error: "),
             "{token}: {}",
@@ -295,12 +295,12 @@ fn blk_benchmark_prints_one_line_per_run() {
     );
     std::fs::remove_file(&disk).unwrap();
     let line = regex::Regex::new(
-        r"(?m)^blk: op=(\w+) bs=(\d+) qd=(\d+) pattern=(\w+) ios=(\d+) bytes=(\d+) ns=(\d+) iops=(\d+) mibps=\d+\.\d\d lat_p50_ns=(\d+) lat_p99_ns=(\d+) dev=0x[0-9a-f]+$",
+        r"(?m)^blk: op=(\w+) bs=(\d+) qd=(\d+) pattern=(\w+) ios=(\d+) bytes=(\d+) ns=(\d+) iops=(\d+) mibps=\d+\.\d\d lat_p50_ns=(\d+) lat_p99_ns=(\d+) lat_max_ns=(\d+) dev=0x[0-9a-f]+$",
     )
     .unwrap();
     let runs: Vec<Vec<String>> = line
         .captures_iter(&run.console)
-        .map(|c| (1..=10).map(|i| c[i].to_owned()).collect())
+        .map(|c| (1..=11).map(|i| c[i].to_owned()).collect())
         .collect();
     let settings: Vec<[&str; 5]> = runs
         .iter()
@@ -321,6 +321,7 @@ fn blk_benchmark_prints_one_line_per_run() {
         assert_eq!(n(5), n(4) * n(1), "bytes = ios × bs");
         assert!(n(6) > 0 && n(7) > 0, "{r:?}");
         assert!(n(8) > 0 && n(8) <= n(9), "p50 ≤ p99: {r:?}");
+        assert!(n(9) <= n(10), "p99 ≤ max: {r:?}");
     }
     assert_eq!(run.status, qemu_status(0), "{}", run.console);
 }
@@ -339,7 +340,7 @@ fn blk_errors_exit_with_status_2() {
     for (drive, cmdline, message) in cases {
         let run = tcg_with_disk(&disk, drive, &format!("{cmdline} exit=0"));
         assert!(run.console.contains(message), "{cmdline}: {}", run.console);
-        assert_eq!(run.status, qemu_status(2), "{cmdline}: {}", run.console);
+        assert_eq!(run.status, qemu_status(GUEST_EXIT_ERROR.into()), "{cmdline}: {}", run.console);
     }
     std::fs::remove_file(&disk).unwrap();
 }
@@ -352,7 +353,7 @@ fn blk_without_a_device_is_an_error() {
         "{}",
         run.console
     );
-    assert_eq!(run.status, qemu_status(2), "{}", run.console);
+    assert_eq!(run.status, qemu_status(GUEST_EXIT_ERROR.into()), "{}", run.console);
 }
 
 #[test]
@@ -368,7 +369,7 @@ fn blk_rejects_legacy_virtio_mmio() {
     );
     std::fs::remove_file(&disk).unwrap();
     assert!(run.console.contains("version 2"), "{}", run.console);
-    assert_eq!(run.status, qemu_status(2), "{}", run.console);
+    assert_eq!(run.status, qemu_status(GUEST_EXIT_ERROR.into()), "{}", run.console);
 }
 
 #[test]
