@@ -157,7 +157,12 @@ fn malformed_tokens_exit_with_status_2() {
     let guest = test_guest().unwrap();
     for token in ["mark=300", "touch=lots", "exit", "timer=1", "touch=4000"] {
         let run = tcg(&guest, &format!("print=first {token} print=not_reached"));
-        assert_eq!(run.status, qemu_status(GUEST_EXIT_ERROR.into()), "{token}: {}", run.console);
+        assert_eq!(
+            run.status,
+            qemu_status(GUEST_EXIT_ERROR.into()),
+            "{token}: {}",
+            run.console
+        );
         assert!(
             run.console.contains("ember-test-guest: error: "),
             "{token}: {}",
@@ -340,7 +345,12 @@ fn blk_errors_exit_with_status_2() {
     for (drive, cmdline, message) in cases {
         let run = tcg_with_disk(&disk, drive, &format!("{cmdline} exit=0"));
         assert!(run.console.contains(message), "{cmdline}: {}", run.console);
-        assert_eq!(run.status, qemu_status(GUEST_EXIT_ERROR.into()), "{cmdline}: {}", run.console);
+        assert_eq!(
+            run.status,
+            qemu_status(GUEST_EXIT_ERROR.into()),
+            "{cmdline}: {}",
+            run.console
+        );
     }
     std::fs::remove_file(&disk).unwrap();
 }
@@ -353,7 +363,12 @@ fn blk_without_a_device_is_an_error() {
         "{}",
         run.console
     );
-    assert_eq!(run.status, qemu_status(GUEST_EXIT_ERROR.into()), "{}", run.console);
+    assert_eq!(
+        run.status,
+        qemu_status(GUEST_EXIT_ERROR.into()),
+        "{}",
+        run.console
+    );
 }
 
 #[test]
@@ -369,7 +384,12 @@ fn blk_rejects_legacy_virtio_mmio() {
     );
     std::fs::remove_file(&disk).unwrap();
     assert!(run.console.contains("version 2"), "{}", run.console);
-    assert_eq!(run.status, qemu_status(GUEST_EXIT_ERROR.into()), "{}", run.console);
+    assert_eq!(
+        run.status,
+        qemu_status(GUEST_EXIT_ERROR.into()),
+        "{}",
+        run.console
+    );
 }
 
 #[test]
