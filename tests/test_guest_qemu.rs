@@ -240,25 +240,35 @@ fn disk(mib: u64) -> PathBuf {
     path
 }
 
-/// QEMU options for a modern virtio-blk-device on `disk`.
-fn virtio_blk_args(disk: &Path, extra_drive_opts: &str) -> Vec<String> {
+/// The `-drive` value for a raw disk file.
+fn raw_drive(disk: &Path, extra_drive_opts: &str) -> String {
+    format!(
+        "file={},format=raw,cache=unsafe{extra_drive_opts}",
+        disk.display()
+    )
+}
+
+/// QEMU options for a modern virtio-blk-device on `drive` (a `-drive` value
+/// without `if`/`id`).
+fn virtio_blk_args(drive: &str) -> Vec<String> {
     vec![
         "-global".into(),
         "virtio-mmio.force-legacy=false".into(),
         "-drive".into(),
-        format!(
-            "file={},format=raw,if=none,id=d0,cache=unsafe{extra_drive_opts}",
-            disk.display()
-        ),
+        format!("{drive},if=none,id=d0"),
         "-device".into(),
         "virtio-blk-device,drive=d0".into(),
     ]
 }
 
-fn tcg_with_disk(disk: &Path, drive_opts: &str, cmdline: &str) -> Run {
-    let args = virtio_blk_args(disk, drive_opts);
+fn tcg_with_drive(drive: &str, cmdline: &str) -> Run {
+    let args = virtio_blk_args(drive);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     run_with(&test_guest().unwrap(), cmdline, &["-accel", "tcg"], &args)
+}
+
+fn tcg_with_disk(disk: &Path, drive_opts: &str, cmdline: &str) -> Run {
+    tcg_with_drive(&raw_drive(disk, drive_opts), cmdline)
 }
 
 /// The verify pattern's words differ from word 0 by a seed-free function of
@@ -288,6 +298,37 @@ fn blkverify_writes_the_pattern_and_reads_it_back() {
     let bytes = std::fs::read(&disk).unwrap();
     std::fs::remove_file(&disk).unwrap();
     assert_disk_has_verify_pattern(&bytes, 2 << 20);
+}
+
+#[test]
+fn blkverify_catches_a_disk_that_drops_writes() {
+    // null-co discards writes and reads zeros.
+    let run = tcg_with_drive(
+        "driver=null-co,size=8M,read-zeroes=on",
+        "blkmib=1 blkverify exit=0",
+    );
+    assert!(
+        run.console
+            .contains("\nblkverify: mismatch at disk offset 0 (block at 0)\n"),
+        "{}",
+        run.console
+    );
+    assert_eq!(run.status, qemu_status(GUEST_EXIT_ERROR.into()));
+}
+
+#[test]
+fn blk_reports_device_errors() {
+    // blkdebug fails every request with EIO: virtio status 1 (IOERR).
+    let drive = "driver=blkdebug,inject-error.0.event=none,inject-error.0.errno=5,\
+                 image.driver=null-co,image.size=8M,image.read-zeroes=on";
+    let run = tcg_with_drive(drive, "blk exit=0");
+    assert!(
+        run.console
+            .contains("\nblk: request failed: status=1 offset=0\n"),
+        "{}",
+        run.console
+    );
+    assert_eq!(run.status, qemu_status(GUEST_EXIT_ERROR.into()));
 }
 
 #[test]
@@ -399,7 +440,7 @@ fn blk_runs_under_kvm() {
         "this test needs /dev/kvm (QEMU with -accel kvm)"
     );
     let disk = disk(4);
-    let args = virtio_blk_args(&disk, "");
+    let args = virtio_blk_args(&raw_drive(&disk, ""));
     let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
     args.extend(["-accel", "kvm", "-cpu", "qemu64"]);
     let run = run_with(
