@@ -111,7 +111,7 @@ fn bzimage() -> PathBuf {
 #[test]
 fn pvh_elf_runs_every_stage_1_command() {
     let cmdline =
-        "console=ttyS0 print=hello_from_ring_3 mark=0x42 mark=7 timer touch=4 spin=20 exit=7";
+        "console=ttyS0 print=hello_from_ring_3 mark=0x42 mark=7 timer touch=4 spin=20 tsc exit=7";
     let run = tcg(&test_guest().unwrap(), cmdline);
     let banner = format!("ember-test-guest: ring 3, entry=pvh, cmdline=\"{cmdline}\"\n");
     assert!(run.console.starts_with(&banner), "{}", run.console);
@@ -125,6 +125,7 @@ fn pvh_elf_runs_every_stage_1_command() {
         "{}",
         run.console
     );
+    assert!(run.console.contains("\ntsc: khz="), "{}", run.console);
     // 0x40 from the first CPL0 instruction, 0x41 from ring 3, then ours.
     assert_eq!(run.marks, [0x40, 0x41, 0x42, 7]);
     assert_eq!(run.status, qemu_status(7), "{}", run.console);
