@@ -4,7 +4,10 @@
 //! costs microseconds, and some instructions can't be emulated at all. So the
 //! kernel-mode code here is straight-line (no loops on the boot path), every
 //! table is a constant built at compile time, and the code only does what the
-//! CPU needs to run us in ring 3: our page tables, GDT/TSS, IDT, then `iretq`.
+//! CPU needs to run us in ring 3: our page tables, GDT/TSS, IDT, two CPUIDs
+//! (the TSC rate, as the VMM reports it), then `iretq`. After that, ring 0
+//! runs only for exceptions: a #GP handler that emulates ring 3's port I/O
+//! where the KVM ignores IOPL (PVM), and a report-and-exit for the rest.
 //!
 //! Fixed addresses (must agree with `link.ld`, which asserts them):
 //! the tables live in one static at [`TABLES_ADDR`], the exception stubs at
