@@ -54,6 +54,34 @@ pub enum TestingError {
     },
 }
 
+/// Debug-exit status the guest writes for a malformed token or a failed
+/// command (`ember-test-guest: error: …` on the console).
+pub const GUEST_EXIT_ERROR: u8 = 2;
+/// Debug-exit status the guest writes when it panics.
+pub const GUEST_EXIT_PANIC: u8 = 3;
+/// A CPU exception ends the guest with this plus the vector (#GP: 0x8d, #PF: 0x8e).
+pub const GUEST_EXIT_EXCEPTION_BASE: u8 = 0x80;
+
+/// The guest's result lines with this prefix (`blk`, `blkverify`, `touch`),
+/// each as its `key=value` fields in order. Lines look like
+/// `blk: op=read bs=4096 … lat_p99_ns=… dev=0xd0000000`; a word without `=`
+/// (the `ok` of `blkverify: ok …`) becomes a key with an empty value.
+pub fn guest_results(console: &str, prefix: &str) -> Vec<Vec<(String, String)>> {
+    console
+        .lines()
+        .filter_map(|line| line.strip_prefix(prefix)?.strip_prefix(": "))
+        .map(|fields| {
+            fields
+                .split_whitespace()
+                .map(|f| {
+                    let (k, v) = f.split_once('=').unwrap_or((f, ""));
+                    (k.to_owned(), v.to_owned())
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// The workspace root (this crate's manifest directory).
 fn workspace_root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -600,6 +628,19 @@ mod tests {
             Elf::parse(&bytes).err(),
             Some("program header table past the end of the file")
         );
+    }
+
+    #[test]
+    fn guest_results_parses_only_matching_lines() {
+        let console = "ember-test-guest: ring 3\nblk: op=read bs=4096 iops=12\n\
+                       blkverify: ok blocks=2\nblk: op=write bs=512 iops=7\nxblk: op=no\n";
+        let blk = guest_results(console, "blk");
+        assert_eq!(blk.len(), 2);
+        assert_eq!(blk[0][0], ("op".to_owned(), "read".to_owned()));
+        assert_eq!(blk[1][2], ("iops".to_owned(), "7".to_owned()));
+        let verify = guest_results(console, "blkverify");
+        assert_eq!(verify[0][0], ("ok".to_owned(), String::new()));
+        assert!(guest_results(console, "touch").is_empty());
     }
 
     #[test]

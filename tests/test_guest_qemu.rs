@@ -4,7 +4,7 @@
 //! shows: the serial console, isa-debug-exit's status ((N << 1) | 1), and an
 //! isa-debugcon on port 0x80 that records the boot marks.
 
-use ember::testing::{as_bzimage, test_guest};
+use ember::testing::{GUEST_EXIT_ERROR, as_bzimage, test_guest};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -111,7 +111,7 @@ fn bzimage() -> PathBuf {
 #[test]
 fn pvh_elf_runs_every_stage_1_command() {
     let cmdline =
-        "console=ttyS0 print=hello_from_ring_3 mark=0x42 mark=7 timer touch=4 spin=20 exit=7";
+        "console=ttyS0 print=hello_from_ring_3 mark=0x42 mark=7 timer touch=4 spin=20 tsc exit=7";
     let run = tcg(&test_guest().unwrap(), cmdline);
     let banner = format!("ember-test-guest: ring 3, entry=pvh, cmdline=\"{cmdline}\"\n");
     assert!(run.console.starts_with(&banner), "{}", run.console);
@@ -125,6 +125,7 @@ fn pvh_elf_runs_every_stage_1_command() {
         "{}",
         run.console
     );
+    assert!(run.console.contains("\ntsc: khz="), "{}", run.console);
     // 0x40 from the first CPL0 instruction, 0x41 from ring 3, then ours.
     assert_eq!(run.marks, [0x40, 0x41, 0x42, 7]);
     assert_eq!(run.status, qemu_status(7), "{}", run.console);
@@ -157,7 +158,12 @@ fn malformed_tokens_exit_with_status_2() {
     let guest = test_guest().unwrap();
     for token in ["mark=300", "touch=lots", "exit", "timer=1", "touch=4000"] {
         let run = tcg(&guest, &format!("print=first {token} print=not_reached"));
-        assert_eq!(run.status, qemu_status(2), "{token}: {}", run.console);
+        assert_eq!(
+            run.status,
+            qemu_status(GUEST_EXIT_ERROR.into()),
+            "{token}: {}",
+            run.console
+        );
         assert!(
             run.console.contains("ember-test-guest: error: "),
             "{token}: {}",
@@ -235,25 +241,35 @@ fn disk(mib: u64) -> PathBuf {
     path
 }
 
-/// QEMU options for a modern virtio-blk-device on `disk`.
-fn virtio_blk_args(disk: &Path, extra_drive_opts: &str) -> Vec<String> {
+/// The `-drive` value for a raw disk file.
+fn raw_drive(disk: &Path, extra_drive_opts: &str) -> String {
+    format!(
+        "file={},format=raw,cache=unsafe{extra_drive_opts}",
+        disk.display()
+    )
+}
+
+/// QEMU options for a modern virtio-blk-device on `drive` (a `-drive` value
+/// without `if`/`id`).
+fn virtio_blk_args(drive: &str) -> Vec<String> {
     vec![
         "-global".into(),
         "virtio-mmio.force-legacy=false".into(),
         "-drive".into(),
-        format!(
-            "file={},format=raw,if=none,id=d0,cache=unsafe{extra_drive_opts}",
-            disk.display()
-        ),
+        format!("{drive},if=none,id=d0"),
         "-device".into(),
         "virtio-blk-device,drive=d0".into(),
     ]
 }
 
-fn tcg_with_disk(disk: &Path, drive_opts: &str, cmdline: &str) -> Run {
-    let args = virtio_blk_args(disk, drive_opts);
+fn tcg_with_drive(drive: &str, cmdline: &str) -> Run {
+    let args = virtio_blk_args(drive);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     run_with(&test_guest().unwrap(), cmdline, &["-accel", "tcg"], &args)
+}
+
+fn tcg_with_disk(disk: &Path, drive_opts: &str, cmdline: &str) -> Run {
+    tcg_with_drive(&raw_drive(disk, drive_opts), cmdline)
 }
 
 /// The verify pattern's words differ from word 0 by a seed-free function of
@@ -286,6 +302,37 @@ fn blkverify_writes_the_pattern_and_reads_it_back() {
 }
 
 #[test]
+fn blkverify_catches_a_disk_that_drops_writes() {
+    // null-co discards writes and reads zeros.
+    let run = tcg_with_drive(
+        "driver=null-co,size=8M,read-zeroes=on",
+        "blkmib=1 blkverify exit=0",
+    );
+    assert!(
+        run.console
+            .contains("\nblkverify: mismatch at disk offset 0 (block at 0)\n"),
+        "{}",
+        run.console
+    );
+    assert_eq!(run.status, qemu_status(GUEST_EXIT_ERROR.into()));
+}
+
+#[test]
+fn blk_reports_device_errors() {
+    // blkdebug fails every request with EIO: virtio status 1 (IOERR).
+    let drive = "driver=blkdebug,inject-error.0.event=none,inject-error.0.errno=5,\
+                 image.driver=null-co,image.size=8M,image.read-zeroes=on";
+    let run = tcg_with_drive(drive, "blk exit=0");
+    assert!(
+        run.console
+            .contains("\nblk: request failed: status=1 offset=0\n"),
+        "{}",
+        run.console
+    );
+    assert_eq!(run.status, qemu_status(GUEST_EXIT_ERROR.into()));
+}
+
+#[test]
 fn blk_benchmark_prints_one_line_per_run() {
     let disk = disk(8);
     let run = tcg_with_disk(
@@ -295,12 +342,12 @@ fn blk_benchmark_prints_one_line_per_run() {
     );
     std::fs::remove_file(&disk).unwrap();
     let line = regex::Regex::new(
-        r"(?m)^blk: op=(\w+) bs=(\d+) qd=(\d+) pattern=(\w+) ios=(\d+) bytes=(\d+) ns=(\d+) iops=(\d+) mibps=\d+\.\d\d lat_p50_ns=(\d+) lat_p99_ns=(\d+) dev=0x[0-9a-f]+$",
+        r"(?m)^blk: op=(\w+) bs=(\d+) qd=(\d+) pattern=(\w+) ios=(\d+) bytes=(\d+) ns=(\d+) iops=(\d+) mibps=\d+\.\d\d lat_p50_ns=(\d+) lat_p99_ns=(\d+) lat_max_ns=(\d+) dev=0x[0-9a-f]+$",
     )
     .unwrap();
     let runs: Vec<Vec<String>> = line
         .captures_iter(&run.console)
-        .map(|c| (1..=10).map(|i| c[i].to_owned()).collect())
+        .map(|c| (1..=11).map(|i| c[i].to_owned()).collect())
         .collect();
     let settings: Vec<[&str; 5]> = runs
         .iter()
@@ -321,6 +368,7 @@ fn blk_benchmark_prints_one_line_per_run() {
         assert_eq!(n(5), n(4) * n(1), "bytes = ios × bs");
         assert!(n(6) > 0 && n(7) > 0, "{r:?}");
         assert!(n(8) > 0 && n(8) <= n(9), "p50 ≤ p99: {r:?}");
+        assert!(n(9) <= n(10), "p99 ≤ max: {r:?}");
     }
     assert_eq!(run.status, qemu_status(0), "{}", run.console);
 }
@@ -339,7 +387,12 @@ fn blk_errors_exit_with_status_2() {
     for (drive, cmdline, message) in cases {
         let run = tcg_with_disk(&disk, drive, &format!("{cmdline} exit=0"));
         assert!(run.console.contains(message), "{cmdline}: {}", run.console);
-        assert_eq!(run.status, qemu_status(2), "{cmdline}: {}", run.console);
+        assert_eq!(
+            run.status,
+            qemu_status(GUEST_EXIT_ERROR.into()),
+            "{cmdline}: {}",
+            run.console
+        );
     }
     std::fs::remove_file(&disk).unwrap();
 }
@@ -352,7 +405,12 @@ fn blk_without_a_device_is_an_error() {
         "{}",
         run.console
     );
-    assert_eq!(run.status, qemu_status(2), "{}", run.console);
+    assert_eq!(
+        run.status,
+        qemu_status(GUEST_EXIT_ERROR.into()),
+        "{}",
+        run.console
+    );
 }
 
 #[test]
@@ -368,7 +426,12 @@ fn blk_rejects_legacy_virtio_mmio() {
     );
     std::fs::remove_file(&disk).unwrap();
     assert!(run.console.contains("version 2"), "{}", run.console);
-    assert_eq!(run.status, qemu_status(2), "{}", run.console);
+    assert_eq!(
+        run.status,
+        qemu_status(GUEST_EXIT_ERROR.into()),
+        "{}",
+        run.console
+    );
 }
 
 #[test]
@@ -378,7 +441,7 @@ fn blk_runs_under_kvm() {
         "this test needs /dev/kvm (QEMU with -accel kvm)"
     );
     let disk = disk(4);
-    let args = virtio_blk_args(&disk, "");
+    let args = virtio_blk_args(&raw_drive(&disk, ""));
     let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
     args.extend(["-accel", "kvm", "-cpu", "qemu64"]);
     let run = run_with(

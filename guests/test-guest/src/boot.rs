@@ -4,7 +4,10 @@
 //! costs microseconds, and some instructions can't be emulated at all. So the
 //! kernel-mode code here is straight-line (no loops on the boot path), every
 //! table is a constant built at compile time, and the code only does what the
-//! CPU needs to run us in ring 3: our page tables, GDT/TSS, IDT, then `iretq`.
+//! CPU needs to run us in ring 3: our page tables, GDT/TSS, IDT, two CPUIDs
+//! (the TSC rate, as the VMM reports it), then `iretq`. After that, ring 0
+//! runs only for exceptions: a #GP handler that emulates ring 3's port I/O
+//! where the KVM ignores IOPL (PVM), and a report-and-exit for the rest.
 //!
 //! Fixed addresses (must agree with `link.ld`, which asserts them):
 //! the tables live in one static at [`TABLES_ADDR`], the exception stubs at
@@ -253,6 +256,14 @@ ember_common64:
     movw ${tss_sel}, %ax            /* TSS.rsp0: where faults from ring 3 land */
     ltr %ax
     lidt {idtr}                     /* faults report themselves instead of triple-faulting */
+    movl ${hv_leaf}, %eax           /* CPUID here, not in ring 3: on PVM ring 3's CPUID */
+    cpuid                           /* runs on the host CPU; ring 0's is the VMM's table */
+    movl %eax, %r8d                 /* highest hypervisor leaf */
+    movl ${timing_leaf}, %eax
+    xorl %ecx, %ecx
+    cpuid                           /* timing leaf: EAX = TSC kHz, if the leaf exists */
+    movl %r8d, %edx                 /* main's 3rd argument: highest hypervisor leaf */
+    movl %eax, %ecx                 /* main's 4th argument: the timing leaf's EAX */
     pushq ${user_ds}                /* iretq frame: SS */
     leaq ember_user_stack_top - 8(%rip), %rax
     pushq %rax                      /* RSP (ABI: entry as if called, so 8 mod 16) */
@@ -260,7 +271,7 @@ ember_common64:
     pushq ${user_cs}                /* CS: ring 3, 64-bit */
     leaq {main}(%rip), %rax
     pushq %rax                      /* RIP */
-    iretq                           /* to ring 3: main(entry kind in RDI, info in RSI) */
+    iretq                           /* to ring 3: main(RDI entry kind, RSI info, RDX, RCX) */
 
     /* #GP. On a software KVM (PVM) ring 3 runs on the host CPU with the
        host's IOPL 0, so our IOPL=3 doesn't reach the hardware and every port
@@ -385,6 +396,8 @@ ember_vectors:
 
     .text
 "#,
+    hv_leaf = const 0x4000_0000u32,
+    timing_leaf = const 0x4000_0010u32,
     linux32 = const ENTRY_LINUX32,
     linux64 = const ENTRY_LINUX64,
     pvh = const ENTRY_PVH,

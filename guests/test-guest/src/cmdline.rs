@@ -16,6 +16,8 @@ pub enum Command<'a> {
     Touch(u64),
     /// `spin=MS`.
     Spin(u64),
+    /// `tsc`: print the TSC rate used and its source.
+    Tsc,
     /// `exit=N`.
     Exit(u8),
     /// `reset`: i8042 reset.
@@ -57,6 +59,7 @@ pub fn parse(token: &str) -> Result<Option<Command<'_>>, &'static str> {
         ("print", Some(v)) => Command::Print(v),
         ("mark", Some(v)) => Command::Mark(byte(v)?),
         ("timer", None) => Command::Timer,
+        ("tsc", None) => Command::Tsc,
         ("touch", Some(v)) => Command::Touch(number(v)?),
         ("spin", Some(v)) => Command::Spin(number(v)?),
         ("exit", Some(v)) => Command::Exit(byte(v)?),
@@ -92,7 +95,7 @@ pub fn parse(token: &str) -> Result<Option<Command<'_>>, &'static str> {
             | "blkmib" | "secs" | "ios",
             None,
         ) => return Err("needs a value"),
-        ("timer" | "reset" | "shutdown" | "halt", Some(_)) => return Err("takes no value"),
+        ("timer" | "tsc" | "reset" | "shutdown" | "halt", Some(_)) => return Err("takes no value"),
         _ => return Ok(None),
     };
     Ok(Some(command))

@@ -90,44 +90,74 @@ const HYPERVISOR_BASE_LEAF: u32 = 0x4000_0000;
 const HYPERVISOR_TSC_LEAF: u32 = 0x4000_0010;
 const CPUID_HYPERVISOR_BIT: u32 = 1 << 31;
 
-/// The TSC frequency in kHz: the hypervisor timing leaf, else the
-/// crystal ratio (leaf 0x15), else the base frequency (leaf 0x16), else a default.
-pub fn tsc_khz() -> u64 {
+/// The TSC rate reported by the VMM's CPUID timing leaf, read in ring 0.
+#[derive(Clone, Copy)]
+pub struct TscSource(Option<u64>);
+
+impl TscSource {
+    /// From CPUID 0x40000000.EAX (the highest hypervisor leaf) and
+    /// 0x40000010.EAX (TSC kHz) as ring 0 read them.
+    pub fn from_ring0(hv_max_leaf: u32, timing_eax: u32) -> Self {
+        let has_leaf =
+            (HYPERVISOR_TSC_LEAF..HYPERVISOR_BASE_LEAF + 0x1000_0000).contains(&hv_max_leaf);
+        TscSource((has_leaf && timing_eax != 0).then_some(timing_eax.into()))
+    }
+}
+
+/// The TSC frequency in kHz and where it came from: the VMM's timing leaf
+/// (read in ring 0: on PVM ring 3's CPUID is the host CPU's, not the VMM's),
+/// else ring 3's view of it, else the crystal ratio (leaf 0x15), else the
+/// base frequency (leaf 0x16), else a default.
+fn tsc_khz(ring0: TscSource) -> (u64, &'static str) {
+    if let Some(khz) = ring0.0 {
+        return (khz, "cpuid-0x40000010-ring0");
+    }
     if cpuid(1).ecx & CPUID_HYPERVISOR_BIT != 0 {
         let max = cpuid(HYPERVISOR_BASE_LEAF).eax;
-        if (HYPERVISOR_TSC_LEAF..HYPERVISOR_BASE_LEAF + 0x1000_0000).contains(&max) {
-            let khz = cpuid(HYPERVISOR_TSC_LEAF).eax;
-            if khz != 0 {
-                return khz.into();
-            }
+        let khz = cpuid(HYPERVISOR_TSC_LEAF).eax;
+        if let Some(khz) = TscSource::from_ring0(max, khz).0 {
+            return (khz, "cpuid-0x40000010");
         }
     }
     let max = cpuid(0).eax;
     if max >= 0x15 {
         let r = cpuid(0x15);
         if r.eax != 0 && r.ebx != 0 && r.ecx != 0 {
-            return u64::from(r.ecx) * u64::from(r.ebx) / u64::from(r.eax) / 1000;
+            let khz = u64::from(r.ecx) * u64::from(r.ebx) / u64::from(r.eax) / 1000;
+            return (khz, "cpuid-0x15");
         }
     }
     if max >= 0x16 {
         let mhz = cpuid(0x16).eax & 0xffff;
         if mhz != 0 {
-            return u64::from(mhz) * 1000;
+            return (u64::from(mhz) * 1000, "cpuid-0x16");
         }
     }
-    DEFAULT_TSC_KHZ
+    (DEFAULT_TSC_KHZ, "default")
 }
 
 /// A TSC-based clock.
 #[derive(Clone, Copy)]
 pub struct Clock {
     khz: u64,
+    source: &'static str,
 }
 
 impl Clock {
-    /// Reads the TSC rate once.
-    pub fn new() -> Self {
-        Clock { khz: tsc_khz() }
+    /// Determines the TSC rate once.
+    pub fn new(ring0: TscSource) -> Self {
+        let (khz, source) = tsc_khz(ring0);
+        Clock { khz, source }
+    }
+
+    /// The rate, kHz.
+    pub fn khz(&self) -> u64 {
+        self.khz
+    }
+
+    /// Which CPUID leaf (or default) gave the rate.
+    pub fn source(&self) -> &'static str {
+        self.source
     }
 
     /// TSC ticks to nanoseconds.

@@ -35,7 +35,9 @@ const CMDLINE_MAX: usize = 0x10000;
 
 /// Ring-3 entry, reached by `iretq` from `boot.rs`.
 #[unsafe(no_mangle)]
-extern "C" fn ember_main(entry: u64, info: u64) -> ! {
+/// `hv_max_leaf` and `timing_eax` are CPUID 0x40000000.EAX and
+/// 0x40000010.EAX as ring 0 saw them (see boot.rs).
+extern "C" fn ember_main(entry: u64, info: u64, hv_max_leaf: u32, timing_eax: u32) -> ! {
     outb(io::DEBUG_PORT, MARK_RING3);
     let (name, cmdline) = match entry {
         boot::ENTRY_PVH => ("pvh", pvh_cmdline(info)),
@@ -47,7 +49,7 @@ extern "C" fn ember_main(entry: u64, info: u64) -> ! {
         "ember-test-guest: ring {}, entry={name}, cmdline=\"{cmdline}\"",
         current_ring()
     );
-    let mut state = State::new();
+    let mut state = State::new(io::TscSource::from_ring0(hv_max_leaf, timing_eax));
     for token in Tokens::new(cmdline) {
         match cmdline::parse(token) {
             Ok(None) => {}
@@ -115,9 +117,9 @@ struct State {
 }
 
 impl State {
-    fn new() -> Self {
+    fn new(tsc: io::TscSource) -> Self {
         State {
-            clock: Clock::new(),
+            clock: Clock::new(tsc),
             blk: virtio_blk::Options::default(),
         }
     }
@@ -132,6 +134,10 @@ impl State {
             }
             Command::Touch(mib) => self.touch(mib)?,
             Command::Spin(ms) => self.spin(ms),
+            Command::Tsc => {
+                let (khz, source) = (self.clock.khz(), self.clock.source());
+                println!("tsc: khz={khz} source={source}");
+            }
             Command::Exit(n) => outb(io::DEBUG_EXIT_PORT, n),
             Command::Reset => outb(io::I8042_COMMAND_PORT, io::I8042_RESET),
             Command::Shutdown => outb(io::ACPI_SLEEP_CONTROL_PORT, io::ACPI_SLEEP_S5),

@@ -353,6 +353,7 @@ struct Job {
 struct Histogram {
     buckets: [u32; HISTOGRAM_BUCKETS],
     count: u64,
+    max: u64,
 }
 
 const SUB_BUCKET_BITS: u32 = 5;
@@ -364,6 +365,7 @@ impl Histogram {
         Histogram {
             buckets: [0; HISTOGRAM_BUCKETS],
             count: 0,
+            max: 0,
         }
     }
 
@@ -389,6 +391,7 @@ impl Histogram {
     fn record(&mut self, v: u64) {
         self.buckets[Self::index(v)] += 1;
         self.count += 1;
+        self.max = self.max.max(v);
     }
 
     /// The `pct`th percentile (bucket lower bound), 0 if empty.
@@ -752,7 +755,7 @@ pub fn run(
     // MiB/s with two decimals, in integers.
     let mibps_x100 = u128::from(bytes) * 100 * 1_000_000_000 / (u128::from(ns) << 20);
     println!(
-        "blk: op={} bs={} qd={} pattern={} ios={} bytes={bytes} ns={} iops={iops} mibps={}.{:02} lat_p50_ns={} lat_p99_ns={} dev={:#x}",
+        "blk: op={} bs={} qd={} pattern={} ios={} bytes={bytes} ns={} iops={iops} mibps={}.{:02} lat_p50_ns={} lat_p99_ns={} lat_max_ns={} dev={:#x}",
         op_name(job.op),
         job.block_size,
         job.queue_depth,
@@ -763,6 +766,7 @@ pub fn run(
         mibps_x100 % 100,
         stats.latency.percentile(50),
         stats.latency.percentile(99),
+        stats.latency.max,
         dev.mmio.0,
     );
     Ok(())
