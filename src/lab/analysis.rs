@@ -5,7 +5,7 @@
 
 use super::boot::BootRecord;
 use super::rules::Rule;
-use super::stats::{self, Summary};
+use super::stats::Summary;
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -469,11 +469,6 @@ pub fn boot_metrics(record: &BootRecord, m: &Milestones) -> Vec<(String, f64)> {
     out
 }
 
-/// Mean of `xs` (re-exported for callers that only need it).
-pub fn mean(xs: &[f64]) -> f64 {
-    stats::mean(xs)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -537,7 +532,7 @@ mod tests {
         assert_eq!(get("kernel").end_us - get("kernel").start_us, 3000.0);
         assert_eq!(get("kernel").clock, Clock::Guest);
         assert_eq!(get("run").end_us, 25_000.0);
-        assert_eq!(get("firmware").clock, Clock::Mixed);
+        assert_eq!(get("firmware+decompress").clock, Clock::Mixed);
         assert_eq!(get("vmm:teardown").start_us, 20_100.0);
     }
 

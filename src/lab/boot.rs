@@ -194,8 +194,8 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
             }
         }
     };
-    // The child is reaped; std must not try to wait for it again.
-    std::mem::forget(child);
+    // Reaped by wait4 above; dropping a Child neither waits nor kills.
+    drop(child);
     let outcome = outcome.unwrap_or_else(|| decode_status(reaped.status));
     let (lines, console_bytes, first_output) = console.join().unwrap_or_default();
     let stderr = errors.join().unwrap_or_default();
