@@ -107,6 +107,16 @@ fn vs_compares_pair_by_pair() {
     assert!(s.contains("config: A") && s.contains("config: B"), "{s}");
     assert!(s.contains("B/A of `userspace`, pair by pair:"), "{s}");
     assert!(s.contains("B is slower by"), "{s}");
+
+    let mut args = vec!["bench"];
+    args.extend(base(fast.to_str().unwrap()));
+    args.extend(["-n", "2", "-w", "0", "--vs", &vs, "--metric", "nonsense"]);
+    let s = text(&ember(&args).stdout);
+    assert!(s.contains("B/A of `nonsense`: not available"), "{s}");
+    assert!(
+        s.contains("figures: first output, kernel, userspace"),
+        "{s}"
+    );
 }
 
 #[test]
@@ -165,6 +175,9 @@ fn bad_input_gives_one_clear_line() {
         e.contains("`/nonexistent/qemu` not found or not executable"),
         "{e}"
     );
+
+    let out = ember(&["bench", "-n", "0", "--kernel", "/bin/sh"]);
+    assert!(text(&out.stderr).contains("-n/--runs must be at least 1"));
 
     let out = ember(&["bench", "--backend", "bochs", "--kernel", "/bin/sh"]);
     assert!(text(&out.stderr).contains("unknown backend `bochs`"));

@@ -304,7 +304,35 @@ pub fn aggregate(per_boot: &[Vec<Activity>], total_ms: f64) -> Vec<ActivityStats
             .total_cmp(&b.start_ms.mean)
             .then(a.depth.cmp(&b.depth))
     });
-    out
+    tree_order(out)
+}
+
+/// Reorders start-sorted activities depth first: each one followed by its
+/// children (in start order), so a printed table reads as a tree.
+fn tree_order(sorted: Vec<ActivityStats>) -> Vec<ActivityStats> {
+    let names: Vec<&str> = sorted.iter().map(|a| a.name.as_str()).collect();
+    let is_root = |a: &ActivityStats| a.parent.as_deref().is_none_or(|p| !names.contains(&p));
+    let mut order = Vec::with_capacity(sorted.len());
+    let mut stack: Vec<usize> = (0..sorted.len())
+        .filter(|&i| is_root(&sorted[i]))
+        .rev()
+        .collect();
+    let mut placed = vec![false; sorted.len()];
+    while let Some(i) = stack.pop() {
+        if std::mem::replace(&mut placed[i], true) {
+            continue;
+        }
+        order.push(i);
+        let children = (0..sorted.len()).filter(|&c| {
+            !placed[c] && sorted[c].parent.as_deref() == Some(sorted[i].name.as_str())
+        });
+        let children: Vec<usize> = children.collect();
+        stack.extend(children.into_iter().rev());
+    }
+    // A parent cycle in a user rule file leaves some unplaced: keep them at the end.
+    order.extend((0..sorted.len()).filter(|&i| !placed[i]));
+    let mut slots: Vec<Option<ActivityStats>> = sorted.into_iter().map(Some).collect();
+    order.into_iter().filter_map(|i| slots[i].take()).collect()
 }
 
 /// Nesting depth of `name`: the length of its parent chain among the

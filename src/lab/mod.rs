@@ -224,6 +224,7 @@ fn pairs(series: &Series, ms: &[Milestones; 2], metric: &str) -> (Vec<f64>, Vec<
 
 /// Runs `ember bench`; returns the exit status.
 pub fn bench(args: BenchArgs) -> anyhow::Result<i32> {
+    anyhow::ensure!(args.runs > 0, "-n/--runs must be at least 1");
     signal::install();
     let mut configs = vec![config::build(&args.guest, "A")?];
     if let Some(vs) = &args.vs {
@@ -358,6 +359,7 @@ pub fn default_char_cost_us(backend: &str) -> f64 {
 
 /// Runs `ember analyze`; returns the exit status.
 pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
+    anyhow::ensure!(args.runs > 0, "-n/--runs must be at least 1");
     signal::install();
     let mut rules = if args.no_builtin_rules {
         Vec::new()
@@ -437,6 +439,10 @@ pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
 
 /// Runs `ember bench-range`; returns the exit status.
 pub fn bench_range(args: RangeArgs) -> anyhow::Result<i32> {
+    anyhow::ensure!(
+        args.runs >= 2,
+        "-n/--runs must be at least 2 (the t-test needs a spread)"
+    );
     signal::install();
     range::run(&args)
 }

@@ -194,6 +194,15 @@ impl BenchReport {
                 r.high
             );
         }
+        if let (None, Some(metric)) = (&self.ratio, &self.ratio_metric) {
+            let known: Vec<&str> = self.metrics.iter().map(|m| m.name.as_str()).collect();
+            let _ = writeln!(
+                s,
+                "B/A of `{metric}`: not available (it needs two or more pairs in which both \
+                 boots counted and reported it; figures: {})",
+                known.join(", ")
+            );
+        }
         if let Some(exit) = self.metrics.iter().find(|m| m.name == "exit") {
             for (i, x) in [exit.a, exit.b].iter().enumerate() {
                 if let Some(x) = x {
@@ -283,7 +292,7 @@ impl AnalyzeReport {
             let name = format!("{:pad$}{}", "", a.name);
             let _ = writeln!(
                 s,
-                "  {:<44} {:>9} {:>9} ±{:>8} {:>6.1}% {:<6} {:>2}",
+                "  {:<50} {:>9} {:>9} ±{:>8} {:>6.1}% {:<6} {:>2}",
                 name,
                 num(a.start_ms.mean),
                 num(a.duration_ms.mean),
@@ -296,7 +305,7 @@ impl AnalyzeReport {
         let head = |s: &mut String| {
             let _ = writeln!(
                 s,
-                "  {:<44} {:>9} {:>9}  {:>8} {:>7} {:<6} {:>2}",
+                "  {:<50} {:>9} {:>9}  {:>8} {:>7} {:<6} {:>2}",
                 "activity", "start ms", "mean ms", "sd", "% run", "clock", "n"
             );
         };
