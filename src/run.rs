@@ -139,6 +139,9 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
     let code = match &outcome {
         Some(Ok(end)) => {
             recorder.mark(end.event_kind());
+            if *end == GuestEnd::TripleFault {
+                eprintln!("ember: the guest crashed (triple fault)");
+            }
             end.exit_status()
         }
         Some(Err(why)) => {

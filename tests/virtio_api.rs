@@ -324,3 +324,81 @@ fn acknowledged_writes_survive_a_reset_in_the_middle_of_io() {
     d.wait_used(1);
     std::fs::remove_file(path).unwrap();
 }
+
+#[test]
+fn balloon_target_change_raises_a_config_interrupt() {
+    use ember::devices::virtio::Balloon;
+    let balloon = Balloon::new(0).unwrap();
+    let handle = balloon.handle();
+    let mut d = Driver::new(balloon);
+    assert_eq!(d.read(DEVICE_ID), 5);
+    // Accept only VERSION_1: inflate and deflate queues, no stats or reporting.
+    d.write(STATUS, ACKNOWLEDGE);
+    d.write(STATUS, ACKNOWLEDGE | DRIVER);
+    d.write(DRIVER_FEATURES_SEL, 1);
+    d.write(DRIVER_FEATURES, 1);
+    d.write(STATUS, ACKNOWLEDGE | DRIVER | FEATURES_OK);
+    for (q, base) in [(0u32, 0u64), (1, 0x8000)] {
+        d.write(QUEUE_SEL, q);
+        d.write(QUEUE_NUM, QSIZE.into());
+        d.write(QUEUE_DESC_LOW, (DESC + base) as u32);
+        d.write(QUEUE_AVAIL_LOW, (AVAIL + base) as u32);
+        d.write(QUEUE_USED_LOW, (USED + base) as u32);
+        d.write(QUEUE_READY, 1);
+    }
+    d.write(STATUS, 0xf);
+    assert_eq!(d.read(STATUS), 0xf);
+    let generation = d.read(0x0fc);
+    handle.set_target_pages(64);
+    assert_eq!(d.read(INTERRUPT_STATUS), 2, "configuration change");
+    assert_ne!(d.read(0x0fc), generation, "ConfigGeneration moved");
+    assert_eq!(d.read(CONFIG), 64, "num_pages");
+    d.write(CONFIG + 4, 64);
+    assert_eq!(handle.actual_pages(), 64);
+    // Inflate one page.
+    d.mem.write_obj(0x50u32, GuestAddress(BUFS)).unwrap();
+    d.mem
+        .write_slice(&[9; 4096], GuestAddress(0x50 << 12))
+        .unwrap();
+    d.add(&[(BUFS, 4, false)]);
+    d.kick_eventfd();
+    d.wait_used(1);
+    assert_eq!(d.mem.read_obj::<u8>(GuestAddress(0x50 << 12)).unwrap(), 0);
+    assert_eq!(handle.discarded_pages(), 1);
+}
+
+#[test]
+fn console_carries_bytes_between_guest_and_a_unix_socket() {
+    use ember::devices::virtio::Console;
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    let (vmm_end, mut app_end) = UnixStream::pair().unwrap();
+    let mut d = Driver::new(Console::from_unix_stream(vmm_end).unwrap());
+    assert_eq!(d.read(DEVICE_ID), 3);
+    d.write(STATUS, ACKNOWLEDGE);
+    d.write(STATUS, ACKNOWLEDGE | DRIVER);
+    d.write(DRIVER_FEATURES_SEL, 1);
+    d.write(DRIVER_FEATURES, 1);
+    d.write(STATUS, ACKNOWLEDGE | DRIVER | FEATURES_OK);
+    for (q, base) in [(0u32, 0x8000u64), (1, 0)] {
+        d.write(QUEUE_SEL, q);
+        d.write(QUEUE_NUM, QSIZE.into());
+        d.write(QUEUE_DESC_LOW, (DESC + base) as u32);
+        d.write(QUEUE_AVAIL_LOW, (AVAIL + base) as u32);
+        d.write(QUEUE_USED_LOW, (USED + base) as u32);
+        d.write(QUEUE_READY, 1);
+    }
+    d.write(STATUS, 0xf);
+    // Guest -> socket through the transmit queue (queue 1, the Driver's rings).
+    d.mem
+        .write_slice(b"\x00\x01ok\xff", GuestAddress(BUFS))
+        .unwrap();
+    d.add(&[(BUFS, 5, false)]);
+    d.write(QUEUE_NOTIFY, 1);
+    let mut got = [0u8; 5];
+    app_end.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"\x00\x01ok\xff");
+    d.wait_used(1);
+    app_end.write_all(b"reply").unwrap();
+    drop(d); // shuts the device thread down
+}

@@ -314,7 +314,6 @@ mod tests {
     use super::*;
     use crate::devices::CountingInterrupt;
     use crate::devices::virtio::test_utils::*;
-    use virtio_queue::mock::MockSplitQueue;
     use vm_memory::GuestAddress;
 
     const RX_AT: u64 = 0x8000;
@@ -331,8 +330,8 @@ mod tests {
 
     fn handler(
         mem: &GuestMemory,
-        rx: &MockSplitQueue<GuestMemory>,
-        tx: &MockSplitQueue<GuestMemory>,
+        rx: &TestQueue,
+        tx: &TestQueue,
         irq: &Arc<CountingInterrupt>,
         console: &Console,
     ) -> ConsoleHandler {
@@ -348,8 +347,8 @@ mod tests {
     #[test]
     fn transmit_is_binary_safe() {
         let (mem, irq, mut peer, console) = rig();
-        let rx = MockSplitQueue::create(&mem, GuestAddress(RX_AT), 16);
-        let tx = MockSplitQueue::new(&mem, 16);
+        let rx = TestQueue::create(&mem, GuestAddress(RX_AT), 16);
+        let tx = TestQueue::new(&mem, 16);
         let all: Vec<u8> = (0..=255).collect();
         mem.write_slice(&all, GuestAddress(DATA_START)).unwrap();
         add_chain(&tx, 0, &[r(DATA_START, 200), r(DATA_START + 200, 56)]);
@@ -367,8 +366,8 @@ mod tests {
     #[test]
     fn input_waits_for_receive_buffers() {
         let (mem, irq, mut peer, console) = rig();
-        let rx = MockSplitQueue::create(&mem, GuestAddress(RX_AT), 16);
-        let tx = MockSplitQueue::new(&mem, 16);
+        let rx = TestQueue::create(&mem, GuestAddress(RX_AT), 16);
+        let tx = TestQueue::new(&mem, 16);
         let mut h = handler(&mem, &rx, &tx, &irq, &console);
         assert!(h.wants_input());
         peer.write_all(b"\x00hello\xff").unwrap();
@@ -397,8 +396,8 @@ mod tests {
     fn activated_console_pipes_both_ways() {
         use crate::devices::virtio::VirtioDevice;
         let (mem, irq, mut peer, mut console) = rig();
-        let rx = MockSplitQueue::create(&mem, GuestAddress(RX_AT), 16);
-        let tx = MockSplitQueue::new(&mem, 16);
+        let rx = TestQueue::create(&mem, GuestAddress(RX_AT), 16);
+        let tx = TestQueue::new(&mem, 16);
         add_chain(&rx, 0, &[w(DATA_START, 16)]);
         let evts: Vec<_> = (0..2)
             .map(|_| {
@@ -428,7 +427,7 @@ mod tests {
         peer.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"pong");
         let start = std::time::Instant::now();
-        while rx.used().idx().load() == 0 {
+        while rx.used_idx() == 0 {
             assert!(start.elapsed().as_secs() < 5, "input never delivered");
             std::thread::sleep(std::time::Duration::from_millis(1));
         }

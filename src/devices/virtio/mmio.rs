@@ -53,6 +53,17 @@ pub enum Error {
 /// Most queues a device may have (far more than any device here uses).
 const MAX_QUEUES: usize = 1024;
 
+/// The kernel command-line parameter that tells Linux about a virtio-mmio device when
+/// there is no ACPI/device-tree description: `virtio_mmio.device=<size>@<base>:<gsi>`.
+///
+/// ```
+/// use ember::devices::virtio::mmio::cmdline_device;
+/// assert_eq!(cmdline_device(0xd000_0000, 0x1000, 5), "virtio_mmio.device=4K@0xd0000000:5");
+/// ```
+pub fn cmdline_device(base: u64, size: u64, gsi: u32) -> String {
+    format!("virtio_mmio.device={}K@{base:#x}:{gsi}", size >> 10)
+}
+
 /// A virtio device behind a virtio-mmio register window.
 ///
 /// # Example
@@ -159,6 +170,15 @@ impl MmioTransport {
     /// The interrupt shared with the device (its status word backs `InterruptStatus`).
     pub fn interrupt(&self) -> &VirtioInterrupt {
         &self.interrupt
+    }
+
+    /// Stops the device as a reset would — its threads finish in-flight requests and are
+    /// joined — without touching guest-visible state. Call on VM shutdown.
+    pub fn shutdown(&mut self) {
+        if self.active {
+            self.device.reset();
+            self.active = false;
+        }
     }
 
     fn selected_queue(&self) -> Option<&Queue> {

@@ -14,6 +14,46 @@
 //! Devices never see KVM. [`MmioTransport`] is the register file the guest pokes; the VMM
 //! puts it on the MMIO bus, registers [`MmioTransport::queue_evts`] as ioeventfds and backs
 //! its interrupt line with an irqfd.
+//!
+//! # Wiring devices into a VM
+//!
+//! ```
+//! use std::sync::{Arc, Mutex};
+//! use ember::arch::x86_64::layout::{VIRTIO_IRQ_BASE, VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START};
+//! use ember::devices::{IrqFdLine, bus::Bus};
+//! use ember::devices::virtio::{mmio::cmdline_device, MmioTransport, Rng, VirtioDevice};
+//! use vm_memory::{GuestAddress, GuestMemoryMmap};
+//! use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+//!
+//! let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 16 << 20)]).unwrap();
+//! let devices: Vec<Box<dyn FnOnce() -> Box<dyn VirtioDevice>>> =
+//!     vec![Box::new(|| Box::new(Rng::new()))];
+//! let mut bus = Bus::new();
+//! let mut cmdline = Vec::new();
+//! for (i, make) in devices.into_iter().enumerate() {
+//!     let base = VIRTIO_MMIO_START + i as u64 * VIRTIO_MMIO_SIZE;
+//!     let gsi = VIRTIO_IRQ_BASE + i as u32;
+//!     // In the VMM: vm.register_irqfd(&irqfd, gsi).
+//!     let irqfd = EventFd::new(EFD_NONBLOCK).unwrap();
+//!     let line = Arc::new(IrqFdLine(irqfd.try_clone().unwrap()));
+//!     let transport = MmioTransport::new(make(), mem.clone(), line).unwrap();
+//!     for (q, evt) in transport.queue_evts().iter().enumerate() {
+//!         // In the VMM: vm.register_ioevent(evt, &IoEventAddress::Mmio(base + 0x50), q as u32)
+//!         let _ = (q, evt);
+//!     }
+//!     bus.insert(Arc::new(Mutex::new(transport)), base, VIRTIO_MMIO_SIZE).unwrap();
+//!     cmdline.push(cmdline_device(base, VIRTIO_MMIO_SIZE, gsi));
+//! }
+//! assert_eq!(cmdline, ["virtio_mmio.device=4K@0xd0000000:5"]);
+//! // A guest read of MagicValue through the bus:
+//! let mut magic = [0u8; 4];
+//! assert!(bus.read(VIRTIO_MMIO_START, &mut magic));
+//! assert_eq!(&magic, b"virt");
+//! ```
+//!
+//! Boxed devices work too (`Box<dyn VirtioDevice>` is a `VirtioDevice`). On VM exit call
+//! [`MmioTransport::shutdown`] (or drop the transport): device threads finish what is in
+//! flight and are joined.
 
 pub mod balloon;
 pub mod block;
@@ -29,7 +69,9 @@ pub(crate) mod test_utils;
 pub use block::{Block, DiskConfig};
 pub use console::{Console, ConsoleInput};
 
+pub use balloon::{Balloon, BalloonHandle, BalloonStats};
 pub use mmio::MmioTransport;
+pub use pmem::{Pmem, PmemRegion};
 
 pub use rng::Rng;
 
@@ -206,6 +248,41 @@ pub trait VirtioDevice: Send {
     /// The driver reset the device: stop serving (finishing what is in flight) and return
     /// to the state before `activate`.
     fn reset(&mut self);
+}
+
+impl<D: VirtioDevice + ?Sized> VirtioDevice for Box<D> {
+    fn device_type(&self) -> u32 {
+        (**self).device_type()
+    }
+    fn queue_max_sizes(&self) -> &[u16] {
+        (**self).queue_max_sizes()
+    }
+    fn avail_features(&self) -> u64 {
+        (**self).avail_features()
+    }
+    fn ack_features(&mut self, features: u64) {
+        (**self).ack_features(features)
+    }
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        (**self).read_config(offset, data)
+    }
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        (**self).write_config(offset, data)
+    }
+    fn config_generation(&self) -> u32 {
+        (**self).config_generation()
+    }
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        interrupt: VirtioInterrupt,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
+        (**self).activate(mem, interrupt, queues)
+    }
+    fn reset(&mut self) {
+        (**self).reset()
+    }
 }
 
 /// Copies the `data.len()` bytes at `offset` of a configuration space into `data`; bytes

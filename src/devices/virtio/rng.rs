@@ -153,13 +153,12 @@ mod tests {
     use crate::devices::CountingInterrupt;
     use crate::devices::virtio::test_utils::*;
     use std::sync::Arc;
-    use virtio_queue::mock::MockSplitQueue;
     use vm_memory::GuestAddress;
 
     #[test]
     fn fills_writable_buffers_and_skips_readable_ones() {
         let mem = memory();
-        let vq = MockSplitQueue::new(&mem, 16);
+        let vq = TestQueue::new(&mem, 16);
         add_chain(
             &vq,
             0,
@@ -194,7 +193,7 @@ mod tests {
     #[test]
     fn huge_requests_are_capped() {
         let mem = memory();
-        let vq = MockSplitQueue::new(&mem, 16);
+        let vq = TestQueue::new(&mem, 16);
         add_chain(&vq, 0, &[w(DATA_START, 0x20_0000)]);
         let mut h = RngHandler {
             mem: mem.clone(),

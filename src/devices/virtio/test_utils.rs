@@ -1,8 +1,8 @@
 //! Helpers for device unit tests: a guest memory, a mock driver-side queue, and chains.
 
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-use virtio_queue::desc::{RawDescriptor, split::Descriptor};
-use virtio_queue::mock::MockSplitQueue;
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::GuestMemory;
@@ -43,59 +43,110 @@ pub fn w(addr: u64, len: u32) -> Seg {
     }
 }
 
+/// The driver side of a split virtqueue in test memory.
+///
+/// (virtio-queue 0.18's `MockSplitQueue` sizes its available ring in elements rather than
+/// bytes, so its used ring overlaps the second half of the available ring; with more than
+/// a few requests in flight the two corrupt each other. This one lays the rings out as the
+/// spec does.)
+pub struct TestQueue<'a> {
+    mem: &'a GuestMemory,
+    size: u16,
+    desc: u64,
+    avail: u64,
+    used: u64,
+}
+
+impl<'a> TestQueue<'a> {
+    /// A queue of `size` entries with its rings from address 0.
+    pub fn new(mem: &'a GuestMemory, size: u16) -> Self {
+        Self::create(mem, GuestAddress(0), size)
+    }
+
+    /// A queue of `size` entries with its rings from `start`.
+    pub fn create(mem: &'a GuestMemory, start: GuestAddress, size: u16) -> Self {
+        let desc = start.0;
+        let avail = desc + 16 * u64::from(size);
+        // flags, idx, ring[size], used_event; the used ring is 4-byte aligned.
+        let used = (avail + 6 + 2 * u64::from(size)).next_multiple_of(4);
+        let q = Self {
+            mem,
+            size,
+            desc,
+            avail,
+            used,
+        };
+        let ring_end = used + 6 + 8 * u64::from(size);
+        mem.write_slice(&vec![0u8; (ring_end - desc) as usize], GuestAddress(desc))
+            .unwrap();
+        q
+    }
+
+    /// A device-side queue over these rings, ready for use.
+    pub fn create_queue(&self) -> Result<Queue, virtio_queue::Error> {
+        let mut q = Queue::new(self.size)?;
+        q.try_set_size(self.size)?;
+        q.try_set_desc_table_address(GuestAddress(self.desc))?;
+        q.try_set_avail_ring_address(GuestAddress(self.avail))?;
+        q.try_set_used_ring_address(GuestAddress(self.used))?;
+        q.set_ready(true);
+        Ok(q)
+    }
+
+    /// Sets the available index (to fake a driver that lies about it).
+    pub fn set_avail_idx(&self, idx: u16) {
+        self.mem
+            .write_obj(idx, GuestAddress(self.avail + 2))
+            .unwrap();
+    }
+
+    /// The used index the device has published.
+    pub fn used_idx(&self) -> u16 {
+        self.mem.read_obj(GuestAddress(self.used + 2)).unwrap()
+    }
+}
+
 /// Writes `segs` as one chain at descriptor-table index `first` and makes it available.
-pub fn add_chain(vq: &MockSplitQueue<GuestMemory>, first: u16, segs: &[Seg]) {
-    let descs: Vec<RawDescriptor> = segs
-        .iter()
-        .enumerate()
-        .map(|(i, s)| {
-            let last = i + 1 == segs.len();
-            let mut flags = if s.write { VRING_DESC_F_WRITE } else { 0 };
-            if !last {
-                flags |= VRING_DESC_F_NEXT;
-            }
-            let next = if last { 0 } else { first + i as u16 + 1 };
-            RawDescriptor::from(Descriptor::new(s.addr, s.len, flags as u16, next))
-        })
-        .collect();
-    vq.add_desc_chains(&descs, first).unwrap();
+pub fn add_chain(vq: &TestQueue, first: u16, segs: &[Seg]) {
+    for (i, s) in segs.iter().enumerate() {
+        let last = i + 1 == segs.len();
+        let mut flags = if s.write { VRING_DESC_F_WRITE } else { 0 };
+        if !last {
+            flags |= VRING_DESC_F_NEXT;
+        }
+        let next = if last { 0 } else { first + i as u16 + 1 };
+        put_desc(vq, first + i as u16, s.addr, s.len, flags as u16, next);
+    }
+    publish(vq, vq.size, first);
 }
 
 /// Writes one raw descriptor at `index` without touching the available ring.
-pub fn put_desc(
-    vq: &MockSplitQueue<GuestMemory>,
-    index: u16,
-    addr: u64,
-    len: u32,
-    flags: u16,
-    next: u16,
-) {
-    vq.desc_table()
-        .store(
-            index,
-            RawDescriptor::from(Descriptor::new(addr, len, flags, next)),
-        )
+pub fn put_desc(vq: &TestQueue, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
+    assert!(index < vq.size, "descriptor {index} outside the table");
+    let d = Descriptor::new(addr, len, flags, next);
+    vq.mem
+        .write_obj(d, GuestAddress(vq.desc + 16 * u64::from(index)))
         .unwrap();
 }
 
 /// Makes the chain starting at `head` available on a queue of `size` entries.
-pub fn publish(vq: &MockSplitQueue<GuestMemory>, size: u16, head: u16) {
-    let idx: u16 = vq.avail().idx().load();
-    vq.avail()
-        .ring()
-        .ref_at(usize::from(idx % size))
-        .unwrap()
-        .store(head);
-    vq.avail().idx().store(idx.wrapping_add(1));
+pub fn publish(vq: &TestQueue, size: u16, head: u16) {
+    let idx: u16 = vq.mem.read_obj(GuestAddress(vq.avail + 2)).unwrap();
+    let slot = vq.avail + 4 + 2 * u64::from(idx % size);
+    vq.mem.write_obj(head, GuestAddress(slot)).unwrap();
+    vq.set_avail_idx(idx.wrapping_add(1));
 }
 
-/// The used-ring entries so far, as (head, len).
-pub fn used(vq: &MockSplitQueue<GuestMemory>) -> Vec<(u32, u32)> {
-    let n = vq.used().idx().load();
+/// The used-ring entries so far, as (head, len) (up to one ring's worth).
+pub fn used(vq: &TestQueue) -> Vec<(u32, u32)> {
+    let n = vq.used_idx().min(vq.size);
     (0..n)
         .map(|i| {
-            let e = vq.used().ring().ref_at(usize::from(i)).unwrap().load();
-            (e.id(), e.len())
+            let at = vq.used + 4 + 8 * u64::from(i);
+            (
+                vq.mem.read_obj(GuestAddress(at)).unwrap(),
+                vq.mem.read_obj(GuestAddress(at + 4)).unwrap(),
+            )
         })
         .collect()
 }

@@ -36,6 +36,9 @@ pub struct DiskParams {
     pub serial: [u8; VIRTIO_BLK_ID_BYTES as usize],
 }
 
+/// Largest bounce buffer for one `O_DIRECT` request; bigger unaligned requests fail
+/// rather than letting the guest make us allocate gigabytes.
+const MAX_BOUNCE_BYTES: u32 = 32 << 20;
 /// Guest buffers handed to `O_DIRECT` must be aligned to the logical block size.
 const DIRECT_IO_ALIGN: usize = SECTOR_SIZE as usize;
 
@@ -74,6 +77,8 @@ pub struct BlockHandler {
     free: Vec<usize>,
     pending_irq: bool,
     broken: bool,
+    /// The last wake-up stopped early because a queue's worth was already in flight.
+    throttled: bool,
     completions: Vec<Completion>,
 }
 
@@ -96,6 +101,7 @@ impl BlockHandler {
             free: Vec::new(),
             pending_irq: false,
             broken: false,
+            throttled: false,
             completions: Vec::new(),
         }
     }
@@ -111,7 +117,13 @@ impl BlockHandler {
         if self.broken {
             return false;
         }
-        let budget = usize::from(self.queue.size());
+        // Never more than a queue's worth in flight: a driver re-publishing heads it has
+        // not got back yet cannot make us queue unbounded work (or overflow the ring).
+        let budget = usize::from(self.queue.size()).saturating_sub(self.in_flight());
+        if budget == 0 {
+            self.throttled = true;
+            return false;
+        }
         let parsed: Vec<Result<Request, ParseError>> = match self.queue.iter(&self.mem) {
             Ok(iter) => iter
                 .take(budget)
@@ -144,6 +156,11 @@ impl BlockHandler {
         }
         self.completions = done;
         self.flush_irq();
+    }
+
+    /// Whether `process_queue` held back for lack of in-flight room; clears the mark.
+    pub fn take_throttled(&mut self) -> bool {
+        std::mem::take(&mut self.throttled)
     }
 
     /// Waits for every in-flight request and completes it (shutdown and reset).
@@ -292,6 +309,12 @@ impl BlockHandler {
             v.iov_base as usize % DIRECT_IO_ALIGN != 0 || v.iov_len % DIRECT_IO_ALIGN != 0
         };
         if self.disk.direct && iovecs.iter().any(misaligned) {
+            if req.data_len > MAX_BOUNCE_BYTES {
+                return Err((
+                    VIRTIO_BLK_S_IOERR,
+                    "unaligned direct request too large to bounce",
+                ));
+            }
             let mut buf = AlignedBuf::new(req.data_len as usize)
                 .map_err(|_| (VIRTIO_BLK_S_IOERR, "no memory for a bounce buffer"))?;
             if write {
@@ -519,6 +542,9 @@ fn event_loop(handler: &mut BlockHandler, queue_evt: &EventFd, kill: &EventFd) -
         }
         if ready(COMPLETION_TOKEN) {
             handler.process_completions();
+            if handler.take_throttled() {
+                queue_evt.write(1)?;
+            }
         }
         if ready(QUEUE_TOKEN) {
             let _ = queue_evt.read();
@@ -543,7 +569,6 @@ mod tests {
         VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
     };
     use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-    use virtio_queue::mock::MockSplitQueue;
 
     const QSIZE: u16 = 16;
     const DISK_SECTORS: u64 = 64;
@@ -570,12 +595,7 @@ mod tests {
             }
         }
 
-        fn handler(
-            &self,
-            vq: &MockSplitQueue<GuestMemory>,
-            kind: EngineKind,
-            ro: bool,
-        ) -> BlockHandler {
+        fn handler(&self, vq: &TestQueue, kind: EngineKind, ro: bool) -> BlockHandler {
             let mut serial = [0u8; 20];
             serial[..5].copy_from_slice(b"disk0");
             BlockHandler::new(
@@ -618,7 +638,7 @@ mod tests {
     fn reads_sectors_into_guest_buffers() {
         both_engines(|kind| {
             let rig = Rig::new();
-            let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+            let vq = TestQueue::new(&rig.mem, QSIZE);
             rig.header(HDR, VIRTIO_BLK_T_IN, 3);
             add_chain(
                 &vq,
@@ -639,7 +659,7 @@ mod tests {
     fn writes_reach_the_file_only_before_acknowledgement() {
         both_engines(|kind| {
             let rig = Rig::new();
-            let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+            let vq = TestQueue::new(&rig.mem, QSIZE);
             rig.header(HDR, VIRTIO_BLK_T_OUT, 1);
             rig.mem
                 .write_slice(&[0x5a; 1024], GuestAddress(DATA))
@@ -660,7 +680,7 @@ mod tests {
     fn a_batch_raises_one_interrupt_and_flush_follows_writes() {
         both_engines(|kind| {
             let rig = Rig::new();
-            let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+            let vq = TestQueue::new(&rig.mem, QSIZE);
             for i in 0..4u64 {
                 let hdr = HDR + i * 16;
                 rig.header(hdr, VIRTIO_BLK_T_OUT, i);
@@ -697,7 +717,7 @@ mod tests {
     fn get_id_discard_and_write_zeroes() {
         both_engines(|kind| {
             let rig = Rig::new();
-            let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+            let vq = TestQueue::new(&rig.mem, QSIZE);
             rig.header(HDR, VIRTIO_BLK_T_GET_ID, 0);
             add_chain(&vq, 0, &[r(HDR, 16), w(DATA, 20), w(STATUS, 1)]);
             let mut h = rig.handler(&vq, kind, false);
@@ -741,7 +761,7 @@ mod tests {
         both_engines(|kind| {
             let rig = Rig::new();
             let before = rig.file.contents();
-            let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+            let vq = TestQueue::new(&rig.mem, QSIZE);
             rig.header(HDR, VIRTIO_BLK_T_OUT, 0);
             add_chain(&vq, 0, &[r(HDR, 16), r(DATA, 512), w(STATUS, 1)]);
             rig.header(HDR + 16, VIRTIO_BLK_T_DISCARD, 0);
@@ -763,7 +783,7 @@ mod tests {
     #[test]
     fn bad_requests_get_error_statuses() {
         let rig = Rig::new();
-        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        let vq = TestQueue::new(&rig.mem, QSIZE);
         let cases: [(u32, u64, Vec<Seg>, u32); 7] = [
             // Past the end of the disk.
             (
@@ -825,7 +845,7 @@ mod tests {
     #[test]
     fn chains_without_a_writable_status_are_dropped_with_needs_reset() {
         let rig = Rig::new();
-        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        let vq = TestQueue::new(&rig.mem, QSIZE);
         rig.header(HDR, VIRTIO_BLK_T_IN, 0);
         // Status byte device-readable.
         add_chain(&vq, 0, &[r(HDR, 16), r(STATUS, 1)]);
@@ -839,7 +859,7 @@ mod tests {
     #[test]
     fn looping_and_overlong_chains_do_not_hang() {
         let rig = Rig::new();
-        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        let vq = TestQueue::new(&rig.mem, QSIZE);
         rig.header(HDR, VIRTIO_BLK_T_IN, 0);
         let next = VRING_DESC_F_NEXT as u16;
         let wr = VRING_DESC_F_WRITE as u16;
@@ -863,8 +883,8 @@ mod tests {
     #[test]
     fn an_avail_index_far_ahead_breaks_the_queue_not_the_vmm() {
         let rig = Rig::new();
-        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
-        vq.avail().idx().store(QSIZE + 5);
+        let vq = TestQueue::new(&rig.mem, QSIZE);
+        vq.set_avail_idx(QSIZE + 5);
         let mut h = rig.handler(&vq, EngineKind::Sync, false);
         assert!(!h.process_queue());
         assert!(rig.virq.needs_reset());
@@ -875,7 +895,7 @@ mod tests {
     #[test]
     fn one_wakeup_takes_at_most_a_queue_worth() {
         let rig = Rig::new();
-        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        let vq = TestQueue::new(&rig.mem, QSIZE);
         rig.header(HDR, VIRTIO_BLK_T_FLUSH, 0);
         add_chain(&vq, 0, &[r(HDR, 16), w(STATUS, 1)]);
         for _ in 1..QSIZE {
@@ -884,14 +904,14 @@ mod tests {
         let mut h = rig.handler(&vq, EngineKind::Sync, false);
         assert!(h.process_queue(), "a full ring may have more");
         h.drain();
-        assert_eq!(vq.used().idx().load(), QSIZE);
+        assert_eq!(vq.used_idx(), QSIZE);
         assert!(!h.process_queue());
     }
 
     #[test]
     fn indirect_chains_are_followed() {
         let rig = Rig::new();
-        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        let vq = TestQueue::new(&rig.mem, QSIZE);
         rig.header(HDR, VIRTIO_BLK_T_IN, 2);
         let table = DATA_START + 0x8000;
         let descs = [
@@ -923,7 +943,7 @@ mod tests {
     #[test]
     fn direct_io_bounces_unaligned_guest_buffers() {
         let rig = Rig::new();
-        let vq = MockSplitQueue::new(&rig.mem, QSIZE);
+        let vq = TestQueue::new(&rig.mem, QSIZE);
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -966,6 +986,74 @@ mod tests {
         assert_eq!(rig.status(), 0);
         assert_eq!(byte(&rig.mem, DATA + 0x801), 0x33);
         assert_eq!(byte(&rig.mem, DATA + 0x800 + 512), 0x33);
+    }
+
+    /// An engine that completes nothing until asked to wait.
+    #[derive(Default)]
+    struct HoldEngine {
+        held: Vec<u64>,
+        done: Vec<Completion>,
+    }
+
+    impl Engine for HoldEngine {
+        fn push(&mut self, _op: Op, token: u64) -> io::Result<()> {
+            self.held.push(token);
+            Ok(())
+        }
+        fn submit(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+        fn reap(&mut self, out: &mut Vec<Completion>) {
+            out.append(&mut self.done);
+        }
+        fn wait(&mut self) -> io::Result<()> {
+            self.done.extend(self.held.drain(..).map(|t| (t, Ok(0))));
+            Ok(())
+        }
+        fn notifier(&self) -> Option<std::os::fd::RawFd> {
+            None
+        }
+        fn name(&self) -> &'static str {
+            "hold"
+        }
+    }
+
+    #[test]
+    fn in_flight_work_is_capped_at_the_queue_size() {
+        let rig = Rig::new();
+        let vq = TestQueue::new(&rig.mem, QSIZE);
+        rig.header(HDR, VIRTIO_BLK_T_FLUSH, 0);
+        add_chain(&vq, 0, &[r(HDR, 16), w(STATUS, 1)]);
+        // The same head published over and over, as a hostile driver could.
+        for _ in 1..QSIZE {
+            publish(&vq, QSIZE, 0);
+        }
+        let mut h = BlockHandler::new(
+            rig.mem.clone(),
+            vq.create_queue().unwrap(),
+            rig.virq.clone(),
+            Box::new(HoldEngine::default()),
+            DiskParams {
+                capacity: DISK_SECTORS,
+                read_only: false,
+                direct: false,
+                serial: [0; 20],
+            },
+        );
+        assert!(h.process_queue());
+        assert_eq!(h.in_flight(), usize::from(QSIZE));
+        for _ in 0..QSIZE {
+            publish(&vq, QSIZE, 0);
+        }
+        assert!(!h.process_queue(), "no room: nothing taken");
+        assert!(h.take_throttled());
+        assert_eq!(h.in_flight(), usize::from(QSIZE));
+        h.drain();
+        assert_eq!(h.in_flight(), 0);
+        assert_eq!(vq.used_idx(), QSIZE);
+        assert!(h.process_queue());
+        h.drain();
+        assert_eq!(vq.used_idx(), 2 * QSIZE);
     }
 
     use std::os::unix::fs::OpenOptionsExt;
