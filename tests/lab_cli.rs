@@ -136,6 +136,7 @@ fn a_hung_boot_times_out_and_is_not_averaged() {
     assert_eq!(out.status.code(), Some(1));
     let s = text(&out.stdout);
     assert!(s.contains("2 timed out after 0.5 s"), "{s}");
+    assert!(s.contains("last console line: `Linux version 6.1`"), "{s}");
     assert!(text(&out.stderr).contains("no boot reached userspace"));
 }
 

@@ -116,3 +116,55 @@ fn range_marks_the_regression_and_resumes() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("git rev-list"));
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn kernel_artifacts_are_booted_as_the_guest_kernel() {
+    let guest = ember::testing::test_guest().expect("the test guest builds");
+    let root: PathBuf =
+        std::env::temp_dir().join(format!("ember-lab-range-kernel-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (repo, cache) = (root.join("repo"), root.join("cache"));
+    std::fs::create_dir_all(&repo).unwrap();
+    git(&repo, &["init", "-q"]);
+    // The "build" copies the test guest in: every commit yields a bootable kernel.
+    let build = format!(
+        "#!/bin/sh\nmkdir -p out && cp {} out/kernel\n",
+        guest.display()
+    );
+    std::fs::write(repo.join("build.sh"), build).unwrap();
+    git(&repo, &["add", "-A"]);
+    git(&repo, &["commit", "-q", "-m", "first kernel"]);
+    git(
+        &repo,
+        &["commit", "-q", "--allow-empty", "-m", "second kernel"],
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .arg("bench-range")
+        .arg(&repo)
+        .arg("HEAD")
+        .args(["--build", "sh build.sh", "--artifact", "out/kernel"])
+        .args([
+            "--backend",
+            "ember",
+            "--cmdline",
+            "console=ttyS0",
+            "-n",
+            "3",
+            "-w",
+            "0",
+        ])
+        .arg("--cache-dir")
+        .arg(&cache)
+        .output()
+        .unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{s}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(s.matches("ms (n=3)").count(), 2, "{s}");
+    let state = std::fs::read_to_string(cache.join("state.json")).unwrap();
+    assert!(state.contains("kind=Kernel"), "{state}");
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -183,13 +183,6 @@ pub fn load(path: &Path) -> anyhow::Result<Recording> {
         .with_context(|| format!("{} is not a boot recording", path.display()))
 }
 
-fn failures(series: &Series, i: usize, m: &Milestones) -> Failures {
-    Failures {
-        timed_out: series.count(i, m, Verdict::TimedOut),
-        no_userspace: series.count(i, m, Verdict::NoUserspace),
-    }
-}
-
 /// Per-metric samples of the counted boots, metrics in first-seen order.
 pub fn metric_samples(records: &[&BootRecord], m: &Milestones) -> Vec<(String, Vec<f64>)> {
     let mut out: Vec<(String, Vec<f64>)> = Vec::new();
@@ -276,7 +269,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<i32> {
             .map(|i| series.good(i, &milestones[i]).len())
             .collect(),
         failures: (0..configs.len())
-            .map(|i| failures(&series, i, &milestones[i]))
+            .map(|i| Failures::of(&series.records[i], &milestones[i]))
             .collect(),
         timeout_s: args.guest.timeout,
         interrupted: series.interrupted,
@@ -320,7 +313,6 @@ pub fn analyze_records(
         .iter()
         .filter(|r| runner::verdict(r, m) == Verdict::Ok)
         .collect();
-    let count = |v| all.iter().filter(|r| runner::verdict(r, m) == v).count();
     let exits: Vec<f64> = good.iter().map(|r| r.exit_us / 1e3).collect();
     let total = Summary::of(&exits);
     let total_ms = total.map_or(0.0, |t| t.mean);
@@ -331,10 +323,7 @@ pub fn analyze_records(
     AnalyzeReport {
         header,
         boots: all.len(),
-        failures: Failures {
-            timed_out: count(Verdict::TimedOut),
-            no_userspace: count(Verdict::NoUserspace),
-        },
+        failures: Failures::of(all, m),
         total,
         activities: analysis::aggregate(&per_boot, total_ms),
         console: analysis::console_cost(&good, char_cost_us, total_ms),

@@ -303,10 +303,7 @@ fn measure(
                 .map(|(_, v)| v)
         })
         .collect();
-    let failures = Failures {
-        timed_out: series.count(0, m, Verdict::TimedOut),
-        no_userspace: series.count(0, m, Verdict::NoUserspace),
-    };
+    let failures = Failures::of(&series.records[0], m);
     Ok(Ok((samples, failures)))
 }
 

@@ -27,6 +27,38 @@ pub struct Failures {
     pub timed_out: usize,
     /// Ended without reaching userspace.
     pub no_userspace: usize,
+    /// The last console line of the first boot that did not count: usually
+    /// says where it got stuck.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_line: Option<String>,
+}
+
+/// Longest `last_line` we quote, in characters.
+const MAX_QUOTE: usize = 100;
+
+impl Failures {
+    /// Counts the boots of `records` that did not count under `m`.
+    pub fn of(records: &[super::boot::BootRecord], m: &super::analysis::Milestones) -> Failures {
+        use super::runner::{Verdict, verdict};
+        let failed = |v| records.iter().filter(|r| verdict(r, m) == v).count();
+        let first_bad = records
+            .iter()
+            .find(|r| matches!(verdict(r, m), Verdict::TimedOut | Verdict::NoUserspace));
+        Failures {
+            timed_out: failed(Verdict::TimedOut),
+            no_userspace: failed(Verdict::NoUserspace),
+            last_line: first_bad.and_then(|r| {
+                let line = r.lines.iter().rev().find(|l| !l.text.trim().is_empty())?;
+                Some(
+                    super::analysis::split_printk(&line.text)
+                        .1
+                        .chars()
+                        .take(MAX_QUOTE)
+                        .collect(),
+                )
+            }),
+        }
+    }
 }
 
 /// A full `ember bench` report.
@@ -93,7 +125,11 @@ fn failures_line(label: &str, f: &Failures, timeout_s: f64) -> Option<String> {
         } else {
             format!("{label}: ")
         };
-        format!("{prefix}boot(s) not averaged in: {}", parts.join(", "))
+        let mut line = format!("{prefix}boot(s) not averaged in: {}", parts.join(", "));
+        if let Some(last) = &f.last_line {
+            line.push_str(&format!("; the first one's last console line: `{last}`"));
+        }
+        line
     })
 }
 
@@ -403,6 +439,7 @@ mod tests {
         let f = Failures {
             timed_out: 2,
             no_userspace: 1,
+            last_line: None,
         };
         assert_eq!(
             failures_line("A", &f, 5.0).unwrap(),
