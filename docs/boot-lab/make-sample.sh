@@ -4,6 +4,7 @@
 #   bench.txt           (the same kernel, quiet, 10 boots after 3 warm-ups)
 #   bench-vs-quiet.txt  (initcall_debug+ignore_loglevel vs quiet, interleaved)
 #   bench-ember.txt, analyze-ember.txt  (the ember test guest under --backend ember)
+#   bench-ember-console.txt  (ember: the cost of ~6 kB more console output, via --vs)
 # Usage: docs/boot-lab/make-sample.sh   (from the repository root)
 set -eu
 out=$(dirname "$0")
@@ -23,6 +24,11 @@ $ember bench $qemu --cmdline 'console=ttyS0 panic=-1 initcall_debug ignore_logle
 cmdline='console=ttyS0 mark=0x42 print=ember-lab:_begin_work spin=20 print=ember-lab:_end_work'
 $ember bench --backend ember --kernel $guest --cmdline "$cmdline" -n 20 -w 3 > "$out/bench-ember.txt"
 $ember analyze --backend ember --kernel $guest --cmdline "$cmdline" -n 10 -w 2 --min-ms 0 > "$out/analyze-ember.txt"
+# Console cost on ember, measured: 50 extra lines of 60 characters (echoed once more
+# in the banner's copy of the command line), interleaved with boots without them.
+lines=$(python3 -c "print(' '.join(['print=' + 'x' * 59] * 50))")
+$ember bench --backend ember --kernel $guest --cmdline 'console=ttyS0' --vs "cmdline+=$lines" \
+    --metric shutdown -n 10 -w 2 > "$out/bench-ember-console.txt"
 
 profile=$(mktemp -d)
 chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run \
