@@ -105,7 +105,12 @@ fn vs_compares_pair_by_pair() {
     let s = text(&out.stdout);
     assert!(out.status.success(), "{s}{}", text(&out.stderr));
     assert!(s.contains("config: A") && s.contains("config: B"), "{s}");
-    assert!(s.contains("B/A of `userspace`, pair by pair:"), "{s}");
+    let pairs = s
+        .lines()
+        .find_map(|l| l.strip_prefix("B/A of `userspace`, pair by pair: "))
+        .unwrap_or_else(|| panic!("no pair line:\n{s}"));
+    assert_eq!(pairs.split_whitespace().count(), 4, "{pairs}");
+    assert!(s.contains("geometric mean"), "{s}");
     assert!(s.contains("B is slower by"), "{s}");
 
     let mut args = vec!["bench"];

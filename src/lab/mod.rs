@@ -253,13 +253,14 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<i32> {
             }
         }
     }
-    let ratio = (configs.len() == 2)
-        .then(|| {
-            let ms = [milestones[0].clone(), milestones[1].clone()];
-            let (a, b) = pairs(&series, &ms, &args.metric);
-            stats::paired_ratio(&a, &b, 0.95)
-        })
-        .flatten();
+    let (pair_a, pair_b) = if configs.len() == 2 {
+        let ms = [milestones[0].clone(), milestones[1].clone()];
+        pairs(&series, &ms, &args.metric)
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let ratio = stats::paired_ratio(&pair_a, &pair_b, 0.95);
+    let pair_ratios = pair_a.iter().zip(&pair_b).map(|(a, b)| b / a).collect();
     let report = BenchReport {
         header: headers[0].clone(),
         header_b: headers.get(1).cloned(),
@@ -276,6 +277,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<i32> {
         metrics,
         ratio_metric: (configs.len() == 2).then(|| args.metric.clone()),
         ratio,
+        pair_ratios,
         samples,
     };
     if let Some(path) = &args.save {

@@ -89,6 +89,9 @@ pub struct BenchReport {
     /// With `--vs`: B/A of that metric, geometric mean of per-pair ratios, 95 % t-interval.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio: Option<Interval>,
+    /// With `--vs`: B/A of that metric for each pair, in boot order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pair_ratios: Vec<f64>,
     /// Raw per-boot samples of each metric, per configuration.
     pub samples: Vec<Vec<(String, Vec<f64>)>>,
 }
@@ -223,7 +226,13 @@ impl BenchReport {
             };
             let _ = writeln!(
                 s,
-                "B/A of `{metric}`, pair by pair: {:.3} [{:.0}% CI {:.3} – {:.3}] → {verdict}",
+                "B/A of `{metric}`, pair by pair: {}\n  geometric mean {:.3} [{:.0}% CI {:.3} – {:.3}, \
+                 t-interval on the log ratios] → {verdict}",
+                self.pair_ratios
+                    .iter()
+                    .map(|x| format!("{x:.3}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
                 r.estimate,
                 r.level * 100.0,
                 r.low,
