@@ -255,3 +255,45 @@ fn ctrl_c_stops_and_reports_what_was_measured() {
     assert!(s.contains("INTERRUPTED, partial results"), "{s}");
     assert!(s.contains("Result: "), "{s}");
 }
+
+#[test]
+fn analyze_loads_a_recording_with_extra_rules() {
+    let d = scratch("load");
+    let rules = d.join("pci.rules");
+    std::fs::write(
+        &rules,
+        "[kernel:pci]\nstart = ^PCI: Using configuration type\nend = ^pci_bus 0000:00: resource\nparent = kernel\n",
+    )
+    .unwrap();
+    let rec = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/lab/qemu-q35-tcg-initcall-debug.json"
+    );
+    let svg = d.join("t.svg");
+    let out = ember(&[
+        "analyze",
+        "--load",
+        rec,
+        "--rules",
+        rules.to_str().unwrap(),
+        "--json",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let acts = v["activities"].as_array().unwrap();
+    let pci = acts
+        .iter()
+        .find(|a| a["name"] == "kernel:pci")
+        .expect("the user rule matched");
+    assert_eq!(pci["depth"], 2);
+    assert!(pci["duration_ms"]["mean"].as_f64().unwrap() > 0.0);
+    assert!(acts.iter().any(|a| a["name"] == "initcall:acpi_init"));
+    assert_eq!(v["header"]["backend"], "qemu");
+    assert!(
+        std::fs::read_to_string(&svg)
+            .unwrap()
+            .contains("kernel:pci")
+    );
+}
