@@ -35,6 +35,7 @@ use runner::{Series, Verdict};
 use serde::{Deserialize, Serialize};
 use stats::Summary;
 use std::path::{Path, PathBuf};
+use thiserror::Error;
 
 /// Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 const EXIT_INTERRUPTED: i32 = 130;
@@ -166,21 +167,52 @@ pub struct Recording {
     pub records: Vec<BootRecord>,
 }
 
-fn save(path: &Path, header: &Header, records: &[BootRecord]) -> anyhow::Result<()> {
+/// Errors saving or loading a [`Recording`].
+#[derive(Debug, Error)]
+pub enum RecordingError {
+    /// The file could not be read or written.
+    #[error("cannot access {path}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a recording.
+    #[error("{path} is not a boot recording")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Writes `records` (and what was booted) to `path`.
+pub fn save(path: &Path, header: &Header, records: &[BootRecord]) -> Result<(), RecordingError> {
     let rec = Recording {
         header: header.clone(),
         records: records.to_vec(),
     };
-    std::fs::write(path, serde_json::to_string(&rec)?)
-        .with_context(|| format!("cannot write {}", path.display()))
+    let text = serde_json::to_string(&rec).expect("a recording serializes");
+    std::fs::write(path, text).map_err(|source| RecordingError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Loads a recording written by `--save`.
-pub fn load(path: &Path) -> anyhow::Result<Recording> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    serde_json::from_str(&text)
-        .with_context(|| format!("{} is not a boot recording", path.display()))
+pub fn load(path: &Path) -> Result<Recording, RecordingError> {
+    let text = std::fs::read_to_string(path).map_err(|source| RecordingError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| RecordingError::Parse {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Per-metric samples of the counted boots, metrics in first-seen order.
