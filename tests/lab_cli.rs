@@ -242,7 +242,7 @@ fn ctrl_c_stops_and_reports_what_was_measured() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    std::thread::sleep(Duration::from_millis(2500));
     // SAFETY: kill() on our own child's pid.
     unsafe {
         libc::kill(child.id() as libc::pid_t, libc::SIGINT);
