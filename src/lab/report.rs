@@ -422,7 +422,8 @@ impl AnalyzeReport {
                 let _ = writeln!(
                     s,
                     "         Guest timestamps of back-to-back lines show ≈ {} µs/char here \
-                     (≈ {}ms per boot).",
+                     (≈ {}ms per boot) — an upper bound: it includes printk's own work.\n         \
+                     For the real cost, bench this command line against a quiet one: ember bench --vs 'cmdline=…'.",
                     num(o),
                     num(o * c.bytes.mean / 1e3)
                 );
