@@ -105,8 +105,23 @@ fn vs_compares_pair_by_pair() {
     let s = text(&out.stdout);
     assert!(out.status.success(), "{s}{}", text(&out.stderr));
     assert!(s.contains("config: A") && s.contains("config: B"), "{s}");
-    assert!(s.contains("B/A of `userspace`, pair by pair:"), "{s}");
+    let pairs = s
+        .lines()
+        .find_map(|l| l.strip_prefix("B/A of `userspace`, pair by pair: "))
+        .unwrap_or_else(|| panic!("no pair line:\n{s}"));
+    assert_eq!(pairs.split_whitespace().count(), 4, "{pairs}");
+    assert!(s.contains("geometric mean"), "{s}");
     assert!(s.contains("B is slower by"), "{s}");
+
+    let mut args = vec!["bench"];
+    args.extend(base(fast.to_str().unwrap()));
+    args.extend(["-n", "2", "-w", "0", "--vs", &vs, "--metric", "nonsense"]);
+    let s = text(&ember(&args).stdout);
+    assert!(s.contains("B/A of `nonsense`: not available"), "{s}");
+    assert!(
+        s.contains("figures: first output, kernel, userspace"),
+        "{s}"
+    );
 }
 
 #[test]
@@ -126,6 +141,7 @@ fn a_hung_boot_times_out_and_is_not_averaged() {
     assert_eq!(out.status.code(), Some(1));
     let s = text(&out.stdout);
     assert!(s.contains("2 timed out after 0.5 s"), "{s}");
+    assert!(s.contains("last console line: `Linux version 6.1`"), "{s}");
     assert!(text(&out.stderr).contains("no boot reached userspace"));
 }
 
@@ -165,6 +181,9 @@ fn bad_input_gives_one_clear_line() {
         e.contains("`/nonexistent/qemu` not found or not executable"),
         "{e}"
     );
+
+    let out = ember(&["bench", "-n", "0", "--kernel", "/bin/sh"]);
+    assert!(text(&out.stderr).contains("-n/--runs must be at least 1"));
 
     let out = ember(&["bench", "--backend", "bochs", "--kernel", "/bin/sh"]);
     assert!(text(&out.stderr).contains("unknown backend `bochs`"));
@@ -223,7 +242,7 @@ fn ctrl_c_stops_and_reports_what_was_measured() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    std::thread::sleep(Duration::from_millis(2500));
     // SAFETY: kill() on our own child's pid.
     unsafe {
         libc::kill(child.id() as libc::pid_t, libc::SIGINT);
@@ -235,4 +254,46 @@ fn ctrl_c_stops_and_reports_what_was_measured() {
     let s = text(&out.stdout);
     assert!(s.contains("INTERRUPTED, partial results"), "{s}");
     assert!(s.contains("Result: "), "{s}");
+}
+
+#[test]
+fn analyze_loads_a_recording_with_extra_rules() {
+    let d = scratch("load");
+    let rules = d.join("pci.rules");
+    std::fs::write(
+        &rules,
+        "[kernel:pci]\nstart = ^PCI: Using configuration type\nend = ^pci_bus 0000:00: resource\nparent = kernel\n",
+    )
+    .unwrap();
+    let rec = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/lab/qemu-q35-tcg-initcall-debug.json"
+    );
+    let svg = d.join("t.svg");
+    let out = ember(&[
+        "analyze",
+        "--load",
+        rec,
+        "--rules",
+        rules.to_str().unwrap(),
+        "--json",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let acts = v["activities"].as_array().unwrap();
+    let pci = acts
+        .iter()
+        .find(|a| a["name"] == "kernel:pci")
+        .expect("the user rule matched");
+    assert_eq!(pci["depth"], 2);
+    assert!(pci["duration_ms"]["mean"].as_f64().unwrap() > 0.0);
+    assert!(acts.iter().any(|a| a["name"] == "initcall:acpi_init"));
+    assert_eq!(v["header"]["backend"], "qemu");
+    assert!(
+        std::fs::read_to_string(&svg)
+            .unwrap()
+            .contains("kernel:pci")
+    );
 }

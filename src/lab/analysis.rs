@@ -5,7 +5,7 @@
 
 use super::boot::BootRecord;
 use super::rules::Rule;
-use super::stats::{self, Summary};
+use super::stats::Summary;
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -38,6 +38,10 @@ pub struct Entry {
     pub clock: Clock,
     /// Text rules match: a console line without its printk prefix, or `@event`.
     pub text: String,
+    /// Stamped `[    0.000000]`: printed before the guest clock ran. Such
+    /// lines often arrive in one burst when the console comes up, so a span
+    /// between two of them has no measurable length on either clock.
+    pub before_clock: bool,
 }
 
 /// Splits `[    1.234567] text` into (1234567 µs, "text"), ignoring terminal
@@ -93,11 +97,13 @@ pub fn timeline(record: &BootRecord) -> Vec<Entry> {
                 t_us: g + off,
                 clock: Clock::Guest,
                 text: body,
+                before_clock: g == 0.0,
             },
             ((_, body), _) => Entry {
                 t_us: l.t_us,
                 clock: Clock::Host,
                 text: body,
+                before_clock: false,
             },
         })
         .collect();
@@ -115,12 +121,14 @@ pub fn timeline(record: &BootRecord) -> Vec<Entry> {
         t_us: 0.0,
         clock: Clock::Host,
         text: "@spawn".into(),
+        before_clock: false,
     }];
     if let Some(t) = record.first_output_us {
         events.push(Entry {
             t_us: t,
             clock: Clock::Host,
             text: "@first_output".into(),
+            before_clock: false,
         });
     }
     for e in &record.events {
@@ -139,12 +147,14 @@ pub fn timeline(record: &BootRecord) -> Vec<Entry> {
             t_us: e.t_us,
             clock: Clock::Host,
             text,
+            before_clock: false,
         });
     }
     events.push(Entry {
         t_us: record.exit_us,
         clock: Clock::Host,
         text: "@exit".into(),
+        before_clock: false,
     });
     events.sort_by(|a, b| a.t_us.total_cmp(&b.t_us));
     // Merge, keeping console lines in arrival order.
@@ -178,13 +188,15 @@ pub struct Activity {
 /// Matches `rules` against a timeline. An activity opens at the first start
 /// match (further starts while it is open are ignored) and closes at the next
 /// end match; activities still open at the end are dropped. Repeats of a
-/// closed activity in one boot add up under one name.
+/// closed activity in one boot add up under one name. A span whose both ends
+/// were printed before the guest clock ran is dropped: it cannot be measured.
 pub fn activities(entries: &[Entry], rules: &[Rule]) -> Vec<Activity> {
     struct Open {
         rule: usize,
         name: String,
         start: f64,
         clock: Clock,
+        before_clock: bool,
     }
     let mut open: Vec<Open> = Vec::new();
     let mut done: Vec<Activity> = Vec::new();
@@ -195,7 +207,9 @@ pub fn activities(entries: &[Entry], rules: &[Rule]) -> Vec<Activity> {
                 let pos = open
                     .iter()
                     .rposition(|o| o.rule == ri && target.as_ref().is_none_or(|n| *n == o.name));
-                if let Some(o) = pos.map(|p| open.remove(p)) {
+                if let Some(o) = pos.map(|p| open.remove(p))
+                    && !(o.before_clock && e.before_clock)
+                {
                     add(
                         &mut done,
                         &o.name,
@@ -214,6 +228,7 @@ pub fn activities(entries: &[Entry], rules: &[Rule]) -> Vec<Activity> {
                         name,
                         start: e.t_us,
                         clock: e.clock,
+                        before_clock: e.before_clock,
                     });
                 }
             }
@@ -304,7 +319,35 @@ pub fn aggregate(per_boot: &[Vec<Activity>], total_ms: f64) -> Vec<ActivityStats
             .total_cmp(&b.start_ms.mean)
             .then(a.depth.cmp(&b.depth))
     });
-    out
+    tree_order(out)
+}
+
+/// Reorders start-sorted activities depth first: each one followed by its
+/// children (in start order), so a printed table reads as a tree.
+fn tree_order(sorted: Vec<ActivityStats>) -> Vec<ActivityStats> {
+    let names: Vec<&str> = sorted.iter().map(|a| a.name.as_str()).collect();
+    let is_root = |a: &ActivityStats| a.parent.as_deref().is_none_or(|p| !names.contains(&p));
+    let mut order = Vec::with_capacity(sorted.len());
+    let mut stack: Vec<usize> = (0..sorted.len())
+        .filter(|&i| is_root(&sorted[i]))
+        .rev()
+        .collect();
+    let mut placed = vec![false; sorted.len()];
+    while let Some(i) = stack.pop() {
+        if std::mem::replace(&mut placed[i], true) {
+            continue;
+        }
+        order.push(i);
+        let children = (0..sorted.len()).filter(|&c| {
+            !placed[c] && sorted[c].parent.as_deref() == Some(sorted[i].name.as_str())
+        });
+        let children: Vec<usize> = children.collect();
+        stack.extend(children.into_iter().rev());
+    }
+    // A parent cycle in a user rule file leaves some unplaced: keep them at the end.
+    order.extend((0..sorted.len()).filter(|&i| !placed[i]));
+    let mut slots: Vec<Option<ActivityStats>> = sorted.into_iter().map(Some).collect();
+    order.into_iter().filter_map(|i| slots[i].take()).collect()
 }
 
 /// Nesting depth of `name`: the length of its parent chain among the
@@ -469,11 +512,6 @@ pub fn boot_metrics(record: &BootRecord, m: &Milestones) -> Vec<(String, f64)> {
     out
 }
 
-/// Mean of `xs` (re-exported for callers that only need it).
-pub fn mean(xs: &[f64]) -> f64 {
-    stats::mean(xs)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -537,7 +575,7 @@ mod tests {
         assert_eq!(get("kernel").end_us - get("kernel").start_us, 3000.0);
         assert_eq!(get("kernel").clock, Clock::Guest);
         assert_eq!(get("run").end_us, 25_000.0);
-        assert_eq!(get("firmware").clock, Clock::Mixed);
+        assert_eq!(get("firmware+decompress").clock, Clock::Mixed);
         assert_eq!(get("vmm:teardown").start_us, 20_100.0);
     }
 
@@ -573,6 +611,23 @@ mod tests {
         assert_eq!(b.depth, 2);
         assert_eq!(b.duration_ms.n, 2);
         assert!((b.pct_of_total - 250.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn spans_printed_before_the_guest_clock_ran_are_dropped() {
+        let r = record(
+            &[
+                (900.0, "[    0.000000] Memory: 1K/2K available"),
+                (900.0, "[    0.000000] ftrace: allocating 10 entries"),
+                (900.0, "[    0.000000] ftrace: allocated 1 pages"),
+                (950.0, "[    0.000050] calling  a_init+0x0/0x10 @ 1"),
+            ],
+            1000.0,
+        );
+        let acts = activities(&timeline(&r), &builtin_linux());
+        let names: Vec<&str> = acts.iter().map(|a| a.name.as_str()).collect();
+        assert!(!names.contains(&"kernel:ftrace-init"), "{names:?}");
+        assert!(names.contains(&"kernel:early-init"), "{names:?}");
     }
 
     #[test]

@@ -194,8 +194,11 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
             }
         }
     };
-    // The child is reaped; std must not try to wait for it again.
-    std::mem::forget(child);
+    // Reaped by wait4 above; dropping a Child neither waits nor kills.
+    drop(child);
+    // Anything the VMM left behind in its group (a helper still holding the
+    // console pipe) would keep the reader below waiting: end it too.
+    kill_group(pid);
     let outcome = outcome.unwrap_or_else(|| decode_status(reaped.status));
     let (lines, console_bytes, first_output) = console.join().unwrap_or_default();
     let stderr = errors.join().unwrap_or_default();
@@ -205,12 +208,17 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
     if let Some(path) = &events_path {
         if let Ok(text) = std::fs::read_to_string(path) {
             let _ = std::fs::remove_file(path);
-            let file: EventFile =
-                serde_json::from_str(&text).map_err(|source| BootError::Events {
-                    path: path.clone(),
-                    source,
-                })?;
-            events = align_events(&file, t0_ns, &lines);
+            match serde_json::from_str::<EventFile>(&text) {
+                Ok(file) => events = align_events(&file, t0_ns, &lines),
+                // A VMM we killed may have left half a file: its events are lost.
+                Err(_) if !matches!(outcome, Outcome::Exited(_) | Outcome::Signaled(_)) => {}
+                Err(source) => {
+                    return Err(BootError::Events {
+                        path: path.clone(),
+                        source,
+                    });
+                }
+            }
         }
     }
     Ok(BootRecord {
@@ -397,6 +405,16 @@ mod tests {
         assert!(!r.completed());
         assert!(start.elapsed() < Duration::from_secs(5));
         assert_eq!(r.lines[0].text, "booting");
+    }
+
+    #[test]
+    fn a_helper_left_holding_the_console_is_ended() {
+        let never = AtomicBool::new(false);
+        let start = Instant::now();
+        let r = run_boot(&cfg("sleep 30 & echo done; exit 0", 60_000), &never).unwrap();
+        assert_eq!(r.outcome, Outcome::Exited(0));
+        assert_eq!(r.lines.len(), 1);
+        assert!(start.elapsed() < Duration::from_secs(5));
     }
 
     #[test]

@@ -35,6 +35,7 @@ use runner::{Series, Verdict};
 use serde::{Deserialize, Serialize};
 use stats::Summary;
 use std::path::{Path, PathBuf};
+use thiserror::Error;
 
 /// Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 const EXIT_INTERRUPTED: i32 = 130;
@@ -166,28 +167,52 @@ pub struct Recording {
     pub records: Vec<BootRecord>,
 }
 
-fn save(path: &Path, header: &Header, records: &[BootRecord]) -> anyhow::Result<()> {
+/// Errors saving or loading a [`Recording`].
+#[derive(Debug, Error)]
+pub enum RecordingError {
+    /// The file could not be read or written.
+    #[error("cannot access {path}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a recording.
+    #[error("{path} is not a boot recording")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Writes `records` (and what was booted) to `path`.
+pub fn save(path: &Path, header: &Header, records: &[BootRecord]) -> Result<(), RecordingError> {
     let rec = Recording {
         header: header.clone(),
         records: records.to_vec(),
     };
-    std::fs::write(path, serde_json::to_string(&rec)?)
-        .with_context(|| format!("cannot write {}", path.display()))
+    let text = serde_json::to_string(&rec).expect("a recording serializes");
+    std::fs::write(path, text).map_err(|source| RecordingError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Loads a recording written by `--save`.
-pub fn load(path: &Path) -> anyhow::Result<Recording> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    serde_json::from_str(&text)
-        .with_context(|| format!("{} is not a boot recording", path.display()))
-}
-
-fn failures(series: &Series, i: usize, m: &Milestones) -> Failures {
-    Failures {
-        timed_out: series.count(i, m, Verdict::TimedOut),
-        no_userspace: series.count(i, m, Verdict::NoUserspace),
-    }
+pub fn load(path: &Path) -> Result<Recording, RecordingError> {
+    let text = std::fs::read_to_string(path).map_err(|source| RecordingError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| RecordingError::Parse {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Per-metric samples of the counted boots, metrics in first-seen order.
@@ -224,6 +249,7 @@ fn pairs(series: &Series, ms: &[Milestones; 2], metric: &str) -> (Vec<f64>, Vec<
 
 /// Runs `ember bench`; returns the exit status.
 pub fn bench(args: BenchArgs) -> anyhow::Result<i32> {
+    anyhow::ensure!(args.runs > 0, "-n/--runs must be at least 1");
     signal::install();
     let mut configs = vec![config::build(&args.guest, "A")?];
     if let Some(vs) = &args.vs {
@@ -259,13 +285,14 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<i32> {
             }
         }
     }
-    let ratio = (configs.len() == 2)
-        .then(|| {
-            let ms = [milestones[0].clone(), milestones[1].clone()];
-            let (a, b) = pairs(&series, &ms, &args.metric);
-            stats::paired_ratio(&a, &b, 0.95)
-        })
-        .flatten();
+    let (pair_a, pair_b) = if configs.len() == 2 {
+        let ms = [milestones[0].clone(), milestones[1].clone()];
+        pairs(&series, &ms, &args.metric)
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let ratio = stats::paired_ratio(&pair_a, &pair_b, 0.95);
+    let pair_ratios = pair_a.iter().zip(&pair_b).map(|(a, b)| b / a).collect();
     let report = BenchReport {
         header: headers[0].clone(),
         header_b: headers.get(1).cloned(),
@@ -275,13 +302,14 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<i32> {
             .map(|i| series.good(i, &milestones[i]).len())
             .collect(),
         failures: (0..configs.len())
-            .map(|i| failures(&series, i, &milestones[i]))
+            .map(|i| Failures::of(&series.records[i], &milestones[i]))
             .collect(),
         timeout_s: args.guest.timeout,
         interrupted: series.interrupted,
         metrics,
         ratio_metric: (configs.len() == 2).then(|| args.metric.clone()),
         ratio,
+        pair_ratios,
         samples,
     };
     if let Some(path) = &args.save {
@@ -319,7 +347,6 @@ pub fn analyze_records(
         .iter()
         .filter(|r| runner::verdict(r, m) == Verdict::Ok)
         .collect();
-    let count = |v| all.iter().filter(|r| runner::verdict(r, m) == v).count();
     let exits: Vec<f64> = good.iter().map(|r| r.exit_us / 1e3).collect();
     let total = Summary::of(&exits);
     let total_ms = total.map_or(0.0, |t| t.mean);
@@ -330,10 +357,7 @@ pub fn analyze_records(
     AnalyzeReport {
         header,
         boots: all.len(),
-        failures: Failures {
-            timed_out: count(Verdict::TimedOut),
-            no_userspace: count(Verdict::NoUserspace),
-        },
+        failures: Failures::of(all, m),
         total,
         activities: analysis::aggregate(&per_boot, total_ms),
         console: analysis::console_cost(&good, char_cost_us, total_ms),
@@ -358,6 +382,7 @@ pub fn default_char_cost_us(backend: &str) -> f64 {
 
 /// Runs `ember analyze`; returns the exit status.
 pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
+    anyhow::ensure!(args.runs > 0, "-n/--runs must be at least 1");
     signal::install();
     let mut rules = if args.no_builtin_rules {
         Vec::new()
@@ -437,6 +462,10 @@ pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
 
 /// Runs `ember bench-range`; returns the exit status.
 pub fn bench_range(args: RangeArgs) -> anyhow::Result<i32> {
+    anyhow::ensure!(
+        args.runs >= 2,
+        "-n/--runs must be at least 2 (the t-test needs a spread)"
+    );
     signal::install();
     range::run(&args)
 }

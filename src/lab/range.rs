@@ -303,10 +303,7 @@ fn measure(
                 .map(|(_, v)| v)
         })
         .collect();
-    let failures = Failures {
-        timed_out: series.count(0, m, Verdict::TimedOut),
-        no_userspace: series.count(0, m, Verdict::NoUserspace),
-    };
+    let failures = Failures::of(&series.records[0], m);
     Ok(Ok((samples, failures)))
 }
 
@@ -321,15 +318,13 @@ fn short_subject(s: &str) -> String {
 
 /// The report line(s) of one commit.
 fn render(r: &CommitResult, change: Option<Change>) -> String {
-    let head = format!(
-        "{} {}",
-        &r.hash[..7.min(r.hash.len())],
-        short_subject(&r.subject)
-    );
-    let body = match (&r.error, &r.summary) {
+    /// Width of the figures column, so subjects line up.
+    const FIGURES: usize = 56;
+    let hash = &r.hash[..7.min(r.hash.len())];
+    let figures = match (&r.error, &r.summary) {
         (Some(e), _) => format!("error: {e}"),
         (None, Some(s)) => {
-            let mut b = format!("{}ms ±{}ms (n={})", num(s.mean), num(s.sd), s.n);
+            let mut b = format!("{:>9}ms ±{:>8}ms n={:<3}", num(s.mean), num(s.sd), s.n);
             if let Some(c) = change {
                 b.push_str(&format!(
                     " {} by {:.1}% (p={:.1e})",
@@ -353,7 +348,7 @@ fn render(r: &CommitResult, change: Option<Change>) -> String {
         }
         (None, None) => "no boot counted".into(),
     };
-    format!("{head}\n        {body}\n")
+    format!("{hash} {figures:<FIGURES$} {}\n", short_subject(&r.subject))
 }
 
 /// Runs the whole range; returns the exit status.
@@ -498,11 +493,16 @@ mod tests {
             p: 1e-9,
         };
         let s = render(&r, Some(c));
-        assert!(s.starts_with("8e86aa8 Add optionrom"), "{s}");
         assert!(
-            s.contains("1013.7ms ±0.000ms (n=2) ↑ improves by 64.9%"),
+            s.starts_with("8e86aa8    1013.7ms ±   0.000ms n=2   ↑ improves by 64.9%"),
             "{s}"
         );
+        assert!(
+            s.trim_end()
+                .ends_with("Add optionrom compatible with fw_cfg DMA version"),
+            "{s}"
+        );
+        assert_eq!(s.lines().count(), 1);
         let e = CommitResult {
             error: Some("build failed".into()),
             ..r

@@ -27,6 +27,38 @@ pub struct Failures {
     pub timed_out: usize,
     /// Ended without reaching userspace.
     pub no_userspace: usize,
+    /// The last console line of the first boot that did not count: usually
+    /// says where it got stuck.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_line: Option<String>,
+}
+
+/// Longest `last_line` we quote, in characters.
+const MAX_QUOTE: usize = 100;
+
+impl Failures {
+    /// Counts the boots of `records` that did not count under `m`.
+    pub fn of(records: &[super::boot::BootRecord], m: &super::analysis::Milestones) -> Failures {
+        use super::runner::{Verdict, verdict};
+        let failed = |v| records.iter().filter(|r| verdict(r, m) == v).count();
+        let first_bad = records
+            .iter()
+            .find(|r| matches!(verdict(r, m), Verdict::TimedOut | Verdict::NoUserspace));
+        Failures {
+            timed_out: failed(Verdict::TimedOut),
+            no_userspace: failed(Verdict::NoUserspace),
+            last_line: first_bad.and_then(|r| {
+                let line = r.lines.iter().rev().find(|l| !l.text.trim().is_empty())?;
+                Some(
+                    super::analysis::split_printk(&line.text)
+                        .1
+                        .chars()
+                        .take(MAX_QUOTE)
+                        .collect(),
+                )
+            }),
+        }
+    }
 }
 
 /// A full `ember bench` report.
@@ -57,6 +89,9 @@ pub struct BenchReport {
     /// With `--vs`: B/A of that metric, geometric mean of per-pair ratios, 95 % t-interval.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio: Option<Interval>,
+    /// With `--vs`: B/A of that metric for each pair, in boot order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pair_ratios: Vec<f64>,
     /// Raw per-boot samples of each metric, per configuration.
     pub samples: Vec<Vec<(String, Vec<f64>)>>,
 }
@@ -93,7 +128,11 @@ fn failures_line(label: &str, f: &Failures, timeout_s: f64) -> Option<String> {
         } else {
             format!("{label}: ")
         };
-        format!("{prefix}boot(s) not averaged in: {}", parts.join(", "))
+        let mut line = format!("{prefix}boot(s) not averaged in: {}", parts.join(", "));
+        if let Some(last) = &f.last_line {
+            line.push_str(&format!("; the first one's last console line: `{last}`"));
+        }
+        line
     })
 }
 
@@ -187,11 +226,26 @@ impl BenchReport {
             };
             let _ = writeln!(
                 s,
-                "B/A of `{metric}`, pair by pair: {:.3} [{:.0}% CI {:.3} – {:.3}] → {verdict}",
+                "B/A of `{metric}`, pair by pair: {}\n  geometric mean {:.3} [{:.0}% CI {:.3} – {:.3}, \
+                 t-interval on the log ratios] → {verdict}",
+                self.pair_ratios
+                    .iter()
+                    .map(|x| format!("{x:.3}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
                 r.estimate,
                 r.level * 100.0,
                 r.low,
                 r.high
+            );
+        }
+        if let (None, Some(metric)) = (&self.ratio, &self.ratio_metric) {
+            let known: Vec<&str> = self.metrics.iter().map(|m| m.name.as_str()).collect();
+            let _ = writeln!(
+                s,
+                "B/A of `{metric}`: not available (it needs two or more pairs in which both \
+                 boots counted and reported it; figures: {})",
+                known.join(", ")
             );
         }
         if let Some(exit) = self.metrics.iter().find(|m| m.name == "exit") {
@@ -283,7 +337,7 @@ impl AnalyzeReport {
             let name = format!("{:pad$}{}", "", a.name);
             let _ = writeln!(
                 s,
-                "  {:<44} {:>9} {:>9} ±{:>8} {:>6.1}% {:<6} {:>2}",
+                "  {:<50} {:>9} {:>9} ±{:>8} {:>6.1}% {:<6} {:>2}",
                 name,
                 num(a.start_ms.mean),
                 num(a.duration_ms.mean),
@@ -296,7 +350,7 @@ impl AnalyzeReport {
         let head = |s: &mut String| {
             let _ = writeln!(
                 s,
-                "  {:<44} {:>9} {:>9}  {:>8} {:>7} {:<6} {:>2}",
+                "  {:<50} {:>9} {:>9}  {:>8} {:>7} {:<6} {:>2}",
                 "activity", "start ms", "mean ms", "sd", "% run", "clock", "n"
             );
         };
@@ -368,7 +422,8 @@ impl AnalyzeReport {
                 let _ = writeln!(
                     s,
                     "         Guest timestamps of back-to-back lines show ≈ {} µs/char here \
-                     (≈ {}ms per boot).",
+                     (≈ {}ms per boot) — an upper bound: it includes printk's own work.\n         \
+                     For the real cost, bench this command line against a quiet one: ember bench --vs 'cmdline=…'.",
                     num(o),
                     num(o * c.bytes.mean / 1e3)
                 );
@@ -394,6 +449,7 @@ mod tests {
         let f = Failures {
             timed_out: 2,
             no_userspace: 1,
+            last_line: None,
         };
         assert_eq!(
             failures_line("A", &f, 5.0).unwrap(),

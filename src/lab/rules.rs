@@ -171,7 +171,7 @@ pub fn builtin_linux() -> Vec<Rule> {
         (
             "guest:until-userspace",
             r"^@first_guest_entry",
-            USERSPACE,
+            r"^ember-test-guest: ring 3",
             Some("run"),
         ),
         (
@@ -181,13 +181,7 @@ pub fn builtin_linux() -> Vec<Rule> {
             Some("run"),
         ),
         (
-            "guest:first-output-to-userspace",
-            r"^@first_output$",
-            USERSPACE,
-            Some("run"),
-        ),
-        (
-            "firmware",
+            "firmware+decompress",
             r"SeaBIOS \(version",
             r"Linux version \d",
             Some("run"),

@@ -18,7 +18,7 @@ const TOP: f64 = 50.0;
 /// Narrowest bar drawn, px (so a 10 µs initcall is still hoverable).
 const MIN_BAR: f64 = 1.0;
 /// A bar must be this wide to carry its name, px per character.
-const PX_PER_CHAR: f64 = 6.6;
+const PX_PER_CHAR: f64 = 6.2;
 /// Bar colours by nesting level.
 const COLOURS: [&str; 5] = ["#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3", "#a6d854"];
 
@@ -129,8 +129,16 @@ pub fn svg(acts: &[ActivityStats], total_ms: f64, title: &str) -> String {
             LANE - 4.0,
             esc(&a.name)
         );
-        let label = format!("{} {}ms", a.name, num(a.duration_ms.mean));
-        if w > label.len() as f64 * PX_PER_CHAR {
+        // The full label, else the name, else its last part (`crypto_algapi_init`).
+        let short = a.name.rsplit(':').next().unwrap_or(&a.name).to_owned();
+        let label = [
+            format!("{} {}ms", a.name, num(a.duration_ms.mean)),
+            a.name.clone(),
+            short,
+        ]
+        .into_iter()
+        .find(|l| w > l.chars().count() as f64 * PX_PER_CHAR);
+        if let Some(label) = label {
             let _ = write!(
                 s,
                 r#"<text x="{:.2}" y="{:.1}" pointer-events="none">{}</text>"#,
@@ -194,7 +202,9 @@ for (const g of document.querySelectorAll('.bar')) {{
   const text = g.querySelector('title').textContent;
   g.addEventListener('mousemove', e => {{
     tip.textContent = text; tip.style.display = 'block';
-    tip.style.left = (e.clientX + 12) + 'px'; tip.style.top = (e.clientY + 12) + 'px';
+    // Keep the tooltip on screen: flip it to the left of the pointer near the right edge.
+    const x = e.clientX + 12 + tip.offsetWidth > window.innerWidth ? e.clientX - 12 - tip.offsetWidth : e.clientX + 12;
+    tip.style.left = Math.max(0, x) + 'px'; tip.style.top = (e.clientY + 12) + 'px';
   }});
   g.addEventListener('mouseleave', () => {{ tip.style.display = 'none'; }});
 }}
