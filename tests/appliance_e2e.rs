@@ -92,7 +92,10 @@ fn uname_prints_the_guest_kernel() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let s = text(&out.stdout);
     assert!(s.starts_with("Linux "), "{s}");
-    assert!(s.contains("cloud-amd64"), "guest kernel, not the host's: {s}");
+    assert!(
+        s.contains("cloud-amd64"),
+        "guest kernel, not the host's: {s}"
+    );
     // Kernel messages stay off stdout and stderr.
     assert!(!s.contains("] "), "{s}");
     assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
@@ -164,7 +167,11 @@ fn bad_commands_get_distinct_statuses() {
 
     let out = run(&["--", "/etc/hostname"], None);
     assert_eq!(out.status.code(), Some(126));
-    assert!(text(&out.stderr).contains("cannot carry"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("cannot carry"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]
@@ -197,7 +204,11 @@ fn unwritable_cache_is_a_clear_error() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(125));
-    assert!(text(&out.stderr).contains("writable"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("writable"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 /// The kernel `ember setup` installed in the default cache.
@@ -219,7 +230,17 @@ fn ember_backend_runs_a_command_on_hardware_kvm() {
     }
     let out = Command::new(env!("CARGO_BIN_EXE_ember"))
         .env("EMBER_INIT", init_binary())
-        .args(["run", "--backend", "ember", "--timeout", "120", "--", "sh", "-c", "uname -r; exit 3"])
+        .args([
+            "run",
+            "--backend",
+            "ember",
+            "--timeout",
+            "120",
+            "--",
+            "sh",
+            "-c",
+            "uname -r; exit 3",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));

@@ -250,7 +250,22 @@ fn triple_fault_is_reported_as_a_crash() {
     let dir = Scratch::new("triple");
     let kernel = dir.path("ud2.elf");
     // ud2; then spin (never reached).
-    std::fs::write(&kernel, common::static_elf(0x10_0000, &[0x0f, 0x0b, 0xeb, 0xfe])).unwrap();
-    let o = output(ember().arg("run").arg("--kernel").arg(&kernel).args(["--timeout", "60"]));
-    assert_eq!(o.status.code(), Some(ember::run::EXIT_GUEST_CRASHED), "{}", stderr(&o));
+    std::fs::write(
+        &kernel,
+        common::static_elf(0x10_0000, &[0x0f, 0x0b, 0xeb, 0xfe]),
+    )
+    .unwrap();
+    let o = output(
+        ember()
+            .arg("run")
+            .arg("--kernel")
+            .arg(&kernel)
+            .args(["--timeout", "60"]),
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(ember::run::EXIT_GUEST_CRASHED),
+        "{}",
+        stderr(&o)
+    );
 }

@@ -42,7 +42,9 @@ pub enum BuildError {
         source: std::io::Error,
     },
     /// The cache directory is not writable (or full).
-    #[error("cannot write the appliance to `{path}` (is the cache directory writable and not full?)")]
+    #[error(
+        "cannot write the appliance to `{path}` (is the cache directory writable and not full?)"
+    )]
     Write {
         /// The file.
         path: PathBuf,
@@ -351,7 +353,11 @@ pub struct Appliance {
 }
 
 /// Returns the cached appliance for `tree`, building it first if needed.
-pub fn build_cached(tree: &Tree, kernel_version: &str, cache_dir: &Path) -> Result<Appliance, BuildError> {
+pub fn build_cached(
+    tree: &Tree,
+    kernel_version: &str,
+    cache_dir: &Path,
+) -> Result<Appliance, BuildError> {
     let dir = cache_dir.join("appliances");
     let path = dir.join(format!("{}.cpio", tree.cache_key(kernel_version)));
     if path.is_file() {
@@ -429,7 +435,10 @@ mod tests {
         // Every parent precedes its children.
         for (i, (name, _, _)) in entries.iter().enumerate() {
             if let Some((parent, _)) = name.rsplit_once('/') {
-                assert!(entries[..i].iter().any(|e| e.0 == parent), "{name} before {parent}");
+                assert!(
+                    entries[..i].iter().any(|e| e.0 == parent),
+                    "{name} before {parent}"
+                );
             }
         }
     }
@@ -452,7 +461,10 @@ mod tests {
         fs::write(&input, b"version 2").unwrap();
         assert_ne!(t.cache_key("6.1"), before);
         let t2 = Tree::skeleton(b"INIT2".to_vec(), &[]);
-        assert_ne!(t2.cache_key("6.1"), Tree::skeleton(b"INIT".to_vec(), &[]).cache_key("6.1"));
+        assert_ne!(
+            t2.cache_key("6.1"),
+            Tree::skeleton(b"INIT".to_vec(), &[]).cache_key("6.1")
+        );
     }
 
     #[test]

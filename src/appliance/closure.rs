@@ -2,9 +2,9 @@
 //! dynamic loader (`PT_INTERP`), and its shared libraries (`DT_NEEDED`,
 //! recursively), found the way ld.so finds them.
 
+use object::Endianness;
 use object::elf;
 use object::read::elf::{Dyn, ElfFile64, FileHeader, ProgramHeader};
-use object::Endianness;
 use std::collections::{BTreeSet, VecDeque};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -65,7 +65,11 @@ pub enum ClosureError {
 /// Finds `cmd` like a shell: a name with a `/` is a path, otherwise the
 /// first executable on `path_var`. With `root`, the lookup happens inside
 /// that directory and the result is the path inside it.
-pub fn find_command(cmd: &str, path_var: &str, root: Option<&Path>) -> Result<PathBuf, ClosureError> {
+pub fn find_command(
+    cmd: &str,
+    path_var: &str,
+    root: Option<&Path>,
+) -> Result<PathBuf, ClosureError> {
     let host = |p: &Path| match root {
         Some(r) => r.join(p.strip_prefix("/").unwrap_or(p)),
         None => p.to_path_buf(),
@@ -139,10 +143,11 @@ pub fn closure(exe: &Path) -> Result<Vec<PathBuf>, ClosureError> {
         }
         let search = search_dirs(&deps.rpath, &origin);
         for lib in deps.needed {
-            let found = find_library(&lib, &search).ok_or_else(|| ClosureError::MissingLibrary {
-                binary: path.clone(),
-                library: lib.clone(),
-            })?;
+            let found =
+                find_library(&lib, &search).ok_or_else(|| ClosureError::MissingLibrary {
+                    binary: path.clone(),
+                    library: lib.clone(),
+                })?;
             queue.push_back((found, depth));
         }
     }
@@ -184,7 +189,9 @@ fn elf_deps(data: &[u8]) -> Result<ElfDeps, String> {
     for ph in segments {
         match ph.p_type(endian) {
             elf::PT_INTERP => {
-                let bytes = ph.data(endian, data).map_err(|_| "bad PT_INTERP".to_string())?;
+                let bytes = ph
+                    .data(endian, data)
+                    .map_err(|_| "bad PT_INTERP".to_string())?;
                 let s = bytes.split(|&b| b == 0).next().unwrap_or(&[]);
                 deps.interp = Some(String::from_utf8_lossy(s).into_owned());
             }
@@ -221,11 +228,9 @@ fn elf_deps(data: &[u8]) -> Result<ElfDeps, String> {
     };
     for d in dynamic {
         let tag = d.d_tag(endian);
-        let Some(s) = string(d.d_val(endian)).filter(|_| {
-            tag == elf::DT_NEEDED
-                || tag == elf::DT_RPATH
-                || tag == elf::DT_RUNPATH
-        }) else {
+        let Some(s) = string(d.d_val(endian))
+            .filter(|_| tag == elf::DT_NEEDED || tag == elf::DT_RPATH || tag == elf::DT_RUNPATH)
+        else {
             continue;
         };
         if tag == elf::DT_NEEDED {
@@ -287,7 +292,10 @@ mod tests {
         assert_eq!(c[0], exe);
         let names = file_names(&c);
         assert!(names.iter().any(|n| n == "libc.so.6"), "{names:?}");
-        assert!(names.iter().any(|n| n.starts_with("ld-linux-x86-64")), "{names:?}");
+        assert!(
+            names.iter().any(|n| n.starts_with("ld-linux-x86-64")),
+            "{names:?}"
+        );
         assert!(c.iter().all(|p| p.is_file()));
     }
 
@@ -304,7 +312,10 @@ mod tests {
         let broken = dir.join("broken");
         fs::write(&broken, "#!/nonexistent/interp\n").unwrap();
         let e = closure(&broken).unwrap_err().to_string();
-        assert!(e.contains("script interpreter `/nonexistent/interp` is missing"), "{e}");
+        assert!(
+            e.contains("script interpreter `/nonexistent/interp` is missing"),
+            "{e}"
+        );
 
         let text = dir.join("text");
         fs::write(&text, "plain text").unwrap();
@@ -343,6 +354,10 @@ mod tests {
         }
         let mut fake = fs::read("/bin/true").unwrap();
         fake[18] = 0x28; // EM_ARM
-        assert!(elf_deps(&fake).unwrap_err().contains("another architecture"));
+        assert!(
+            elf_deps(&fake)
+                .unwrap_err()
+                .contains("another architecture")
+        );
     }
 }

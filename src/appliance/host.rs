@@ -239,7 +239,12 @@ fn converse(
         let n = match stream.read(&mut buf) {
             Ok(0) => return Ok(None),
             Ok(n) => n,
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
                 continue;
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,

@@ -77,7 +77,10 @@ pub enum KernelError {
     NoCacheDir,
 }
 
-fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> KernelError + 'a {
+fn io_err<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> KernelError + 'a {
     move |source| KernelError::Io {
         what,
         path: path.to_path_buf(),
@@ -88,7 +91,11 @@ fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error)
 /// ember's cache directory: `$EMBER_CACHE`, else `$XDG_CACHE_HOME/ember`,
 /// else `~/.cache/ember`.
 pub fn cache_dir() -> Result<PathBuf, KernelError> {
-    let var = |k| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let var = |k| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     if let Some(d) = var("EMBER_CACHE") {
         return Ok(d);
     }
@@ -292,7 +299,9 @@ pub fn decompress_lz4_legacy(data: &[u8]) -> Result<Vec<u8>, KernelError> {
             if data.len() == pos {
                 break; // that u32 was the appended length
             }
-            return Err(KernelError::BadLz4(format!("chunk of {size} bytes overruns")));
+            return Err(KernelError::BadLz4(format!(
+                "chunk of {size} bytes overruns"
+            )));
         }
         let block = &data[pos..pos + size];
         pos += size;
@@ -338,7 +347,10 @@ pub fn setup(cache_dir: &Path, explicit: Option<&Path>) -> Result<Kernel, Kernel
         .strip_prefix("linux-image-")
         .unwrap_or(&package)
         .to_owned();
-    if let Some(k) = cache.current().filter(|k| k.version.as_deref() == Some(&version)) {
+    if let Some(k) = cache
+        .current()
+        .filter(|k| k.version.as_deref() == Some(&version))
+    {
         progress(&format!("kernel {version} already set up"));
         return Ok(k);
     }

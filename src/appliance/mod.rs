@@ -145,11 +145,16 @@ pub fn find_init() -> Result<PathBuf, ApplianceError> {
     }
     let exe = std::env::current_exe().map_err(|_| ApplianceError::NoInit)?;
     let dir = exe.parent().ok_or(ApplianceError::NoInit)?;
-    ["ember-init", "../ember-init", "../release/ember-init", "../../release/ember-init"]
-        .iter()
-        .map(|c| dir.join(c))
-        .find(|p| p.is_file())
-        .ok_or(ApplianceError::NoInit)
+    [
+        "ember-init",
+        "../ember-init",
+        "../release/ember-init",
+        "../../release/ember-init",
+    ]
+    .iter()
+    .map(|c| dir.join(c))
+    .find(|p| p.is_file())
+    .ok_or(ApplianceError::NoInit)
 }
 
 /// Parses `256M`, `1G`, `512K` or bytes into MiB.
@@ -161,7 +166,12 @@ pub fn parse_mem_mib(s: &str) -> Result<u64, ApplianceError> {
         Some('G') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    let bytes = num.trim().parse::<u64>().map_err(|_| bad())?.checked_mul(mult).ok_or_else(bad)?;
+    let bytes = num
+        .trim()
+        .parse::<u64>()
+        .map_err(|_| bad())?
+        .checked_mul(mult)
+        .ok_or_else(bad)?;
     match bytes >> 20 {
         0 => Err(bad()),
         mib => Ok(mib),
@@ -173,7 +183,9 @@ fn environment(extra: &[String]) -> Result<Vec<String>, ApplianceError> {
     let mut env: Vec<String> = DEFAULT_ENV.iter().map(|s| s.to_string()).collect();
     for e in extra {
         let Some((name, _)) = e.split_once('=').filter(|(n, _)| !n.is_empty()) else {
-            return Err(ApplianceError::BadArg(format!("bad --env `{e}` (want NAME=VALUE)")));
+            return Err(ApplianceError::BadArg(format!(
+                "bad --env `{e}` (want NAME=VALUE)"
+            )));
         };
         env.retain(|x| x.split_once('=').map(|(n, _)| n) != Some(name));
         env.push(e.clone());
@@ -207,8 +219,7 @@ pub fn prepare(
     let cache = kernel::cache_dir()?;
     let k = kernel::find_kernel(kernel_arg, &cache)?;
     let mods = match &k.modules {
-        Some(dir) => modules::ModuleTree::open(dir)?
-            .resolve(modules::APPLIANCE_MODULES, modules::BLACKLIST)?,
+        Some(dir) => modules::resolve_cached(dir, &cache)?,
         None => Vec::new(),
     };
     let init_path = find_init()?;
@@ -237,7 +248,10 @@ pub fn prepare(
             exe
         }
     };
-    let version = k.version.clone().unwrap_or_else(|| k.image.display().to_string());
+    let version = k
+        .version
+        .clone()
+        .unwrap_or_else(|| k.image.display().to_string());
     let app = builder::build_cached(&tree, &version, &cache)?;
     Ok(Prepared {
         kernel: k.image,
@@ -260,8 +274,21 @@ fn run_appliance(args: &RunArgs) -> Result<i32, ApplianceError> {
         None => None,
     };
     let env = environment(&args.env)?;
-    let backend = backend::by_name(&args.backend, &args.machine)?;
     let p = prepare(args.kernel.as_deref(), args.rootfs.as_deref(), &argv[0])?;
+    if args.prepare_only {
+        let size = std::fs::metadata(&p.initrd).map(|m| m.len()).unwrap_or(0);
+        let info = serde_json::json!({
+            "initrd": p.initrd,
+            "kernel": p.kernel,
+            "exec": p.exec,
+            "bytes": size,
+            "cached": p.cached,
+            "ms": p.elapsed.as_secs_f64() * 1e3,
+        });
+        println!("{info}");
+        return Ok(0);
+    }
+    let backend = backend::by_name(&args.backend, &args.machine)?;
     if args.verbose {
         eprintln!(
             "ember: appliance {} ({} in {:.1} ms), kernel {}, {}",

@@ -26,8 +26,11 @@ use sys::Fd;
 const MODULE_LIST: &[u8] = b"/.ember/modules\0";
 /// Where the channel device path comes from (kernel command line → init's environment).
 const CHANNEL_VAR: &[u8] = b"EMBER_CHANNEL=";
-/// How long to wait for the channel device node to appear (10 ms steps).
-const CHANNEL_OPEN_TRIES: u32 = 200;
+/// How long to wait for the channel device node to appear (2 ms steps, 20 s):
+/// virtio-serial adds ports asynchronously, after its control queue talks to
+/// the device, which takes long on a busy TCG host.
+const CHANNEL_OPEN_TRIES: u32 = 10_000;
+const CHANNEL_OPEN_STEP_MS: u64 = 2;
 /// Room for argv/env/cwd/exec strings together.
 const ARENA_LEN: usize = 128 * 1024;
 /// Most argv or env entries accepted.
@@ -48,6 +51,9 @@ fn panic(_: &core::panic::PanicInfo) -> ! {
 pub extern "C" fn rust_eh_personality() {}
 
 /// Entry point: the kernel starts us with the stack holding argc, argv, envp.
+///
+/// # Safety
+/// Only the kernel calls this, once, with the initial process stack.
 #[unsafe(naked)]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn _start() -> ! {
@@ -169,7 +175,7 @@ fn open_channel(path: &[u8]) -> Result<Fd, &'static [u8]> {
             Ok(fd) => break fd,
             Err(_) if tries < CHANNEL_OPEN_TRIES => {
                 tries += 1;
-                sys::sleep_ms(10);
+                sys::sleep_ms(CHANNEL_OPEN_STEP_MS);
             }
             Err(_) => return Err(b"cannot open the channel device"),
         }

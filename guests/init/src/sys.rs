@@ -148,11 +148,17 @@ fn call(n: usize, a: [usize; 6]) -> Result<usize, Errno> {
 }
 
 pub fn read(fd: Fd, buf: &mut [u8]) -> Result<usize, Errno> {
-    call(SYS_READ, [fd as usize, buf.as_mut_ptr() as usize, buf.len(), 0, 0, 0])
+    call(
+        SYS_READ,
+        [fd as usize, buf.as_mut_ptr() as usize, buf.len(), 0, 0, 0],
+    )
 }
 
 pub fn write(fd: Fd, buf: &[u8]) -> Result<usize, Errno> {
-    call(SYS_WRITE, [fd as usize, buf.as_ptr() as usize, buf.len(), 0, 0, 0])
+    call(
+        SYS_WRITE,
+        [fd as usize, buf.as_ptr() as usize, buf.len(), 0, 0, 0],
+    )
 }
 
 /// Writes everything (or gives up on a hard error).
@@ -191,7 +197,10 @@ pub fn close(fd: Fd) {
 }
 
 pub fn poll(fds: &mut [PollFd]) -> Result<usize, Errno> {
-    call(SYS_POLL, [fds.as_mut_ptr() as usize, fds.len(), usize::MAX, 0, 0, 0])
+    call(
+        SYS_POLL,
+        [fds.as_mut_ptr() as usize, fds.len(), usize::MAX, 0, 0, 0],
+    )
 }
 
 pub fn dup2(from: Fd, to: Fd) {
@@ -216,8 +225,10 @@ pub fn execve(path: *const u8, argv: *const *const u8, envp: *const *const u8) -
 }
 
 pub fn exit(code: i32) -> ! {
-    let _ = call(SYS_EXIT, [code as usize, 0, 0, 0, 0, 0]);
-    loop {}
+    loop {
+        // exit(2) does not return; loop only to satisfy the type.
+        let _ = call(SYS_EXIT, [code as usize, 0, 0, 0, 0, 0]);
+    }
 }
 
 /// Waits for `pid` (reaping any other child on the way); returns a shell-style
@@ -270,14 +281,7 @@ pub fn mount(source: &[u8], target: &[u8], fstype: &[u8]) -> Result<usize, Errno
 pub fn power_off() -> ! {
     let _ = call(
         SYS_REBOOT,
-        [
-            REBOOT_MAGIC1,
-            REBOOT_MAGIC2,
-            REBOOT_CMD_POWER_OFF,
-            0,
-            0,
-            0,
-        ],
+        [REBOOT_MAGIC1, REBOOT_MAGIC2, REBOOT_CMD_POWER_OFF, 0, 0, 0],
     );
     exit(1)
 }
@@ -285,17 +289,26 @@ pub fn power_off() -> ! {
 /// Returns (read end, write end), both close-on-exec.
 pub fn pipe() -> Result<(Fd, Fd), Errno> {
     let mut fds = [0i32; 2];
-    call(SYS_PIPE2, [fds.as_mut_ptr() as usize, O_CLOEXEC, 0, 0, 0, 0])?;
+    call(
+        SYS_PIPE2,
+        [fds.as_mut_ptr() as usize, O_CLOEXEC, 0, 0, 0, 0],
+    )?;
     Ok((fds[0], fds[1]))
 }
 
 pub fn finit_module(fd: Fd) -> Result<usize, Errno> {
-    call(SYS_FINIT_MODULE, [fd as usize, b"\0".as_ptr() as usize, 0, 0, 0, 0])
+    call(
+        SYS_FINIT_MODULE,
+        [fd as usize, c"".as_ptr() as usize, 0, 0, 0, 0],
+    )
 }
 
 pub fn set_nonblocking(fd: Fd) -> Result<usize, Errno> {
     let flags = call(SYS_FCNTL, [fd as usize, F_GETFL, 0, 0, 0, 0])?;
-    call(SYS_FCNTL, [fd as usize, F_SETFL, flags | O_NONBLOCK, 0, 0, 0])
+    call(
+        SYS_FCNTL,
+        [fd as usize, F_SETFL, flags | O_NONBLOCK, 0, 0, 0],
+    )
 }
 
 pub fn sleep_ms(ms: u64) {
@@ -313,7 +326,17 @@ pub fn make_raw(fd: Fd) -> Result<usize, Errno> {
         line: 0,
         cc: [0; 19],
     };
-    call(SYS_IOCTL, [fd as usize, TCGETS, &mut t as *mut Termios as usize, 0, 0, 0])?;
+    call(
+        SYS_IOCTL,
+        [
+            fd as usize,
+            TCGETS,
+            &mut t as *mut Termios as usize,
+            0,
+            0,
+            0,
+        ],
+    )?;
     t.iflag &= !(IGNBRK | BRKINT | PARMRK | ISTRIP | INLCR | IGNCR | ICRNL | IXON);
     t.oflag &= !OPOST;
     t.lflag &= !(ECHO | ECHONL | ICANON | ISIG | IEXTEN);
@@ -321,7 +344,10 @@ pub fn make_raw(fd: Fd) -> Result<usize, Errno> {
     t.cflag |= CS8 | CREAD | CLOCAL | B115200;
     t.cc[VMIN] = 1;
     t.cc[VTIME] = 0;
-    call(SYS_IOCTL, [fd as usize, TCSETS, &t as *const Termios as usize, 0, 0, 0])
+    call(
+        SYS_IOCTL,
+        [fd as usize, TCSETS, &t as *const Termios as usize, 0, 0, 0],
+    )
 }
 
 /// Blocks until everything written to the tty has been transmitted.
