@@ -246,3 +246,25 @@ fn ember_backend_runs_a_command_on_hardware_kvm() {
     assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("cloud-amd64"));
 }
+
+#[test]
+fn setup_is_idempotent() {
+    let setup = || {
+        Command::new(env!("CARGO_BIN_EXE_ember"))
+            .env("EMBER_INIT", init_binary())
+            .arg("setup")
+            .output()
+            .unwrap()
+    };
+    let first = setup();
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let start = Instant::now();
+    let again = setup();
+    assert!(again.status.success(), "{}", text(&again.stderr));
+    assert!(
+        text(&again.stderr).contains("already set up"),
+        "{}",
+        text(&again.stderr)
+    );
+    assert!(start.elapsed() < Duration::from_secs(10));
+}

@@ -204,6 +204,8 @@ pub struct Prepared {
     pub exec: String,
     /// Whether the initramfs came from the cache.
     pub cached: bool,
+    /// How many kernel modules it carries (0: none found for this kernel).
+    pub modules: usize,
     /// Time spent finding/building it.
     pub elapsed: Duration,
 }
@@ -258,6 +260,7 @@ pub fn prepare(
         initrd: app.path,
         exec: exec.to_string_lossy().into_owned(),
         cached: app.cached,
+        modules: mods.len(),
         elapsed: start.elapsed(),
     })
 }
@@ -307,9 +310,18 @@ fn run_appliance(args: &RunArgs) -> Result<i32, ApplianceError> {
     spec.initrd = Some(p.initrd.clone());
     spec.mem_mib = mem_mib;
     spec.cpus = args.cpus;
+    // Load only the module groups for devices this VM has (see modules::MODULE_GROUPS).
+    let mut groups = vec!["core"];
+    if !args.disk.is_empty() {
+        groups.push("blk");
+    }
+    if !args.pmem.is_empty() {
+        groups.push("pmem");
+    }
     spec.cmdline = format!(
-        "{BASE_CMDLINE}{} EMBER_CHANNEL={channel_dev}",
-        if args.verbose { "" } else { " quiet" }
+        "{BASE_CMDLINE}{} EMBER_CHANNEL={channel_dev} EMBER_MODULES={}",
+        if args.verbose { "" } else { " quiet" },
+        groups.join(",")
     );
     if let Some(extra) = &args.cmdline {
         spec.cmdline.push(' ');
@@ -323,6 +335,7 @@ fn run_appliance(args: &RunArgs) -> Result<i32, ApplianceError> {
             read_only: parts.any(|o| o == "ro"),
         });
     }
+    let modules = p.modules;
     let job = host::Job {
         argv: argv.clone(),
         exec: p.exec,
@@ -353,9 +366,15 @@ fn run_appliance(args: &RunArgs) -> Result<i32, ApplianceError> {
             EXIT_APPLIANCE
         }
         host::Outcome::NoReport(tail) => {
+            let hint = if modules == 0 {
+                "; no kernel modules were found for this kernel, so it needs \
+                 virtio-console built in"
+            } else {
+                ""
+            };
             eprintln!(
                 "ember: the guest stopped without reporting the command's status \
-                 (run with --verbose to see its console){}",
+                 (run with --verbose to see its console){hint}{}",
                 last_lines(&tail, 5)
             );
             EXIT_APPLIANCE
