@@ -76,6 +76,9 @@ timeit "ember run --backend qemu -- true" "$EMBER" run --backend qemu -- true
 timeit "same kernel + busybox initramfs (poweroff)" \
     "${QEMU_COMMON[@]}" -kernel "$VMLINUX" -initrd "$WORK/busybox.cpio" \
     -append "console=ttyS0 quiet panic=-1"
+timeit "same + ember's cmdline (cryptomgr.notests)" \
+    "${QEMU_COMMON[@]}" -kernel "$VMLINUX" -initrd "$WORK/busybox.cpio" \
+    -append "console=ttyS0 quiet panic=-1 cryptomgr.notests"
 if command -v guestfish >/dev/null; then
     timeit "guestfish -a /dev/null run (libguestfs, TCG)" \
         env LIBGUESTFS_BACKEND=direct LIBGUESTFS_BACKEND_SETTINGS=force_tcg \
@@ -83,6 +86,7 @@ if command -v guestfish >/dev/null; then
 fi
 echo
 echo "ratio busybox/ember:   $(ratio "same kernel + busybox initramfs (poweroff)" "ember run --backend qemu -- true")"
+echo "ratio busybox with ember's cmdline/ember: $(ratio "same + ember's cmdline (cryptomgr.notests)" "ember run --backend qemu -- true")"
 [[ -n ${MEDIAN["guestfish -a /dev/null run (libguestfs, TCG)"]:-} ]] &&
     echo "ratio guestfish/ember: $(ratio "guestfish -a /dev/null run (libguestfs, TCG)" "ember run --backend qemu -- true")"
 echo
