@@ -145,7 +145,7 @@ fn env_and_workdir() {
 #[test]
 fn timeout_kills_the_vm_and_leaves_nothing_behind() {
     let start = Instant::now();
-    let mut c = ember(&["--timeout", "1.5", "--", "sh", "-c", "sleep 100"]);
+    let mut c = ember(&["--timeout", "3", "--", "sleep", "100"]);
     let child = c
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -267,4 +267,33 @@ fn setup_is_idempotent() {
         text(&again.stderr)
     );
     assert!(start.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn rootfs_runs_the_command_from_that_tree() {
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+        .expect("busybox-static is needed for the --rootfs test");
+    let root = std::env::temp_dir().join(format!("ember-e2e-rootfs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    std::fs::copy(&busybox, root.join("bin/busybox")).unwrap();
+    std::os::unix::fs::symlink("busybox", root.join("bin/sh")).unwrap();
+    std::fs::write(root.join("marker"), "from the rootfs\n").unwrap();
+    let out = run(
+        &[
+            "--rootfs",
+            root.to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            "read l < /marker; echo \"$l\"; exit 3",
+        ],
+        None,
+    );
+    let _ = std::fs::remove_dir_all(&root);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "from the rootfs\n");
 }

@@ -111,7 +111,11 @@ fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
         }
     };
     match run_command(&mut ch, &cmd) {
-        Ok(code) => ch.send(ft::EXIT, &code.to_le_bytes()),
+        Ok(code) => {
+            // The host may stop the VM as soon as EXIT arrives: flush disks first.
+            sys::sync();
+            ch.send(ft::EXIT, &code.to_le_bytes());
+        }
         Err(msg) => ch.error_with(msg, b""),
     }
     ch.drain();
