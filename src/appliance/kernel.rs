@@ -400,12 +400,28 @@ fn resolve_package() -> Result<String, KernelError> {
 /// `apt-get download PACKAGE` into `dir`; returns the .deb.
 fn download(dir: &Path, package: &str) -> Result<PathBuf, KernelError> {
     progress(&format!("downloading {package}"));
-    let mut cmd = Command::new("apt-get");
-    cmd.args(["download", package]).current_dir(dir);
-    if run_tool(&mut cmd).is_err() {
+    // apt-get shows its own download progress: let it through (to stderr,
+    // so setup's stdout stays clean).
+    let fetch = || {
+        let status = Command::new("apt-get")
+            .args(["download", package])
+            .current_dir(dir)
+            .stdout(std::io::stderr())
+            .status()
+            .map_err(|e| KernelError::Tool("apt-get download".into(), e.to_string()))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(KernelError::Tool(
+                format!("apt-get download {package}"),
+                status.to_string(),
+            ))
+        }
+    };
+    if fetch().is_err() {
         progress("download failed: running apt-get update and retrying");
         run_tool(Command::new("apt-get").arg("update"))?;
-        run_tool(&mut cmd)?;
+        fetch()?;
     }
     fs::read_dir(dir)
         .map_err(io_err("cannot read", dir))?
