@@ -169,6 +169,7 @@ pub struct VmConfig {
 
 /// What a parked vCPU thread receives when the VM is complete.
 struct Start {
+    mem: GuestMemoryMmap,
     io: Bus,
     mmio: Bus,
     entry: BootEntry,
@@ -208,7 +209,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         });
     }
     let supported = kvm::supported_cpuid(&kvm)?;
-    let mut vm = Vm::new(&kvm)?;
+    let vm = Vm::new(&kvm)?;
     recorder.mark(kind::KVM_OPEN);
 
     // 2. Guest memory, registered before the irqchip exists (see `Vm::new`).
@@ -250,7 +251,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
                         vcpu.set_boot_state(start.entry)?;
                         recorder.mark(kind::FIRST_GUEST_ENTRY);
                     }
-                    Ok(vcpu.run(&start.io, &start.mmio, &end, || {})?)
+                    Ok(vcpu.run(&start.io, &start.mmio, &end, &vm, &start.mem)?)
                 })();
                 if let Err(e) = result {
                     end.fail(error_chain(&e));
@@ -402,7 +403,12 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     )?;
 
     // 8. Go: every vCPU gets the finished buses; the boot vCPU also its entry.
-    let start = Arc::new(Start { io, mmio, entry });
+    let start = Arc::new(Start {
+        mem: mem.clone(),
+        io,
+        mmio,
+        entry,
+    });
     for tx in starts {
         // A vCPU thread that already failed has hung up; its error is in `end`.
         let _ = tx.send(start.clone());
