@@ -297,3 +297,33 @@ fn rootfs_runs_the_command_from_that_tree() {
     assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "from the rootfs\n");
 }
+
+#[test]
+fn killing_ember_kills_its_vmm() {
+    let mut child = ember(&["--timeout", "60", "--", "sleep", "100"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let start = Instant::now();
+    while leftover_vmms(pid).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the VMM never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SIGKILL: no destructor runs, only the kernel's parent-death signal.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let start = Instant::now();
+    while !leftover_vmms(pid).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "VMM outlived ember: {:?}",
+            leftover_vmms(pid)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
