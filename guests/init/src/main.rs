@@ -309,7 +309,10 @@ fn exec_child(cmd: &Command, stdin: Fd, stdout: Fd, stderr: Fd) -> ! {
     sys::dup2(stdout, 1);
     sys::dup2(stderr, 2);
     if !cmd.cwd.is_null() && sys::chdir(cmd.cwd).is_err() {
-        sys::write_all(2, b"ember: cannot change to the working directory\n");
+        sys::write_all(2, b"ember: cannot change to the working directory ");
+        // SAFETY: cwd is a NUL-terminated string in the arena.
+        sys::write_all(2, unsafe { sys::cstr(cmd.cwd) });
+        sys::write_all(2, b" (it must exist in the appliance)\n");
         sys::exit(1);
     }
     let err = sys::execve(cmd.exec, cmd.argv.as_ptr(), cmd.envp.as_ptr());
