@@ -327,3 +327,27 @@ fn killing_ember_kills_its_vmm() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn a_kernel_without_the_needed_modules_is_refused() {
+    // A private cache whose kernel "9.9.9-nomods" has a modules tree that
+    // lacks every virtio driver.
+    let cache = std::env::temp_dir().join(format!("ember-e2e-nomods-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let ver = "9.9.9-nomods";
+    let mods = cache.join("kernel").join(ver).join("lib/modules").join(ver);
+    std::fs::create_dir_all(&mods).unwrap();
+    std::fs::write(mods.join("modules.order"), "kernel/fs/unrelated.ko\n").unwrap();
+    std::fs::write(mods.join("modules.builtin"), "").unwrap();
+    let image = cache.join(format!("vmlinux-{ver}"));
+    std::fs::copy("/bin/true", &image).unwrap();
+    let out = ember(&["--kernel", image.to_str().unwrap(), "--", "true"])
+        .env("EMBER_CACHE", &cache)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&cache);
+    assert_eq!(out.status.code(), Some(125), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(err.contains("lack `virtio_mmio`"), "{err}");
+    assert_eq!(err.lines().count(), 1, "one clear line: {err}");
+}
