@@ -200,6 +200,7 @@ impl KernelCache {
 /// Resolves the kernel for a run (see the module docs for the order).
 pub fn find_kernel(explicit: Option<&Path>, cache_dir: &Path) -> Result<Kernel, KernelError> {
     if let Some(path) = explicit {
+        fs::File::open(path).map_err(io_err("cannot read the kernel", path))?;
         return Ok(explicit_kernel(path, cache_dir));
     }
     let cache = KernelCache::new(cache_dir);
@@ -614,10 +615,10 @@ mod tests {
         assert_eq!(k.image, image);
         assert_eq!(k.version.as_deref(), Some("9.9.9-test"));
         // --kernel on the run still wins.
-        assert_eq!(
-            find_kernel(Some(Path::new("/x")), &dir).unwrap().image,
-            PathBuf::from("/x")
-        );
+        let other = dir.join("other");
+        fs::write(&other, b"k").unwrap();
+        assert_eq!(find_kernel(Some(&other), &dir).unwrap().image, other);
+        assert!(find_kernel(Some(Path::new("/nonexistent/k")), &dir).is_err());
         cache.set_explicit(None).unwrap();
         cache.set_explicit(None).unwrap();
         assert_eq!(cache.explicit(), None);
