@@ -74,6 +74,10 @@ pub struct RunArgs {
     /// Appliance mode: show the guest kernel's console.
     #[arg(long, short)]
     pub verbose: bool,
+    /// Appliance mode: only build (or find) the appliance for CMD and print
+    /// it as JSON (path, size, cached, milliseconds); do not boot.
+    #[arg(long)]
+    pub prepare_only: bool,
     /// Appliance mode: the command to run in the guest, and its arguments.
     #[arg(last = true, value_name = "CMD")]
     pub command: Vec<String>,

@@ -145,7 +145,7 @@ fn env_and_workdir() {
 #[test]
 fn timeout_kills_the_vm_and_leaves_nothing_behind() {
     let start = Instant::now();
-    let mut c = ember(&["--timeout", "1.5", "--", "sh", "-c", "sleep 100"]);
+    let mut c = ember(&["--timeout", "3", "--", "sleep", "100"]);
     let child = c
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -245,4 +245,109 @@ fn ember_backend_runs_a_command_on_hardware_kvm() {
         .unwrap();
     assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("cloud-amd64"));
+}
+
+#[test]
+fn setup_is_idempotent() {
+    let setup = || {
+        Command::new(env!("CARGO_BIN_EXE_ember"))
+            .env("EMBER_INIT", init_binary())
+            .arg("setup")
+            .output()
+            .unwrap()
+    };
+    let first = setup();
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let start = Instant::now();
+    let again = setup();
+    assert!(again.status.success(), "{}", text(&again.stderr));
+    assert!(
+        text(&again.stderr).contains("already set up"),
+        "{}",
+        text(&again.stderr)
+    );
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn rootfs_runs_the_command_from_that_tree() {
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+        .expect("busybox-static is needed for the --rootfs test");
+    let root = std::env::temp_dir().join(format!("ember-e2e-rootfs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    std::fs::copy(&busybox, root.join("bin/busybox")).unwrap();
+    std::os::unix::fs::symlink("busybox", root.join("bin/sh")).unwrap();
+    std::fs::write(root.join("marker"), "from the rootfs\n").unwrap();
+    let out = run(
+        &[
+            "--rootfs",
+            root.to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            "read l < /marker; echo \"$l\"; exit 3",
+        ],
+        None,
+    );
+    let _ = std::fs::remove_dir_all(&root);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "from the rootfs\n");
+}
+
+#[test]
+fn killing_ember_kills_its_vmm() {
+    let mut child = ember(&["--timeout", "60", "--", "sleep", "100"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let start = Instant::now();
+    while leftover_vmms(pid).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the VMM never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SIGKILL: no destructor runs, only the kernel's parent-death signal.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let start = Instant::now();
+    while !leftover_vmms(pid).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "VMM outlived ember: {:?}",
+            leftover_vmms(pid)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_kernel_without_the_needed_modules_is_refused() {
+    // A private cache whose kernel "9.9.9-nomods" has a modules tree that
+    // lacks every virtio driver.
+    let cache = std::env::temp_dir().join(format!("ember-e2e-nomods-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let ver = "9.9.9-nomods";
+    let mods = cache.join("kernel").join(ver).join("lib/modules").join(ver);
+    std::fs::create_dir_all(&mods).unwrap();
+    std::fs::write(mods.join("modules.order"), "kernel/fs/unrelated.ko\n").unwrap();
+    std::fs::write(mods.join("modules.builtin"), "").unwrap();
+    let image = cache.join(format!("vmlinux-{ver}"));
+    std::fs::copy("/bin/true", &image).unwrap();
+    let out = ember(&["--kernel", image.to_str().unwrap(), "--", "true"])
+        .env("EMBER_CACHE", &cache)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&cache);
+    assert_eq!(out.status.code(), Some(125), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(err.contains("lack `virtio_mmio`"), "{err}");
+    assert_eq!(err.lines().count(), 1, "one clear line: {err}");
 }

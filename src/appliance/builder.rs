@@ -5,7 +5,7 @@
 //! ```text
 //! /init                 ember-init (static, ~15 KB)
 //! /dev/console, /dev/null, /proc, /sys, /tmp, /root
-//! /.ember/modules       module paths, one a line, in load order
+//! /.ember/modules       `GROUP /.ember/ko/NAME.ko` lines, in load order
 //! /.ember/ko/*.ko       those modules (uncompressed, as shipped)
 //! /usr/bin/…, /lib/…    the command, its interpreter and libraries at their
 //!                       host paths (symlinked directories like /bin → usr/bin
@@ -13,6 +13,7 @@
 //! ```
 //! or, with `--rootfs DIR`, DIR's whole tree instead of the host files.
 
+use super::modules::GroupedModule;
 use crate::initramfs::{InitramfsError, NewcWriter};
 use std::collections::BTreeMap;
 use std::fs;
@@ -22,7 +23,7 @@ use std::path::{Component, Path, PathBuf};
 use thiserror::Error;
 
 /// Bump when the layout changes, so old cached appliances are not reused.
-const FORMAT_VERSION: u32 = 1;
+const FORMAT_VERSION: u32 = 2;
 /// Where init finds the module list (must match guests/init).
 pub const MODULE_LIST: &str = ".ember/modules";
 const MODULE_DIR: &str = ".ember/ko";
@@ -114,7 +115,7 @@ fn normalize(p: &Path) -> PathBuf {
 
 impl Tree {
     /// The skeleton every appliance has, plus init and the modules.
-    pub fn skeleton(init: Vec<u8>, modules: &[PathBuf]) -> Self {
+    pub fn skeleton(init: Vec<u8>, modules: &[GroupedModule]) -> Self {
         let mut t = Tree::default();
         for d in ["dev", "proc", "sys", "tmp", "root", ".ember", MODULE_DIR] {
             t.entries.insert(d.into(), Entry::Dir);
@@ -124,13 +125,13 @@ impl Tree {
         t.entries.insert("init".into(), Entry::Data(init, 0o755));
         let mut list = String::new();
         for m in modules {
-            let name = m.file_name().unwrap_or_default().to_string_lossy();
+            let name = m.path.file_name().unwrap_or_default().to_string_lossy();
             let at = format!("{MODULE_DIR}/{name}");
-            list.push_str(&format!("/{at}\n"));
+            list.push_str(&format!("{} /{at}\n", m.group));
             t.entries.insert(
                 at,
                 Entry::File {
-                    source: m.clone(),
+                    source: m.path.clone(),
                     mode: 0o644,
                 },
             );
@@ -406,6 +407,10 @@ mod tests {
         fs::create_dir_all(&modules).unwrap();
         let ko = modules.join("virtio.ko");
         fs::write(&ko, b"ko bytes").unwrap();
+        let ko = GroupedModule {
+            group: "core".into(),
+            path: ko,
+        };
         let mut t = Tree::skeleton(b"INIT".to_vec(), &[ko]);
         // A private merged-/usr layout: lnk → real, real/tool.
         fs::create_dir_all(dir.join("real")).unwrap();
@@ -427,7 +432,7 @@ mod tests {
         };
         assert_eq!(get("init").2, b"INIT");
         assert_eq!(get("init").1 & 0o777, 0o755);
-        assert_eq!(get(MODULE_LIST).2, b"/.ember/ko/virtio.ko\n");
+        assert_eq!(get(MODULE_LIST).2, b"core /.ember/ko/virtio.ko\n");
         assert_eq!(get(".ember/ko/virtio.ko").2, b"ko bytes");
         let rel = key(&dir);
         assert_eq!(get(&format!("{rel}/lnk")).2, b"real");

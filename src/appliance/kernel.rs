@@ -3,10 +3,16 @@
 //! bzImage once so that no boot pays for decompression.
 //!
 //! Which kernel a run uses, first match wins:
-//! 1. `--kernel PATH` (modules from `<cache>/…/lib/modules/<ver>` or
-//!    `/lib/modules/<ver>` when they exist, else none);
-//! 2. the kernel `ember setup` installed (`<cache>/kernel/current`);
-//! 3. a kernel under `/boot` whose modules are in `/lib/modules/<ver>`.
+//! 1. `ember run --kernel PATH` (modules from `<cache>/kernel/<ver>/lib/modules/<ver>`
+//!    or `/lib/modules/<ver>` when they exist, else none);
+//! 2. the kernel `ember setup --kernel PATH` recorded (`<cache>/kernel/explicit`);
+//! 3. the kernel `ember setup` fetched (`<cache>/kernel/current`);
+//! 4. a kernel under `/boot` whose modules are in `/lib/modules/<ver>`.
+//!
+//! A `/boot` kernel comes last, not first: a host kernel is often missing
+//! its modules (containers, this machine) or ships them compressed, while
+//! the fetched one is known to work; `ember setup` also falls back to it
+//! when it cannot download.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -155,6 +161,34 @@ impl KernelCache {
         })
     }
 
+    /// The file naming a kernel chosen with `ember setup --kernel`.
+    fn explicit_file(&self) -> PathBuf {
+        self.root.join("explicit")
+    }
+
+    /// The kernel chosen with `ember setup --kernel`, if it still exists.
+    pub fn explicit(&self) -> Option<PathBuf> {
+        let p = PathBuf::from(fs::read_to_string(self.explicit_file()).ok()?.trim());
+        p.is_file().then_some(p)
+    }
+
+    /// Records `path` as the kernel to use (`None`: back to the fetched one).
+    pub fn set_explicit(&self, path: Option<&Path>) -> Result<(), KernelError> {
+        let file = self.explicit_file();
+        match path {
+            Some(p) => {
+                let abs = std::path::absolute(p).map_err(io_err("cannot resolve", p))?;
+                write_atomic(&file, abs.to_string_lossy().as_bytes())
+            }
+            None => match fs::remove_file(&file) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    Err(io_err("cannot remove", &file)(e))
+                }
+                _ => Ok(()),
+            },
+        }
+    }
+
     /// Records `version` as installed (atomically).
     pub fn set_current(&self, version: &str) -> Result<(), KernelError> {
         let tmp = self.root.join(".current.tmp");
@@ -166,9 +200,14 @@ impl KernelCache {
 /// Resolves the kernel for a run (see the module docs for the order).
 pub fn find_kernel(explicit: Option<&Path>, cache_dir: &Path) -> Result<Kernel, KernelError> {
     if let Some(path) = explicit {
+        fs::File::open(path).map_err(io_err("cannot read the kernel", path))?;
         return Ok(explicit_kernel(path, cache_dir));
     }
-    if let Some(k) = KernelCache::new(cache_dir).current() {
+    let cache = KernelCache::new(cache_dir);
+    if let Some(path) = cache.explicit() {
+        return Ok(explicit_kernel(&path, cache_dir));
+    }
+    if let Some(k) = cache.current() {
         return Ok(k);
     }
     boot_kernel().ok_or(KernelError::NoKernel)
@@ -332,9 +371,15 @@ pub fn setup(cache_dir: &Path, explicit: Option<&Path>) -> Result<Kernel, Kernel
     let cache = KernelCache::new(cache_dir);
     fs::create_dir_all(&cache.root).map_err(io_err("cannot create", &cache.root))?;
     if let Some(path) = explicit {
+        if !path.is_file() {
+            return Err(io_err("cannot read", path)(
+                std::io::ErrorKind::NotFound.into(),
+            ));
+        }
         let k = explicit_kernel(path, cache_dir);
+        cache.set_explicit(Some(path))?;
         progress(&format!(
-            "using {} (modules: {})",
+            "using {} from now on (modules: {})",
             path.display(),
             k.modules
                 .as_ref()
@@ -342,7 +387,20 @@ pub fn setup(cache_dir: &Path, explicit: Option<&Path>) -> Result<Kernel, Kernel
         ));
         return Ok(k);
     }
-    let package = resolve_package()?;
+    cache.set_explicit(None)?;
+    let package = match resolve_package() {
+        Ok(p) => p,
+        Err(e) => {
+            if let Some(k) = cache.current().or_else(boot_kernel) {
+                progress(&format!(
+                    "cannot reach apt ({e}); keeping {}",
+                    k.image.display()
+                ));
+                return Ok(k);
+            }
+            return Err(e);
+        }
+    };
     let version = package
         .strip_prefix("linux-image-")
         .unwrap_or(&package)
@@ -400,12 +458,28 @@ fn resolve_package() -> Result<String, KernelError> {
 /// `apt-get download PACKAGE` into `dir`; returns the .deb.
 fn download(dir: &Path, package: &str) -> Result<PathBuf, KernelError> {
     progress(&format!("downloading {package}"));
-    let mut cmd = Command::new("apt-get");
-    cmd.args(["download", package]).current_dir(dir);
-    if run_tool(&mut cmd).is_err() {
+    // apt-get shows its own download progress: let it through (to stderr,
+    // so setup's stdout stays clean).
+    let fetch = || {
+        let status = Command::new("apt-get")
+            .args(["download", package])
+            .current_dir(dir)
+            .stdout(std::io::stderr())
+            .status()
+            .map_err(|e| KernelError::Tool("apt-get download".into(), e.to_string()))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(KernelError::Tool(
+                format!("apt-get download {package}"),
+                status.to_string(),
+            ))
+        }
+    };
+    if fetch().is_err() {
         progress("download failed: running apt-get update and retrying");
         run_tool(Command::new("apt-get").arg("update"))?;
-        run_tool(&mut cmd)?;
+        fetch()?;
     }
     fs::read_dir(dir)
         .map_err(io_err("cannot read", dir))?
@@ -525,6 +599,29 @@ mod tests {
                 .unwrap()
                 .strip_prefix("vmlinuz-")
         );
+    }
+
+    #[test]
+    fn setup_kernel_choice_is_remembered_and_cleared() {
+        let dir = crate::appliance::test_dir("kernel-explicit");
+        let cache = KernelCache::new(&dir);
+        fs::create_dir_all(dir.join("kernel")).unwrap();
+        let image = dir.join("vmlinux-9.9.9-test");
+        fs::write(&image, b"\x7fELF").unwrap();
+        assert_eq!(cache.explicit(), None);
+        cache.set_explicit(Some(&image)).unwrap();
+        assert_eq!(cache.explicit(), Some(image.clone()));
+        let k = find_kernel(None, &dir).unwrap();
+        assert_eq!(k.image, image);
+        assert_eq!(k.version.as_deref(), Some("9.9.9-test"));
+        // --kernel on the run still wins.
+        let other = dir.join("other");
+        fs::write(&other, b"k").unwrap();
+        assert_eq!(find_kernel(Some(&other), &dir).unwrap().image, other);
+        assert!(find_kernel(Some(Path::new("/nonexistent/k")), &dir).is_err());
+        cache.set_explicit(None).unwrap();
+        cache.set_explicit(None).unwrap();
+        assert_eq!(cache.explicit(), None);
     }
 
     #[test]

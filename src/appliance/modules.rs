@@ -13,18 +13,39 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
-/// What the appliance wants: virtio transports, disks, the console channel,
-/// entropy, DAX-capable pmem and vsock.
+/// What the appliance carries, in groups the guest init loads selectively
+/// (`EMBER_MODULES=core,blk` on the kernel command line): loading a module
+/// costs guest-kernel time, so a run loads only the groups for the devices it
+/// has. `core` is the virtio transports and the console channel.
+pub const MODULE_GROUPS: &[(&str, &[&str])] = &[
+    ("core", &["virtio_mmio", "virtio_pci", "virtio_console"]),
+    ("blk", &["virtio_blk"]),
+    ("rng", &["virtio_rng"]),
+    ("pmem", &["virtio_pmem", "nd_pmem"]),
+    ("vsock", &["vmw_vsock_virtio_transport"]),
+];
+
+/// Every module of [`MODULE_GROUPS`]: virtio transports, disks, the console
+/// channel, entropy, DAX-capable pmem and vsock.
 pub const APPLIANCE_MODULES: &[&str] = &[
     "virtio_mmio",
     "virtio_pci",
-    "virtio_blk",
     "virtio_console",
+    "virtio_blk",
     "virtio_rng",
     "virtio_pmem",
     "nd_pmem",
     "vmw_vsock_virtio_transport",
 ];
+
+/// A module file and the group that first needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupedModule {
+    /// Group name from [`MODULE_GROUPS`].
+    pub group: String,
+    /// The `.ko` file.
+    pub path: PathBuf,
+}
 
 /// Modules never carried, even as a dependency: graphics and input pull in
 /// large subsystems (drm) a command runner has no use for.
@@ -124,6 +145,25 @@ impl ModuleTree {
         Ok(order)
     }
 
+    /// [`MODULE_GROUPS`] resolved in order; each module is tagged with the
+    /// first group that needs it (later groups rely on earlier ones loaded).
+    pub fn resolve_groups(&self, blacklist: &[&str]) -> Result<Vec<GroupedModule>, ModuleError> {
+        let mut wanted: Vec<&str> = Vec::new();
+        let mut out: Vec<GroupedModule> = Vec::new();
+        for (group, mods) in MODULE_GROUPS {
+            wanted.extend_from_slice(mods);
+            // Post-order DFS over a longer wanted list extends the shorter one's order.
+            let all = self.resolve(&wanted, blacklist)?;
+            for path in all.into_iter().skip(out.len()) {
+                out.push(GroupedModule {
+                    group: (*group).to_owned(),
+                    path,
+                });
+            }
+        }
+        Ok(out)
+    }
+
     /// Depth-first post-order visit; `state` is false while on the stack.
     fn visit(
         &self,
@@ -160,6 +200,52 @@ impl ModuleTree {
         order.push(path.clone());
         Ok(())
     }
+}
+
+/// [`MODULE_GROUPS`] of the tree in `dir`, resolved once and remembered in
+/// `cache_dir` (keyed by the directory and its `modules.order` mtime), so a
+/// cached run reads one small file instead of every `.ko`.
+pub fn resolve_cached(dir: &Path, cache_dir: &Path) -> Result<Vec<GroupedModule>, ModuleError> {
+    use std::hash::{Hash, Hasher};
+    let order = dir.join("modules.order");
+    let mtime = fs::metadata(&order)
+        .and_then(|m| m.modified())
+        .map_err(|source| ModuleError::Io {
+            path: order.clone(),
+            source,
+        })?;
+    // SipHash with fixed keys is stable enough for a cache file name: a
+    // different hash only means resolving again.
+    let mut h = std::hash::DefaultHasher::new();
+    (dir, mtime, MODULE_GROUPS, BLACKLIST).hash(&mut h);
+    let memo = cache_dir
+        .join("modules")
+        .join(format!("{:016x}.list", h.finish()));
+    if let Ok(text) = fs::read_to_string(&memo) {
+        let list: Option<Vec<GroupedModule>> = text
+            .lines()
+            .map(|l| {
+                let (group, path) = l.split_once(' ')?;
+                Some(GroupedModule {
+                    group: group.to_owned(),
+                    path: PathBuf::from(path),
+                })
+            })
+            .collect();
+        if let Some(list) = list.filter(|l| l.iter().all(|m| m.path.is_file())) {
+            return Ok(list);
+        }
+    }
+    let list = ModuleTree::open(dir)?.resolve_groups(BLACKLIST)?;
+    let text: String = list
+        .iter()
+        .map(|m| format!("{} {}\n", m.group, m.path.display()))
+        .collect();
+    // Best effort: an unwritable cache only costs speed here.
+    if fs::create_dir_all(memo.parent().unwrap_or(cache_dir)).is_ok() {
+        let _ = fs::write(&memo, text);
+    }
+    Ok(list)
 }
 
 /// The `depends=` list of a `.ko` file's `.modinfo` section.
@@ -262,6 +348,41 @@ pub(crate) mod tests {
             tree.resolve(&["nope"], &[]),
             Err(ModuleError::Missing { .. })
         ));
+    }
+
+    #[test]
+    fn groups_tag_each_module_once_with_its_first_user() {
+        let dir = crate::appliance::test_dir("modules-groups");
+        let mut mods = vec![
+            ("kernel/virtio_ring.ko", ""),
+            ("kernel/virtio.ko", "virtio_ring"),
+        ];
+        let names: Vec<String> = MODULE_GROUPS
+            .iter()
+            .flat_map(|(_, m)| m.iter())
+            .map(|m| format!("kernel/{m}.ko"))
+            .collect();
+        for n in &names {
+            mods.push((n.as_str(), "virtio"));
+        }
+        fake_tree(&dir, &mods, &[]);
+        let got = ModuleTree::open(&dir).unwrap().resolve_groups(&[]).unwrap();
+        let tag = |n: &str| {
+            got.iter()
+                .find(|m| m.path.ends_with(format!("{n}.ko")))
+                .unwrap()
+                .group
+                .clone()
+        };
+        assert_eq!(tag("virtio_ring"), "core");
+        assert_eq!(tag("virtio_console"), "core");
+        assert_eq!(tag("virtio_blk"), "blk");
+        assert_eq!(tag("nd_pmem"), "pmem");
+        assert_eq!(got.len(), 2 + names.len());
+        // Cached resolution returns the same.
+        let cache = dir.join("cache");
+        assert_eq!(resolve_cached(&dir, &cache).unwrap(), got);
+        assert_eq!(resolve_cached(&dir, &cache).unwrap(), got);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! It does only what running one command needs, because every instruction of
 //! a boot counts: mount devtmpfs, proc and sysfs (no udev, no hwclock, no
 //! ldconfig), load the kernel modules listed in `/.ember/modules` with
-//! `finit_module`, put the data channel (a tty named by `EMBER_CHANNEL=` on
+//! `finit_module` (only the groups named by `EMBER_MODULES=`), put the data channel (a tty named by `EMBER_CHANNEL=` on
 //! the kernel command line) in raw mode, receive the command over it, run it
 //! with pipes on stdin/stdout/stderr, forward its output and exit status as
 //! frames, and power off.
@@ -26,8 +26,13 @@ use sys::Fd;
 const MODULE_LIST: &[u8] = b"/.ember/modules\0";
 /// Where the channel device path comes from (kernel command line → init's environment).
 const CHANNEL_VAR: &[u8] = b"EMBER_CHANNEL=";
-/// How long to wait for the channel device node to appear (10 ms steps).
-const CHANNEL_OPEN_TRIES: u32 = 200;
+/// Which module groups to load (comma-separated; all when absent).
+const MODULES_VAR: &[u8] = b"EMBER_MODULES=";
+/// How long to wait for the channel device node to appear (2 ms steps, 20 s):
+/// virtio-serial adds ports asynchronously, after its control queue talks to
+/// the device, which takes long on a busy TCG host.
+const CHANNEL_OPEN_TRIES: u32 = 10_000;
+const CHANNEL_OPEN_STEP_MS: u64 = 2;
 /// Room for argv/env/cwd/exec strings together.
 const ARENA_LEN: usize = 128 * 1024;
 /// Most argv or env entries accepted.
@@ -48,6 +53,9 @@ fn panic(_: &core::panic::PanicInfo) -> ! {
 pub extern "C" fn rust_eh_personality() {}
 
 /// Entry point: the kernel starts us with the stack holding argc, argv, envp.
+///
+/// # Safety
+/// Only the kernel calls this, once, with the initial process stack.
 #[unsafe(naked)]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn _start() -> ! {
@@ -82,9 +90,10 @@ fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
     sys::mount(b"devtmpfs\0", b"/dev\0", b"devtmpfs\0").map_err(|_| &b"mount /dev failed"[..])?;
     let _ = sys::mount(b"proc\0", b"/proc\0", b"proc\0");
     let _ = sys::mount(b"sysfs\0", b"/sys\0", b"sysfs\0");
-    let module_error = load_modules();
+    let module_error = load_modules(env_value(envp, MODULES_VAR));
 
-    let path = channel_path(envp).ok_or(&b"no EMBER_CHANNEL= on the kernel command line"[..])?;
+    let path =
+        env_value(envp, CHANNEL_VAR).ok_or(&b"no EMBER_CHANNEL= on the kernel command line"[..])?;
     let chan = open_channel(path)?;
     let mut ch = Channel::new(chan);
     if let Some(name) = module_error {
@@ -102,15 +111,21 @@ fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
         }
     };
     match run_command(&mut ch, &cmd) {
-        Ok(code) => ch.send(ft::EXIT, &code.to_le_bytes()),
+        Ok(code) => {
+            // The host may stop the VM as soon as EXIT arrives: flush disks first.
+            sys::sync();
+            ch.send(ft::EXIT, &code.to_le_bytes());
+        }
         Err(msg) => ch.error_with(msg, b""),
     }
     ch.drain();
     Ok(())
 }
 
-/// Loads every module of [`MODULE_LIST`] in order; returns the first failing path.
-fn load_modules() -> Option<&'static [u8]> {
+/// Loads the modules of [`MODULE_LIST`] (`GROUP PATH` lines) whose group is
+/// in `groups` (a comma list, NUL-terminated; `None` loads all), in order;
+/// returns the first failing path.
+fn load_modules(groups: Option<&[u8]>) -> Option<&'static [u8]> {
     static mut LIST: [u8; 16 * 1024] = [0; 16 * 1024];
     // SAFETY: init is single-threaded and this is the only use of LIST.
     let list: &'static mut [u8; 16 * 1024] = unsafe { &mut *core::ptr::addr_of_mut!(LIST) };
@@ -119,14 +134,20 @@ fn load_modules() -> Option<&'static [u8]> {
     };
     let len = sys::read_full(fd, &mut list[..]);
     sys::close(fd);
+    let groups = groups.map(|g| &g[..g.len() - 1]);
     let mut path = [0u8; 512];
     for line in list[..len].split(|&b| b == b'\n') {
-        if line.is_empty() || line.len() >= path.len() {
+        let Some(space) = line.iter().position(|&b| b == b' ') else {
+            continue;
+        };
+        let (group, file) = (&line[..space], &line[space + 1..]);
+        let wanted = groups.is_none_or(|g| g.split(|&b| b == b',').any(|w| w == group));
+        if !wanted || file.is_empty() || file.len() >= path.len() {
             continue;
         }
-        path[..line.len()].copy_from_slice(line);
-        path[line.len()] = 0;
-        let ok = match sys::open(&path[..=line.len()], sys::O_RDONLY) {
+        path[..file.len()].copy_from_slice(file);
+        path[file.len()] = 0;
+        let ok = match sys::open(&path[..=file.len()], sys::O_RDONLY) {
             Ok(m) => {
                 let r = sys::finit_module(m);
                 sys::close(m);
@@ -135,26 +156,29 @@ fn load_modules() -> Option<&'static [u8]> {
             Err(_) => false,
         };
         if !ok {
-            return Some(line);
+            return Some(file);
         }
     }
     None
 }
 
-/// The value of `EMBER_CHANNEL=` in init's environment, NUL-terminated.
-fn channel_path(envp: *const *const u8) -> Option<&'static [u8]> {
+/// The value of the last `NAME=` entry (`prefix` includes the `=`) in init's
+/// environment, NUL-terminated. The last wins so that a user's `--cmdline`
+/// overrides ember's own setting.
+fn env_value(envp: *const *const u8, prefix: &[u8]) -> Option<&'static [u8]> {
+    let mut found = None;
     let mut i = 0;
     loop {
         // SAFETY: envp is the NULL-terminated array the kernel built.
         let p = unsafe { *envp.add(i) };
         if p.is_null() {
-            return None;
+            return found;
         }
         // SAFETY: every entry is a NUL-terminated string that lives forever.
         let s = unsafe { sys::cstr(p) };
-        if let Some(v) = s.strip_prefix(CHANNEL_VAR) {
+        if let Some(v) = s.strip_prefix(prefix) {
             // SAFETY: v ends right before the entry's NUL, which is readable.
-            return Some(unsafe { core::slice::from_raw_parts(v.as_ptr(), v.len() + 1) });
+            found = Some(unsafe { core::slice::from_raw_parts(v.as_ptr(), v.len() + 1) });
         }
         i += 1;
     }
@@ -169,7 +193,7 @@ fn open_channel(path: &[u8]) -> Result<Fd, &'static [u8]> {
             Ok(fd) => break fd,
             Err(_) if tries < CHANNEL_OPEN_TRIES => {
                 tries += 1;
-                sys::sleep_ms(10);
+                sys::sleep_ms(CHANNEL_OPEN_STEP_MS);
             }
             Err(_) => return Err(b"cannot open the channel device"),
         }
@@ -285,7 +309,10 @@ fn exec_child(cmd: &Command, stdin: Fd, stdout: Fd, stderr: Fd) -> ! {
     sys::dup2(stdout, 1);
     sys::dup2(stderr, 2);
     if !cmd.cwd.is_null() && sys::chdir(cmd.cwd).is_err() {
-        sys::write_all(2, b"ember: cannot change to the working directory\n");
+        sys::write_all(2, b"ember: cannot change to the working directory ");
+        // SAFETY: cwd is a NUL-terminated string in the arena.
+        sys::write_all(2, unsafe { sys::cstr(cmd.cwd) });
+        sys::write_all(2, b" (it must exist in the appliance)\n");
         sys::exit(1);
     }
     let err = sys::execve(cmd.exec, cmd.argv.as_ptr(), cmd.envp.as_ptr());

@@ -225,8 +225,10 @@ pub fn execve(path: *const u8, argv: *const *const u8, envp: *const *const u8) -
 }
 
 pub fn exit(code: i32) -> ! {
-    let _ = call(SYS_EXIT, [code as usize, 0, 0, 0, 0, 0]);
-    loop {}
+    loop {
+        // exit(2) does not return; loop only to satisfy the type.
+        let _ = call(SYS_EXIT, [code as usize, 0, 0, 0, 0, 0]);
+    }
 }
 
 /// Waits for `pid` (reaping any other child on the way); returns a shell-style
@@ -297,7 +299,7 @@ pub fn pipe() -> Result<(Fd, Fd), Errno> {
 pub fn finit_module(fd: Fd) -> Result<usize, Errno> {
     call(
         SYS_FINIT_MODULE,
-        [fd as usize, b"\0".as_ptr() as usize, 0, 0, 0, 0],
+        [fd as usize, c"".as_ptr() as usize, 0, 0, 0, 0],
     )
 }
 
