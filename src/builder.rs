@@ -12,12 +12,14 @@
 //! 6. put the devices on the buses;
 //! 7. hand the boot vCPU its entry registers; it enters the guest.
 
-use crate::arch::x86_64::{boot, cpuid, layout, mptable, msr, regs};
+use crate::arch::x86_64::{acpi, boot, cpuid, layout, mptable, msr, regs};
+use crate::devices::IrqFdLine;
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::legacy::{
     AcpiSleep, BootTimer, ConsoleSink, DebugExit, DebugPort, I8042, Serial, SerialIrq, SerialUart,
     VmEnd,
 };
+use crate::devices::virtio::{self, Block, Console, DiskConfig, MmioTransport, Rng, VirtioDevice};
 use crate::events::{Recorder, kind};
 use crate::vstate::kvm::{self, KvmError};
 use crate::vstate::memory::{self, MemoryError};
@@ -28,12 +30,14 @@ use linux_loader::loader::elf::{self, Elf, PvhBootCapability};
 use linux_loader::loader::{self, KernelLoader, bzimage::BzImage};
 use std::fs::File;
 use std::io::Write;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use thiserror::Error;
+use virtio_bindings::virtio_mmio::VIRTIO_MMIO_QUEUE_NOTIFY;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -107,6 +111,30 @@ pub enum BuildError {
     /// MP table.
     #[error(transparent)]
     Mptable(#[from] mptable::Error),
+    /// ACPI tables.
+    #[error(transparent)]
+    Acpi(#[from] acpi::Error),
+    /// A virtio transport could not be set up.
+    #[error("cannot set up virtio device {name}")]
+    Virtio {
+        /// Which device.
+        name: String,
+        /// Why.
+        #[source]
+        source: virtio::mmio::Error,
+    },
+    /// A disk could not be opened or is unusable.
+    #[error("cannot attach disk {0}")]
+    Disk(PathBuf, #[source] virtio::block::Error),
+    /// More virtio devices than MMIO windows.
+    #[error(
+        "at most {} virtio devices are supported",
+        layout::VIRTIO_MMIO_MAX_DEVICES
+    )]
+    TooManyDevices,
+    /// The appliance channel socket could not be reached.
+    #[error("cannot connect the channel to {0}")]
+    Channel(PathBuf, #[source] std::io::Error),
     /// Device placement.
     #[error("cannot place a device")]
     Bus(#[from] BusError),
@@ -131,10 +159,17 @@ pub struct VmConfig {
     pub console: Option<Box<dyn Write + Send>>,
     /// Write ACPI tables (MP table is always written).
     pub acpi: bool,
+    /// virtio-blk disks.
+    pub disks: Vec<DiskConfig>,
+    /// A unix socket to connect a virtio-console port to.
+    pub channel: Option<PathBuf>,
+    /// Add a virtio-rng device.
+    pub rng: bool,
 }
 
 /// What a parked vCPU thread receives when the VM is complete.
 struct Start {
+    mem: GuestMemoryMmap,
     io: Bus,
     mmio: Bus,
     entry: BootEntry,
@@ -174,7 +209,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         });
     }
     let supported = kvm::supported_cpuid(&kvm)?;
-    let mut vm = Vm::new(&kvm)?;
+    let vm = Vm::new(&kvm)?;
     recorder.mark(kind::KVM_OPEN);
 
     // 2. Guest memory, registered before the irqchip exists (see `Vm::new`).
@@ -216,7 +251,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
                         vcpu.set_boot_state(start.entry)?;
                         recorder.mark(kind::FIRST_GUEST_ENTRY);
                     }
-                    Ok(vcpu.run(&start.io, &start.mmio, &end, || {})?)
+                    Ok(vcpu.run(&start.io, &start.mmio, &end, &vm, &start.mem)?)
                 })();
                 if let Err(e) = result {
                     end.fail(error_chain(&e));
@@ -239,7 +274,54 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         None => None,
     };
 
-    // 5. Boot structures.
+    // 5. virtio devices: windows, interrupts and queue notifiers (kernel-side
+    // eventfds, so a notify never stops a vCPU); described to the guest below.
+    let mut mmio = Bus::new();
+    let mut announced = Vec::new();
+    let mut place = |name: &str, make: MmioTransportFactory| -> Result<(), BuildError> {
+        let i = announced.len();
+        if i >= layout::VIRTIO_MMIO_MAX_DEVICES {
+            return Err(BuildError::TooManyDevices);
+        }
+        let base = layout::VIRTIO_MMIO_START + i as u64 * layout::VIRTIO_MMIO_SIZE;
+        let gsi = layout::VIRTIO_IRQ_BASE + i as u32;
+        let irq = EventFd::new(libc::EFD_NONBLOCK)?;
+        vm.register_irqfd(&irq, gsi)?;
+        let transport =
+            make(mem.clone(), Arc::new(IrqFdLine(irq))).map_err(|source| BuildError::Virtio {
+                name: name.to_owned(),
+                source,
+            })?;
+        for (q, evt) in transport.queue_evts().iter().enumerate() {
+            vm.register_mmio_ioevent(evt, base + u64::from(VIRTIO_MMIO_QUEUE_NOTIFY), q as u32)?;
+        }
+        mmio.insert(
+            Arc::new(Mutex::new(transport)),
+            base,
+            layout::VIRTIO_MMIO_SIZE,
+        )?;
+        announced.push(acpi::VirtioMmioAcpi {
+            base,
+            len: layout::VIRTIO_MMIO_SIZE,
+            gsi,
+        });
+        Ok(())
+    };
+    for disk in &cfg.disks {
+        let block = Block::new(disk).map_err(|e| BuildError::Disk(disk.path.clone(), e))?;
+        place("block", transport_for(block))?;
+    }
+    if let Some(sock) = &cfg.channel {
+        let stream = UnixStream::connect(sock).map_err(|e| BuildError::Channel(sock.clone(), e))?;
+        let console =
+            Console::from_unix_stream(stream).map_err(|e| BuildError::Channel(sock.clone(), e))?;
+        place("console", transport_for(console))?;
+    }
+    if cfg.rng {
+        place("rng", transport_for(Rng::new()))?;
+    }
+
+    // 6. Boot structures.
     let cmdline_max = match hdr {
         Some(h) if h.version >= MIN_BOOT_PROTOCOL => {
             (h.cmdline_size as usize).min(layout::CMDLINE_MAX_SIZE)
@@ -247,12 +329,26 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         Some(_) => DEFAULT_CMDLINE_SIZE,
         None => layout::CMDLINE_MAX_SIZE,
     };
-    let cmdline = cfg.cmdline.trim().to_owned();
+    // Devices are announced both ways: on the command line for kernels with
+    // VIRTIO_MMIO_CMDLINE_DEVICES, in the DSDT for kernels that only read ACPI.
+    let mut cmdline = cfg.cmdline.trim().to_owned();
+    for d in &announced {
+        cmdline.push_str(&format!(
+            " virtio_mmio.device={}K@{:#x}:{}",
+            d.len >> 10,
+            d.base,
+            d.gsi
+        ));
+    }
     boot::write_cmdline(&mem, &cmdline, cmdline_max)?;
     regs::write_gdt_and_idt(&mem)?;
     regs::write_identity_page_tables(&mem)?;
     mptable::setup_mptable(&mem, cfg.vcpus)?;
-    let rsdp = None; // TEMP
+    let rsdp = if cfg.acpi {
+        Some(acpi::setup_acpi(&mem, cfg.vcpus, &announced)?)
+    } else {
+        None
+    };
     let boot_layout = boot::BootLayout {
         ram: &ram,
         cmdline: &cmdline,
@@ -264,7 +360,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         BootEntry::Linux64(_) => boot::configure_linux(&mem, &boot_layout, hdr)?,
     }
 
-    // 6. Devices.
+    // 7. Legacy devices.
     let serial_irq = EventFd::new(libc::EFD_NONBLOCK)?;
     vm.register_irqfd(&serial_irq, layout::COM1_IRQ)?;
     let sink = ConsoleSink::new(cfg.console, recorder.clone());
@@ -299,7 +395,6 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         layout::ACPI_SLEEP_CONTROL_PORT.into(),
         2,
     )?;
-    let mut mmio = Bus::new();
     let timer = Arc::new(Mutex::new(BootTimer::new(recorder.clone())));
     mmio.insert(
         timer,
@@ -307,8 +402,13 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         layout::BOOT_TIMER_MMIO_SIZE,
     )?;
 
-    // 7. Go: every vCPU gets the finished buses; the boot vCPU also its entry.
-    let start = Arc::new(Start { io, mmio, entry });
+    // 8. Go: every vCPU gets the finished buses; the boot vCPU also its entry.
+    let start = Arc::new(Start {
+        mem: mem.clone(),
+        io,
+        mmio,
+        entry,
+    });
     for tx in starts {
         // A vCPU thread that already failed has hung up; its error is in `end`.
         let _ = tx.send(start.clone());
@@ -320,6 +420,18 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         vm,
         vcpu_threads,
     })
+}
+
+/// Makes the MMIO transport for a device once guest memory and its interrupt line exist.
+type MmioTransportFactory = Box<
+    dyn FnOnce(
+        GuestMemoryMmap,
+        Arc<dyn crate::devices::Interrupt>,
+    ) -> Result<MmioTransport, virtio::mmio::Error>,
+>;
+
+fn transport_for<D: VirtioDevice + 'static>(dev: D) -> MmioTransportFactory {
+    Box::new(move |mem, irq| MmioTransport::new(dev, mem, irq))
 }
 
 /// Loads the kernel from `path`: an ELF (entered through its PVH note when it

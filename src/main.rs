@@ -17,7 +17,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Boot a kernel on KVM, or run `-- CMD` in a fresh appliance VM.
-    Run(ember::run::RunArgs),
+    Run(Box<ember::run::RunArgs>),
     /// Fetch the default guest kernel and prepare the appliance cache.
     Setup(ember::appliance::SetupArgs),
     /// Boot a guest N times and report boot-time statistics.
@@ -32,7 +32,7 @@ fn main() {
     ember::events::process_start();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(args) => ember::run::main(args),
+        Command::Run(args) => ember::run::main(*args),
         Command::Setup(args) => ember::appliance::setup(args),
         Command::Bench(args) => ember::lab::bench(args),
         Command::Analyze(args) => ember::lab::analyze(args),

@@ -3,6 +3,7 @@
 
 use crate::builder::{self, VmConfig, Vmm};
 use crate::devices::legacy::{GuestEnd, Serial};
+use crate::devices::virtio::DiskConfig;
 use crate::events::{Recorder, kind};
 use crate::vstate::memory;
 use clap::Args;
@@ -43,6 +44,9 @@ pub struct RunArgs {
     /// A virtio-pmem region backed by this file (a DAX root). Repeatable.
     #[arg(long)]
     pub pmem: Vec<PathBuf>,
+    /// Add a virtio-rng device (guest entropy from the host's getrandom).
+    #[arg(long)]
+    pub rng: bool,
     /// Connect a virtio-console port to this unix socket (the appliance's data channel).
     #[arg(long)]
     pub channel: Option<PathBuf>,
@@ -118,6 +122,13 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
         vcpus: args.cpus,
         console,
         acpi: !args.no_acpi,
+        disks: args
+            .disk
+            .iter()
+            .map(|d| DiskConfig::parse(d))
+            .collect::<Result<_, _>>()?,
+        channel: args.channel.clone(),
+        rng: args.rng,
     };
     let vmm = builder::build(cfg, recorder.clone())
         .map_err(|e| anyhow::anyhow!(builder::error_chain(&e)))?;
@@ -128,6 +139,9 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
     let code = match &outcome {
         Some(Ok(end)) => {
             recorder.mark(end.event_kind());
+            if *end == GuestEnd::TripleFault {
+                eprintln!("ember: the guest crashed (triple fault)");
+            }
             end.exit_status()
         }
         Some(Err(why)) => {

@@ -239,3 +239,33 @@ fn bad_input_is_a_clear_error() {
         );
     }
 }
+
+/// A kernel whose first instruction is undefined, with no IDT to handle it:
+/// #UD, then #DF, then a triple fault, which ember reports as a crash.
+#[test]
+fn triple_fault_is_reported_as_a_crash() {
+    if !require_kvm("triple_fault") {
+        return;
+    }
+    let dir = Scratch::new("triple");
+    let kernel = dir.path("ud2.elf");
+    // ud2; then spin (never reached).
+    std::fs::write(
+        &kernel,
+        common::static_elf(0x10_0000, &[0x0f, 0x0b, 0xeb, 0xfe]),
+    )
+    .unwrap();
+    let o = output(
+        ember()
+            .arg("run")
+            .arg("--kernel")
+            .arg(&kernel)
+            .args(["--timeout", "60"]),
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(ember::run::EXIT_GUEST_CRASHED),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -88,7 +88,11 @@ impl Backend for QemuBackend {
     }
 
     fn channel_kind(&self) -> ChannelKind {
-        ChannelKind::Serial
+        if self.is_microvm() || std::env::var_os("EMBER_QEMU_VIRTIO_CHANNEL").is_some() {
+            ChannelKind::VirtioConsole
+        } else {
+            ChannelKind::Serial
+        }
     }
 
     fn command(&self, spec: &GuestSpec) -> Result<Command, BackendError> {
@@ -125,7 +129,16 @@ impl Backend for QemuBackend {
         if let Some(ch) = &spec.channel {
             c.arg("-chardev")
                 .arg(format!("socket,id=ch0,path={}", ch.display()));
-            c.args(["-serial", "chardev:ch0"]);
+            if self.channel_kind() == ChannelKind::VirtioConsole {
+                let bus = if self.is_microvm() {
+                    "virtio-serial-device"
+                } else {
+                    "virtio-serial-pci"
+                };
+                c.args(["-device", bus, "-device", "virtconsole,chardev=ch0"]);
+            } else {
+                c.args(["-serial", "chardev:ch0"]);
+            }
         }
         // Guest-chosen exit status, the same port ember listens on.
         c.args(["-device", "isa-debug-exit,iobase=0x501,iosize=1"]);

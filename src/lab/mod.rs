@@ -1,30 +1,442 @@
-//! The boot lab: `ember bench`, `ember analyze`, `ember bench-range`.
+//! The boot lab: `ember bench`, `ember analyze`, `ember bench-range` — the
+//! boot-benchmark, boot-analysis and boot-benchmark-range tools of Jones's
+//! "Optimizing QEMU boot time", for any VMM a [`crate::backend::Backend`]
+//! can drive.
+//!
+//! - [`boot`] spawns one boot and records it (console lines stamped on
+//!   arrival, the VMM's event file, exit time, peak RSS);
+//! - [`runner`] runs warm-ups and interleaved series with a progress bar and
+//!   Ctrl-C handling ([`signal`]);
+//! - [`analysis`] merges console and events into a timeline (on the guest's
+//!   printk clock where it has one), matches [`rules`], aggregates, and costs
+//!   the console; [`stats`] has the statistics;
+//! - [`report`] and [`timeline`] print tables and draw the SVG/HTML;
+//! - [`range`] benchmarks a git range.
 
+pub mod analysis;
+pub mod boot;
+pub mod config;
+pub mod guest;
+pub mod range;
+pub mod report;
+pub mod rules;
+pub mod runner;
+pub mod signal;
+pub mod stats;
+pub mod timeline;
+
+use analysis::{Milestones, boot_metrics};
+use anyhow::Context;
+use boot::BootRecord;
 use clap::Args;
+use config::{GuestOpts, Header};
+use report::{AnalyzeReport, AnalyzeView, BenchReport, Failures, MetricRow};
+use runner::{Series, Verdict};
+use serde::{Deserialize, Serialize};
+use stats::Summary;
+use std::path::{Path, PathBuf};
+
+/// Exit status after Ctrl-C (128 + SIGINT), as shells report it.
+const EXIT_INTERRUPTED: i32 = 130;
 
 /// Arguments of `ember bench`.
 #[derive(Debug, Clone, Args)]
-pub struct BenchArgs {}
+pub struct BenchArgs {
+    /// The guest and the VMM.
+    #[command(flatten)]
+    pub guest: GuestOpts,
+    /// Measured boots (per configuration).
+    #[arg(short = 'n', long, default_value_t = 10)]
+    pub runs: usize,
+    /// Discarded warm-up boots (per configuration).
+    #[arg(short = 'w', long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Compare with a second configuration, booted interleaved (A B A B …):
+    /// KEY=VALUE[,KEY=VALUE…] overriding the options above. Keys: backend,
+    /// machine, accel, vmm, kernel, initrd, cmdline, cmdline+ (appends), mem, cpus.
+    /// Example: --vs 'machine=microvm,cmdline+=quiet'.
+    #[arg(long, value_name = "KEY=VALUE,…")]
+    pub vs: Option<String>,
+    /// The figure `--vs` compares pair by pair (a metric name: exit, userspace, …).
+    #[arg(long, default_value = "exit")]
+    pub metric: String,
+    /// Also write every recorded boot (JSON) here.
+    #[arg(long, value_name = "FILE.json")]
+    pub save: Option<PathBuf>,
+}
 
 /// Arguments of `ember analyze`.
 #[derive(Debug, Clone, Args)]
-pub struct AnalyzeArgs {}
+pub struct AnalyzeArgs {
+    /// The guest and the VMM.
+    #[command(flatten)]
+    pub guest: GuestOpts,
+    /// Measured boots.
+    #[arg(short = 'n', long, default_value_t = 5)]
+    pub runs: usize,
+    /// Discarded warm-up boots.
+    #[arg(short = 'w', long, default_value_t = 1)]
+    pub warmup: usize,
+    /// More activity rules (see `ember::lab::rules` for the format). Repeatable.
+    #[arg(long, value_name = "FILE")]
+    pub rules: Vec<PathBuf>,
+    /// Use only the `--rules` files, not the built-in Linux rules.
+    #[arg(long)]
+    pub no_builtin_rules: bool,
+    /// Write the timeline as SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    pub svg: Option<PathBuf>,
+    /// Write the timeline as a self-contained HTML page.
+    #[arg(long, value_name = "FILE.html")]
+    pub html: Option<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// How many of the longest activities to list.
+    #[arg(long, default_value_t = 15)]
+    pub top: usize,
+    /// Hide activities shorter than this many ms from the full table.
+    #[arg(long, default_value_t = 1.0)]
+    pub min_ms: f64,
+    /// Cost of one console character on the serial line, µs. Default: 4 for
+    /// QEMU (Jones's measurement of the emulated 16550), 15 for ember (two
+    /// exits per character — the THR write and the LSR poll — at ~7.5 µs per
+    /// exit on this machine's KVM).
+    #[arg(long, value_name = "MICROSECONDS")]
+    pub char_cost_us: Option<f64>,
+    /// Also write every recorded boot (JSON) here.
+    #[arg(long, value_name = "FILE.json")]
+    pub save: Option<PathBuf>,
+    /// Analyse boots recorded earlier with `--save` instead of booting.
+    #[arg(long, value_name = "FILE.json")]
+    pub load: Option<PathBuf>,
+}
 
 /// Arguments of `ember bench-range`.
 #[derive(Debug, Clone, Args)]
-pub struct RangeArgs {}
+pub struct RangeArgs {
+    /// The git repository.
+    pub repo: PathBuf,
+    /// Commits to benchmark, as `git rev-list` takes them (`A..B` excludes A;
+    /// write `A^..B` to include it).
+    pub range: String,
+    /// Shell command that builds the artifact, run in the commit's checkout.
+    #[arg(long, value_name = "CMD")]
+    pub build: String,
+    /// The artifact the build produces, relative to the checkout.
+    #[arg(long, value_name = "PATH")]
+    pub artifact: PathBuf,
+    /// How the artifact is used: as the guest kernel, or as the VMM binary
+    /// of `--backend`.
+    #[arg(long, value_enum, default_value_t = range::ArtifactKind::Kernel)]
+    pub artifact_kind: range::ArtifactKind,
+    /// The guest and the VMM (the artifact replaces one of them).
+    #[command(flatten)]
+    pub guest: GuestOpts,
+    /// Measured boots per commit.
+    #[arg(short = 'n', long, default_value_t = 10)]
+    pub runs: usize,
+    /// Discarded warm-up boots per commit.
+    #[arg(short = 'w', long, default_value_t = 1)]
+    pub warmup: usize,
+    /// The figure compared between commits.
+    #[arg(long, default_value = "exit")]
+    pub metric: String,
+    /// Significance level of the Welch t-test that marks a change.
+    #[arg(long, default_value_t = 0.01)]
+    pub alpha: f64,
+    /// Where the scratch worktree, artifacts and the state file live
+    /// (default: ~/.cache/ember/bench-range/<repo name>).
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Boots recorded by `--save`, reloadable with `ember analyze --load`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Recording {
+    /// What was booted.
+    pub header: Header,
+    /// The measured boots.
+    pub records: Vec<BootRecord>,
+}
+
+fn save(path: &Path, header: &Header, records: &[BootRecord]) -> anyhow::Result<()> {
+    let rec = Recording {
+        header: header.clone(),
+        records: records.to_vec(),
+    };
+    std::fs::write(path, serde_json::to_string(&rec)?)
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Loads a recording written by `--save`.
+pub fn load(path: &Path) -> anyhow::Result<Recording> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a boot recording", path.display()))
+}
+
+fn failures(series: &Series, i: usize, m: &Milestones) -> Failures {
+    Failures {
+        timed_out: series.count(i, m, Verdict::TimedOut),
+        no_userspace: series.count(i, m, Verdict::NoUserspace),
+    }
+}
+
+/// Per-metric samples of the counted boots, metrics in first-seen order.
+pub fn metric_samples(records: &[&BootRecord], m: &Milestones) -> Vec<(String, Vec<f64>)> {
+    let mut out: Vec<(String, Vec<f64>)> = Vec::new();
+    for r in records {
+        for (name, v) in boot_metrics(r, m) {
+            match out.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, xs)) => xs.push(v),
+                None => out.push((name, vec![v])),
+            }
+        }
+    }
+    out
+}
+
+/// Per-pair values of `metric` for boots where both A and B counted.
+fn pairs(series: &Series, ms: &[Milestones; 2], metric: &str) -> (Vec<f64>, Vec<f64>) {
+    let value = |r: &BootRecord, m: &Milestones| {
+        boot_metrics(r, m)
+            .into_iter()
+            .find(|(n, _)| n == metric)
+            .map(|(_, v)| v)
+    };
+    series.records[0]
+        .iter()
+        .zip(&series.records[1])
+        .filter(|(a, b)| {
+            runner::verdict(a, &ms[0]) == Verdict::Ok && runner::verdict(b, &ms[1]) == Verdict::Ok
+        })
+        .filter_map(|(a, b)| Some((value(a, &ms[0])?, value(b, &ms[1])?)))
+        .unzip()
+}
 
 /// Runs `ember bench`; returns the exit status.
-pub fn bench(_args: BenchArgs) -> anyhow::Result<i32> {
-    anyhow::bail!("not yet")
+pub fn bench(args: BenchArgs) -> anyhow::Result<i32> {
+    signal::install();
+    let mut configs = vec![config::build(&args.guest, "A")?];
+    if let Some(vs) = &args.vs {
+        let b = config::apply_vs(&args.guest, vs)?;
+        configs.push(config::build(&b, "B")?);
+    }
+    let headers: Vec<Header> = configs.iter().map(|(c, _)| Header::new(c)).collect();
+    let series = runner::run_series(&configs, args.warmup, args.runs, signal::flag())?;
+    let milestones: Vec<Milestones> = configs.iter().map(|(_, m)| m.clone()).collect();
+    let samples: Vec<Vec<(String, Vec<f64>)>> = (0..configs.len())
+        .map(|i| metric_samples(&series.good(i, &milestones[i]), &milestones[i]))
+        .collect();
+    let mut metrics: Vec<MetricRow> = Vec::new();
+    for (ci, per) in samples.iter().enumerate() {
+        for (name, xs) in per {
+            let pos = match metrics.iter().position(|m| m.name == *name) {
+                Some(p) => p,
+                None => {
+                    metrics.push(MetricRow {
+                        name: name.clone(),
+                        unit: if name.contains("MiB") { "MiB" } else { "ms" },
+                        a: None,
+                        b: None,
+                    });
+                    metrics.len() - 1
+                }
+            };
+            let s = Summary::of(xs);
+            if ci == 0 {
+                metrics[pos].a = s;
+            } else {
+                metrics[pos].b = s;
+            }
+        }
+    }
+    let ratio = (configs.len() == 2)
+        .then(|| {
+            let ms = [milestones[0].clone(), milestones[1].clone()];
+            let (a, b) = pairs(&series, &ms, &args.metric);
+            stats::paired_ratio(&a, &b, 0.95)
+        })
+        .flatten();
+    let report = BenchReport {
+        header: headers[0].clone(),
+        header_b: headers.get(1).cloned(),
+        runs: args.runs,
+        warmup: args.warmup,
+        counted: (0..configs.len())
+            .map(|i| series.good(i, &milestones[i]).len())
+            .collect(),
+        failures: (0..configs.len())
+            .map(|i| failures(&series, i, &milestones[i]))
+            .collect(),
+        timeout_s: args.guest.timeout,
+        interrupted: series.interrupted,
+        metrics,
+        ratio_metric: (configs.len() == 2).then(|| args.metric.clone()),
+        ratio,
+        samples,
+    };
+    if let Some(path) = &args.save {
+        save(path, &headers[0], &series.records[0])?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.render());
+    }
+    Ok(exit_status(&series, report.counted.iter().all(|&c| c > 0)))
+}
+
+fn exit_status(series: &Series, any_counted: bool) -> i32 {
+    if series.interrupted {
+        EXIT_INTERRUPTED
+    } else if any_counted {
+        0
+    } else {
+        eprintln!("ember: no boot reached userspace (see above)");
+        1
+    }
+}
+
+/// Builds the analysis of `records` (the counted ones).
+pub fn analyze_records(
+    header: Header,
+    all: &[BootRecord],
+    m: &Milestones,
+    rules: &[rules::Rule],
+    char_cost_us: f64,
+    interrupted: bool,
+) -> AnalyzeReport {
+    let good: Vec<&BootRecord> = all
+        .iter()
+        .filter(|r| runner::verdict(r, m) == Verdict::Ok)
+        .collect();
+    let count = |v| all.iter().filter(|r| runner::verdict(r, m) == v).count();
+    let exits: Vec<f64> = good.iter().map(|r| r.exit_us / 1e3).collect();
+    let total = Summary::of(&exits);
+    let total_ms = total.map_or(0.0, |t| t.mean);
+    let per_boot: Vec<Vec<analysis::Activity>> = good
+        .iter()
+        .map(|r| analysis::activities(&analysis::timeline(r), rules))
+        .collect();
+    AnalyzeReport {
+        header,
+        boots: all.len(),
+        failures: Failures {
+            timed_out: count(Verdict::TimedOut),
+            no_userspace: count(Verdict::NoUserspace),
+        },
+        total,
+        activities: analysis::aggregate(&per_boot, total_ms),
+        console: analysis::console_cost(&good, char_cost_us, total_ms),
+        interrupted,
+    }
+}
+
+/// The default per-character console cost for a backend (see `--char-cost-us`).
+pub fn default_char_cost_us(backend: &str) -> f64 {
+    /// Jones: the emulated 16550 under QEMU costs about 4 µs per character.
+    const QEMU_UART_US_PER_CHAR: f64 = 4.0;
+    /// One exit on this machine's KVM.
+    const EXIT_US: f64 = 7.5;
+    /// Exits per character on ember's 16550: the THR write and one LSR read.
+    const EXITS_PER_CHAR: f64 = 2.0;
+    if backend == "ember" {
+        EXIT_US * EXITS_PER_CHAR
+    } else {
+        QEMU_UART_US_PER_CHAR
+    }
 }
 
 /// Runs `ember analyze`; returns the exit status.
-pub fn analyze(_args: AnalyzeArgs) -> anyhow::Result<i32> {
-    anyhow::bail!("not yet")
+pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
+    signal::install();
+    let mut rules = if args.no_builtin_rules {
+        Vec::new()
+    } else {
+        rules::builtin_linux()
+    };
+    for path in &args.rules {
+        rules.extend(rules::load(path)?);
+    }
+    let milestones = config::milestones(&args.guest)?;
+    let (header, records, interrupted) = match &args.load {
+        Some(path) => {
+            let rec = load(path)?;
+            (rec.header, rec.records, false)
+        }
+        None => {
+            let cfg = config::build(&args.guest, "A")?;
+            let header = Header::new(&cfg.0);
+            let mut series = runner::run_series(
+                std::slice::from_ref(&cfg),
+                args.warmup,
+                args.runs,
+                signal::flag(),
+            )?;
+            (header, series.records.remove(0), series.interrupted)
+        }
+    };
+    if let Some(path) = &args.save {
+        save(path, &header, &records)?;
+    }
+    let cost = args
+        .char_cost_us
+        .unwrap_or_else(|| default_char_cost_us(&header.backend));
+    let report = analyze_records(header, &records, &milestones, &rules, cost, interrupted);
+    let view = AnalyzeView {
+        top: args.top,
+        min_ms: args.min_ms,
+    };
+    let text = report.render(view);
+    let total_ms = report.total.map_or(0.0, |t| t.mean);
+    let title = format!(
+        "ember analyze — {} on {} ({} boots, {}ms ±{}ms)",
+        Path::new(&report.header.kernel)
+            .file_name()
+            .map_or(report.header.kernel.clone(), |f| f
+                .to_string_lossy()
+                .into_owned()),
+        report.header.accel,
+        report.boots,
+        report::num(total_ms),
+        report::num(report.total.map_or(0.0, |t| t.sd))
+    );
+    if let Some(path) = &args.svg {
+        std::fs::write(path, timeline::svg(&report.activities, total_ms, &title))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = &args.html {
+        std::fs::write(
+            path,
+            timeline::html(&report.activities, total_ms, &title, &text),
+        )
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{text}");
+    }
+    Ok(if interrupted {
+        EXIT_INTERRUPTED
+    } else if report.total.is_some() {
+        0
+    } else {
+        1
+    })
 }
 
 /// Runs `ember bench-range`; returns the exit status.
-pub fn bench_range(_args: RangeArgs) -> anyhow::Result<i32> {
-    anyhow::bail!("not yet")
+pub fn bench_range(args: RangeArgs) -> anyhow::Result<i32> {
+    signal::install();
+    range::run(&args)
 }

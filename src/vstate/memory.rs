@@ -99,23 +99,39 @@ pub fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
     Ok(mem)
 }
 
-/// How many bytes of guest memory are resident on the host (mincore).
+/// How many bytes of guest memory are resident on the host, from
+/// /proc/self/smaps (cheap even for a 64 GiB guest, unlike mincore).
 pub fn resident_bytes(mem: &GuestMemoryMmap) -> u64 {
-    const PAGE: usize = 4096;
-    let mut total = 0u64;
-    for region in mem.iter() {
-        let Ok(addr) = region.get_host_address(vm_memory::MemoryRegionAddress(0)) else {
-            continue;
-        };
-        let len = region.len() as usize;
-        let mut vec = vec![0u8; len.div_ceil(PAGE)];
-        // SAFETY: `addr..addr+len` is a live mapping owned by `mem`, and `vec` has
-        // one byte per page of it, as mincore(2) requires.
-        if unsafe { libc::mincore(addr.cast(), len, vec.as_mut_ptr()) } == 0 {
-            total += vec.iter().filter(|&&b| b & 1 != 0).count() as u64 * PAGE as u64;
+    let starts: Vec<u64> = mem
+        .iter()
+        .filter_map(|r| r.get_host_address(vm_memory::MemoryRegionAddress(0)).ok())
+        .map(|p| p as u64)
+        .collect();
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+    let mut total_kib = 0;
+    let mut in_guest = false;
+    for line in smaps.lines() {
+        // A mapping header looks like `7f21a000-7f22a000 rw-p 00000000 00:00 0`.
+        if let Some((range, _)) = line.split_once(' ') {
+            if let Some((start, _)) = range.split_once('-') {
+                if let Ok(start) = u64::from_str_radix(start, 16) {
+                    in_guest = starts.contains(&start);
+                    continue;
+                }
+            }
+        }
+        if in_guest {
+            if let Some(v) = line.strip_prefix("Rss:") {
+                total_kib += v
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .unwrap_or(0);
+            }
         }
     }
-    total
+    total_kib * 1024
 }
 
 #[cfg(test)]

@@ -4,9 +4,11 @@
 use crate::arch::x86_64::regs;
 use crate::devices::bus::Bus;
 use crate::devices::legacy::{GuestEnd, VmEnd};
+use crate::vstate::vm::Vm;
 use kvm_bindings::{CpuId, Msrs, kvm_msr_entry};
 use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
 use thiserror::Error;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 /// LAPIC register offsets and delivery modes for the local interrupt pins:
 /// LINT0 carries the 8259 PIC's output (ExtINT), LINT1 the NMI line, as on a PC.
@@ -78,6 +80,12 @@ pub enum VcpuError {
         /// Guest instruction pointer.
         rip: u64,
     },
+    /// Lazily registering guest RAM failed.
+    #[error("cannot give guest RAM to KVM")]
+    Memory(#[source] crate::vstate::vm::VmError),
+    /// An access to lazily registered RAM fell outside guest memory.
+    #[error("guest access at {0:#x} is outside guest memory")]
+    LazyRam(u64),
     /// An exit ember does not handle.
     #[error("unexpected KVM exit {exit} on vCPU {id} at RIP {rip:#x}")]
     Unexpected {
@@ -186,17 +194,17 @@ impl Vcpu {
 
     /// Runs the guest until it ends (reported to `end`) or fails.
     ///
-    /// `on_first_entry` is called right before the first KVM_RUN, so the
-    /// timeline can mark the first guest instruction.
+    /// `vm` and `mem` serve guest RAM that KVM learns about lazily (see
+    /// [`Vm::register_memory`]): an access to it arrives here as MMIO once.
     pub fn run(
         &mut self,
         io: &Bus,
         mmio: &Bus,
         end: &VmEnd,
-        on_first_entry: impl FnOnce(),
+        vm: &Vm,
+        mem: &GuestMemoryMmap,
     ) -> Result<(), VcpuError> {
         let id = self.id;
-        on_first_entry();
         loop {
             if end.is_over() {
                 return Ok(());
@@ -215,10 +223,16 @@ impl Vcpu {
                     io.read(u64::from(port), data);
                 }
                 VcpuExit::MmioWrite(addr, data) => {
-                    mmio.write(addr, data);
+                    if !mmio.write(addr, data) && claim(vm, addr)? {
+                        mem.write_slice(data, GuestAddress(addr))
+                            .map_err(|_| VcpuError::LazyRam(addr))?;
+                    }
                 }
                 VcpuExit::MmioRead(addr, data) => {
-                    mmio.read(addr, data);
+                    if !mmio.read(addr, data) && claim(vm, addr)? {
+                        mem.read_slice(data, GuestAddress(addr))
+                            .map_err(|_| VcpuError::LazyRam(addr))?;
+                    }
                 }
                 // A triple fault: the CPU gives up.
                 VcpuExit::Shutdown => end.report(GuestEnd::TripleFault),
@@ -228,6 +242,9 @@ impl Vcpu {
                     kvm_bindings::KVM_SYSTEM_EVENT_RESET => GuestEnd::Reset,
                     _ => GuestEnd::PowerOff,
                 }),
+                // An instruction KVM could not emulate may be one that touched RAM
+                // KVM does not know yet (e.g. a fetch): register it and retry.
+                VcpuExit::InternalError if vm.claim_all_ram().map_err(VcpuError::Memory)? => {}
                 VcpuExit::InternalError => {
                     let run = self.fd.get_kvm_run();
                     // SAFETY: KVM filled the `internal` member of the exit union because
@@ -258,6 +275,11 @@ impl Vcpu {
             }
         }
     }
+}
+
+/// Whether an unclaimed MMIO access at `addr` was guest RAM (now registered).
+fn claim(vm: &Vm, addr: u64) -> Result<bool, VcpuError> {
+    vm.claim_ram(addr).map_err(VcpuError::Memory)
 }
 
 fn read_lapic_reg(regs: &[std::os::raw::c_char; 1024], offset: usize) -> u32 {

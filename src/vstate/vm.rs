@@ -4,6 +4,7 @@
 use crate::arch::x86_64::layout;
 use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region};
 use kvm_ioctls::{IoEventAddress, Kvm, VmFd};
+use std::sync::Mutex;
 use thiserror::Error;
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, MemoryRegionAddress};
 use vmm_sys_util::eventfd::EventFd;
@@ -46,12 +47,39 @@ pub enum VmError {
     },
 }
 
+/// Guest RAM registered with KVM as soon as the VM exists; the rest waits for
+/// the guest's first touch (see [`Vm::register_memory`]).
+pub const EAGER_RAM: u64 = 1 << 30;
+
+/// A RAM range (guest address, length, host address) not yet given to KVM.
+#[derive(Debug, Clone, Copy)]
+struct PendingRam {
+    guest: u64,
+    len: u64,
+    host: u64,
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    next: u32,
+    /// RAM not yet registered.
+    pending: Vec<PendingRam>,
+    /// RAM registered lazily (an access that exited before then is still ours to complete).
+    claimed: Vec<PendingRam>,
+}
+
+impl PendingRam {
+    fn contains(&self, addr: u64) -> bool {
+        addr >= self.guest && addr - self.guest < self.len
+    }
+}
+
 /// A VM with its interrupt controllers set up.
 #[derive(Debug)]
 pub struct Vm {
     fd: VmFd,
-    next_slot: u32,
     max_slots: usize,
+    slots: Mutex<Slots>,
 }
 
 impl Vm {
@@ -69,8 +97,8 @@ impl Vm {
             .map_err(setup("the identity-map page"))?;
         Ok(Vm {
             fd,
-            next_slot: 0,
             max_slots: kvm.get_nr_memslots(),
+            slots: Mutex::new(Slots::default()),
         })
     }
 
@@ -93,27 +121,94 @@ impl Vm {
         &self.fd
     }
 
-    /// Registers every region of `mem` as a KVM memory slot.
-    pub fn register_memory(&mut self, mem: &GuestMemoryMmap) -> Result<(), VmError> {
+    /// Gives guest RAM to KVM: the first [`EAGER_RAM`] bytes now, the rest on
+    /// the guest's first touch ([`Vm::claim_pending`]).
+    ///
+    /// Why lazily: where KVM shadows guest page tables (as on this workplace's
+    /// software KVM), a memory slot costs per-page metadata at creation, about
+    /// 20 ms per 64 GiB; a guest that never touches its high memory (or touches
+    /// it late) should not pay that before its first instruction. Until a range
+    /// is registered, guest accesses to it exit to the vCPU thread as MMIO, which
+    /// registers everything pending and completes the access on the same host
+    /// memory, so the guest sees ordinary RAM throughout.
+    pub fn register_memory(&self, mem: &GuestMemoryMmap) -> Result<(), VmError> {
         for region in mem.iter() {
             let host = region
                 .get_host_address(MemoryRegionAddress(0))
-                .map_err(|_| VmError::TooManySlots(self.max_slots))?;
-            self.add_region(region.start_addr().0, region.len(), host as u64)?;
+                .map_err(|_| VmError::TooManySlots(self.max_slots))? as u64;
+            let (guest, len) = (region.start_addr().0, region.len());
+            let eager = EAGER_RAM.saturating_sub(guest).min(len);
+            if eager > 0 {
+                self.add_region(guest, eager, host)?;
+            }
+            if eager < len {
+                let pending = PendingRam {
+                    guest: guest + eager,
+                    len: len - eager,
+                    host: host + eager,
+                };
+                self.lock_slots().pending.push(pending);
+            }
         }
         Ok(())
+    }
+
+    fn lock_slots(&self) -> std::sync::MutexGuard<'_, Slots> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Called when a guest access to `addr` exited as MMIO: if `addr` is RAM
+    /// that was registered lazily, registers everything still pending (once, for
+    /// all vCPUs) and returns true: the caller completes the access on guest
+    /// memory. False means `addr` is not RAM.
+    pub fn claim_ram(&self, addr: u64) -> Result<bool, VmError> {
+        let mut slots = self.lock_slots();
+        let is_ram = slots
+            .pending
+            .iter()
+            .chain(&slots.claimed)
+            .any(|p| p.contains(addr));
+        if is_ram {
+            self.register_pending(&mut slots)?;
+        }
+        Ok(is_ram)
+    }
+
+    /// Registers every pending RAM range; returns whether there was any.
+    pub fn claim_all_ram(&self) -> Result<bool, VmError> {
+        let mut slots = self.lock_slots();
+        self.register_pending(&mut slots)
+    }
+
+    fn register_pending(&self, slots: &mut Slots) -> Result<bool, VmError> {
+        let pending = std::mem::take(&mut slots.pending);
+        for p in &pending {
+            self.add_region_locked(slots, p.guest, p.len, p.host)?;
+            slots.claimed.push(*p);
+        }
+        Ok(!pending.is_empty())
     }
 
     /// Maps `len` bytes of host memory at `host_addr` into the guest at
     /// `guest_addr` (guest RAM, or a virtio-pmem file mapping).
     ///
     /// The caller keeps the host mapping alive for as long as the VM exists.
-    pub fn add_region(&mut self, guest_addr: u64, len: u64, host_addr: u64) -> Result<(), VmError> {
-        if self.next_slot as usize >= self.max_slots {
+    pub fn add_region(&self, guest_addr: u64, len: u64, host_addr: u64) -> Result<(), VmError> {
+        self.add_region_locked(&mut self.lock_slots(), guest_addr, len, host_addr)
+    }
+
+    fn add_region_locked(
+        &self,
+        slots: &mut Slots,
+        guest_addr: u64,
+        len: u64,
+        host_addr: u64,
+    ) -> Result<(), VmError> {
+        if slots.next as usize >= self.max_slots {
             return Err(VmError::TooManySlots(self.max_slots));
         }
         let region = kvm_userspace_memory_region {
-            slot: self.next_slot,
+            slot: slots.next,
             flags: 0,
             guest_phys_addr: guest_addr,
             memory_size: len,
@@ -126,7 +221,7 @@ impl Vm {
             addr: guest_addr,
             source,
         })?;
-        self.next_slot += 1;
+        slots.next += 1;
         Ok(())
     }
 

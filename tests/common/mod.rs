@@ -34,7 +34,10 @@ pub struct Scratch(pub PathBuf);
 
 impl Scratch {
     pub fn new(name: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("ember-test-{name}-{}", std::process::id()));
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let dir =
+            std::env::temp_dir().join(format!("ember-test-{name}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         Scratch(dir)
@@ -69,8 +72,6 @@ pub fn stderr(o: &Output) -> String {
 /// reboot (with `reboot=k`, a keyboard-controller reset that ends the VM).
 pub fn tiny_init_elf(msg: &str) -> Vec<u8> {
     const BASE: u64 = 0x400000;
-    const EHDR: usize = 64;
-    const PHDR: usize = 56;
     let mut code = Vec::new();
     code.extend([0xb8, 1, 0, 0, 0]); // mov eax, 1 (write)
     code.extend([0xbf, 1, 0, 0, 0]); // mov edi, 1 (stdout)
@@ -90,7 +91,15 @@ pub fn tiny_init_elf(msg: &str) -> Vec<u8> {
     code[lea_at + 3..lea_at + 7].copy_from_slice(&disp.to_le_bytes());
     code.extend(msg.as_bytes());
 
-    let entry = BASE + (EHDR + PHDR) as u64;
+    static_elf(BASE, &code)
+}
+
+/// A minimal static x86-64 ELF: one PT_LOAD at `base` holding the headers and
+/// `code`, entered at the first byte of `code`.
+pub fn static_elf(base: u64, code: &[u8]) -> Vec<u8> {
+    const EHDR: usize = 64;
+    const PHDR: usize = 56;
+    let entry = base + (EHDR + PHDR) as u64;
     let filesz = (EHDR + PHDR + code.len()) as u64;
     let mut elf = Vec::new();
     elf.extend(b"\x7fELF");
@@ -110,8 +119,8 @@ pub fn tiny_init_elf(msg: &str) -> Vec<u8> {
     elf.extend(1u32.to_le_bytes()); // PT_LOAD
     elf.extend(5u32.to_le_bytes()); // R + X
     elf.extend(0u64.to_le_bytes()); // p_offset
-    elf.extend(BASE.to_le_bytes()); // p_vaddr
-    elf.extend(BASE.to_le_bytes()); // p_paddr
+    elf.extend(base.to_le_bytes()); // p_vaddr
+    elf.extend(base.to_le_bytes()); // p_paddr
     elf.extend(filesz.to_le_bytes());
     elf.extend(filesz.to_le_bytes());
     elf.extend(0x1000u64.to_le_bytes());

@@ -1,6 +1,461 @@
+//! ember-init: PID 1 of the ember appliance.
+//!
+//! It does only what running one command needs, because every instruction of
+//! a boot counts: mount devtmpfs, proc and sysfs (no udev, no hwclock, no
+//! ldconfig), load the kernel modules listed in `/.ember/modules` with
+//! `finit_module`, put the data channel (a tty named by `EMBER_CHANNEL=` on
+//! the kernel command line) in raw mode, receive the command over it, run it
+//! with pipes on stdin/stdout/stderr, forward its output and exit status as
+//! frames, and power off.
+//!
+//! No libc: raw syscalls, a naked `_start`, and fixed buffers on the stack
+//! (no allocator). The frame format is in `src/appliance/protocol.rs`.
+
 #![no_std]
 #![no_main]
+
+#[path = "../../../src/appliance/frame_types.rs"]
+#[allow(dead_code)]
+mod frame_types;
+mod sys;
+
+use frame_types as ft;
+use sys::Fd;
+
+/// The file the appliance builder writes: module paths, one a line, in load order.
+const MODULE_LIST: &[u8] = b"/.ember/modules\0";
+/// Where the channel device path comes from (kernel command line → init's environment).
+const CHANNEL_VAR: &[u8] = b"EMBER_CHANNEL=";
+/// How long to wait for the channel device node to appear (10 ms steps).
+const CHANNEL_OPEN_TRIES: u32 = 200;
+/// Room for argv/env/cwd/exec strings together.
+const ARENA_LEN: usize = 128 * 1024;
+/// Most argv or env entries accepted.
+const MAX_PTRS: usize = 1024;
+/// Exit status reported when the command cannot be started.
+const EXIT_NOT_FOUND: i32 = 127;
+const EXIT_CANNOT_EXEC: i32 = 126;
+
 #[panic_handler]
-fn p(_: &core::panic::PanicInfo) -> ! {
-    loop {}
+fn panic(_: &core::panic::PanicInfo) -> ! {
+    sys::write_all(2, b"ember-init: panic\n");
+    sys::power_off()
+}
+
+/// The prebuilt `core` references the unwinding personality routine even
+/// though this binary aborts on panic and never unwinds.
+#[unsafe(no_mangle)]
+pub extern "C" fn rust_eh_personality() {}
+
+/// Entry point: the kernel starts us with the stack holding argc, argv, envp.
+#[unsafe(naked)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn _start() -> ! {
+    core::arch::naked_asm!(
+        "mov rdi, rsp",
+        "and rsp, -16",
+        "call {main}",
+        "ud2",
+        main = sym start,
+    );
+}
+
+extern "C" fn start(sp: *const usize) -> ! {
+    // SAFETY: the kernel's initial stack is argc, argv[argc], NULL, envp…, NULL.
+    let envp = unsafe {
+        let argc = *sp;
+        sp.add(1 + argc + 1) as *const *const u8
+    };
+    if let Err(msg) = run(envp) {
+        sys::write_all(2, b"ember-init: ");
+        sys::write_all(2, msg);
+        sys::write_all(2, b"\n");
+    }
+    sys::sync();
+    sys::power_off()
+}
+
+/// Everything init does; an `Err` is a message for the console.
+fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
+    // devtmpfs provides /dev/ttyS*, /dev/hvc0, /dev/null…; nothing to do if it fails
+    // for proc/sys (the command just sees empty directories).
+    sys::mount(b"devtmpfs\0", b"/dev\0", b"devtmpfs\0").map_err(|_| &b"mount /dev failed"[..])?;
+    let _ = sys::mount(b"proc\0", b"/proc\0", b"proc\0");
+    let _ = sys::mount(b"sysfs\0", b"/sys\0", b"sysfs\0");
+    let module_error = load_modules();
+
+    let path = channel_path(envp).ok_or(&b"no EMBER_CHANNEL= on the kernel command line"[..])?;
+    let chan = open_channel(path)?;
+    let mut ch = Channel::new(chan);
+    if let Some(name) = module_error {
+        ch.error_with(b"cannot load module ", name);
+        return Ok(());
+    }
+    ch.send(ft::READY, &[]);
+
+    let mut arena = Arena::new();
+    let cmd = match receive_command(&mut ch, &mut arena) {
+        Ok(cmd) => cmd,
+        Err(msg) => {
+            ch.error_with(msg, b"");
+            return Ok(());
+        }
+    };
+    match run_command(&mut ch, &cmd) {
+        Ok(code) => ch.send(ft::EXIT, &code.to_le_bytes()),
+        Err(msg) => ch.error_with(msg, b""),
+    }
+    ch.drain();
+    Ok(())
+}
+
+/// Loads every module of [`MODULE_LIST`] in order; returns the first failing path.
+fn load_modules() -> Option<&'static [u8]> {
+    static mut LIST: [u8; 16 * 1024] = [0; 16 * 1024];
+    // SAFETY: init is single-threaded and this is the only use of LIST.
+    let list: &'static mut [u8; 16 * 1024] = unsafe { &mut *core::ptr::addr_of_mut!(LIST) };
+    let Ok(fd) = sys::open(MODULE_LIST, sys::O_RDONLY) else {
+        return None; // no modules in this appliance
+    };
+    let len = sys::read_full(fd, &mut list[..]);
+    sys::close(fd);
+    let mut path = [0u8; 512];
+    for line in list[..len].split(|&b| b == b'\n') {
+        if line.is_empty() || line.len() >= path.len() {
+            continue;
+        }
+        path[..line.len()].copy_from_slice(line);
+        path[line.len()] = 0;
+        let ok = match sys::open(&path[..=line.len()], sys::O_RDONLY) {
+            Ok(m) => {
+                let r = sys::finit_module(m);
+                sys::close(m);
+                r.is_ok() || r == Err(sys::EEXIST)
+            }
+            Err(_) => false,
+        };
+        if !ok {
+            return Some(line);
+        }
+    }
+    None
+}
+
+/// The value of `EMBER_CHANNEL=` in init's environment, NUL-terminated.
+fn channel_path(envp: *const *const u8) -> Option<&'static [u8]> {
+    let mut i = 0;
+    loop {
+        // SAFETY: envp is the NULL-terminated array the kernel built.
+        let p = unsafe { *envp.add(i) };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: every entry is a NUL-terminated string that lives forever.
+        let s = unsafe { sys::cstr(p) };
+        if let Some(v) = s.strip_prefix(CHANNEL_VAR) {
+            // SAFETY: v ends right before the entry's NUL, which is readable.
+            return Some(unsafe { core::slice::from_raw_parts(v.as_ptr(), v.len() + 1) });
+        }
+        i += 1;
+    }
+}
+
+/// Opens the channel tty (waiting for a driver to create it) and makes it raw,
+/// so no byte of a frame is echoed, translated or taken as a signal.
+fn open_channel(path: &[u8]) -> Result<Fd, &'static [u8]> {
+    let mut tries = 0;
+    let fd = loop {
+        match sys::open(path, sys::O_RDWR | sys::O_NOCTTY | sys::O_CLOEXEC) {
+            Ok(fd) => break fd,
+            Err(_) if tries < CHANNEL_OPEN_TRIES => {
+                tries += 1;
+                sys::sleep_ms(10);
+            }
+            Err(_) => return Err(b"cannot open the channel device"),
+        }
+    };
+    sys::make_raw(fd).map_err(|_| &b"cannot make the channel raw"[..])?;
+    Ok(fd)
+}
+
+/// Strings received from the host, NUL-terminated, in one fixed buffer.
+struct Arena {
+    buf: [u8; ARENA_LEN],
+    used: usize,
+}
+
+impl Arena {
+    fn new() -> Self {
+        Arena {
+            buf: [0; ARENA_LEN],
+            used: 0,
+        }
+    }
+
+    /// Copies `s` plus a NUL in; returns its offset.
+    fn push(&mut self, s: &[u8]) -> Result<usize, &'static [u8]> {
+        let end = self.used + s.len() + 1;
+        if end > self.buf.len() || s.contains(&0) {
+            return Err(b"command, environment or directory too long or contains NUL");
+        }
+        let at = self.used;
+        self.buf[at..at + s.len()].copy_from_slice(s);
+        self.buf[at + s.len()] = 0;
+        self.used = end;
+        Ok(at)
+    }
+}
+
+/// The command as pointers into an [`Arena`].
+struct Command {
+    argv: [*const u8; MAX_PTRS + 1],
+    envp: [*const u8; MAX_PTRS + 1],
+    cwd: *const u8,
+    exec: *const u8,
+}
+
+/// Reads ARG/ENV/CWD frames up to EXEC.
+fn receive_command(ch: &mut Channel, arena: &mut Arena) -> Result<Command, &'static [u8]> {
+    let mut argv = [0usize; MAX_PTRS];
+    let mut envp = [0usize; MAX_PTRS];
+    let (mut nargs, mut nenv) = (0, 0);
+    let mut cwd = None;
+    let exec = loop {
+        let (kind, payload) = ch.recv().ok_or(&b"channel closed before the command"[..])?;
+        let at = arena.push(payload)?;
+        match kind {
+            ft::ARG if nargs < MAX_PTRS => {
+                argv[nargs] = at;
+                nargs += 1;
+            }
+            ft::ENV if nenv < MAX_PTRS => {
+                envp[nenv] = at;
+                nenv += 1;
+            }
+            ft::CWD => cwd = Some(at),
+            ft::EXEC => break at,
+            ft::ARG | ft::ENV => return Err(b"too many arguments or environment entries"),
+            _ => return Err(b"unexpected frame before the command"),
+        }
+    };
+    let base = arena.buf.as_ptr();
+    let mut cmd = Command {
+        argv: [core::ptr::null(); MAX_PTRS + 1],
+        envp: [core::ptr::null(); MAX_PTRS + 1],
+        cwd: core::ptr::null(),
+        // SAFETY: every offset came from Arena::push, so is inside buf.
+        exec: unsafe { base.add(exec) },
+    };
+    for (dst, &off) in cmd.argv.iter_mut().zip(&argv[..nargs]) {
+        // SAFETY: as above.
+        *dst = unsafe { base.add(off) };
+    }
+    for (dst, &off) in cmd.envp.iter_mut().zip(&envp[..nenv]) {
+        // SAFETY: as above.
+        *dst = unsafe { base.add(off) };
+    }
+    if let Some(off) = cwd {
+        // SAFETY: as above.
+        cmd.cwd = unsafe { base.add(off) };
+    }
+    Ok(cmd)
+}
+
+/// Starts the command with pipes as its stdio and relays until both output
+/// pipes close; returns its exit code.
+fn run_command(ch: &mut Channel, cmd: &Command) -> Result<i32, &'static [u8]> {
+    let (in_r, in_w) = sys::pipe().map_err(|_| &b"pipe failed"[..])?;
+    let (out_r, out_w) = sys::pipe().map_err(|_| &b"pipe failed"[..])?;
+    let (err_r, err_w) = sys::pipe().map_err(|_| &b"pipe failed"[..])?;
+    let pid = sys::fork().map_err(|_| &b"fork failed"[..])?;
+    if pid == 0 {
+        exec_child(cmd, in_r, out_w, err_w);
+    }
+    for fd in [in_r, out_w, err_w] {
+        sys::close(fd);
+    }
+    let _ = sys::set_nonblocking(in_w);
+    relay(ch, in_w, out_r, err_r);
+    sys::wait_for(pid).map_err(|_| &b"wait failed"[..])
+}
+
+/// In the forked child: wire up stdio, change directory, exec.
+fn exec_child(cmd: &Command, stdin: Fd, stdout: Fd, stderr: Fd) -> ! {
+    sys::dup2(stdin, 0);
+    sys::dup2(stdout, 1);
+    sys::dup2(stderr, 2);
+    if !cmd.cwd.is_null() && sys::chdir(cmd.cwd).is_err() {
+        sys::write_all(2, b"ember: cannot change to the working directory\n");
+        sys::exit(1);
+    }
+    let err = sys::execve(cmd.exec, cmd.argv.as_ptr(), cmd.envp.as_ptr());
+    sys::write_all(2, b"ember: cannot execute ");
+    // SAFETY: exec is a NUL-terminated string in the arena.
+    sys::write_all(2, unsafe { sys::cstr(cmd.exec) });
+    sys::write_all(2, b": ");
+    sys::write_all(2, sys::errno_name(err));
+    sys::write_all(2, b"\n");
+    sys::exit(if err == sys::ENOENT {
+        EXIT_NOT_FOUND
+    } else {
+        EXIT_CANNOT_EXEC
+    })
+}
+
+/// Moves command output to the channel and channel STDIN frames to the
+/// command, until stdout and stderr are both closed. Stdin writes are
+/// non-blocking: a command that does not read its stdin never stalls output.
+fn relay(ch: &mut Channel, stdin: Fd, stdout: Fd, stderr: Fd) {
+    let mut stdin = Some(stdin);
+    let mut outs = [Some(stdout), Some(stderr)];
+    let kinds = [ft::STDOUT, ft::STDERR];
+    let mut buf = [0u8; 16 * 1024];
+    // Unwritten STDIN bytes live in the channel's frame buffer until consumed.
+    let mut pending: Option<(usize, usize)> = None;
+    while outs.iter().any(Option::is_some) {
+        let mut fds = [sys::PollFd::new(-1, 0); 4];
+        for (slot, fd) in fds.iter_mut().zip(outs) {
+            if let Some(fd) = fd {
+                *slot = sys::PollFd::new(fd, sys::POLLIN);
+            }
+        }
+        // Only read more from the host once the last STDIN frame is delivered.
+        match (pending, stdin) {
+            (Some(_), Some(fd)) => fds[2] = sys::PollFd::new(fd, sys::POLLOUT),
+            _ if !ch.has_buffered_frame() => fds[3] = sys::PollFd::new(ch.fd, sys::POLLIN),
+            _ => {}
+        }
+        if !ch.has_buffered_frame() || pending.is_some() {
+            if sys::poll(&mut fds).is_err() {
+                continue;
+            }
+        } else {
+            fds[3].revents = sys::POLLIN;
+        }
+        for i in 0..2 {
+            if fds[i].revents == 0 {
+                continue;
+            }
+            let Some(fd) = outs[i] else { continue };
+            match sys::read(fd, &mut buf) {
+                Ok(n) if n > 0 => ch.send(kinds[i], &buf[..n]),
+                Err(sys::EINTR) | Err(sys::EAGAIN) => {}
+                _ => {
+                    sys::close(fd);
+                    outs[i] = None;
+                }
+            }
+        }
+        if let (Some((from, to)), Some(fd)) = (pending, stdin) {
+            if fds[2].revents != 0 {
+                match sys::write(fd, &ch.frame[from..to]) {
+                    Ok(n) if from + n < to => pending = Some((from + n, to)),
+                    Ok(_) => pending = None,
+                    Err(sys::EAGAIN) | Err(sys::EINTR) => {}
+                    Err(_) => {
+                        // The command closed its stdin: drop the rest.
+                        sys::close(fd);
+                        stdin = None;
+                        pending = None;
+                    }
+                }
+            }
+        } else if fds[3].revents != 0 {
+            match ch.recv() {
+                Some((ft::STDIN, data)) if !data.is_empty() && stdin.is_some() => {
+                    pending = Some((ft::HEADER_LEN, ft::HEADER_LEN + data.len()));
+                }
+                Some((ft::STDIN_EOF, _)) => {
+                    if let Some(fd) = stdin.take() {
+                        sys::close(fd);
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    // The host went away; nobody will read the output.
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The framed channel: blocking sends, buffered receives.
+struct Channel {
+    fd: Fd,
+    /// Bytes read from the tty not yet returned as frames.
+    rx: [u8; ft::HEADER_LEN + ft::MAX_PAYLOAD],
+    rx_len: usize,
+    /// The last frame returned by `recv` (header + payload).
+    frame: [u8; ft::HEADER_LEN + ft::MAX_PAYLOAD],
+}
+
+impl Channel {
+    fn new(fd: Fd) -> Self {
+        Channel {
+            fd,
+            rx: [0; ft::HEADER_LEN + ft::MAX_PAYLOAD],
+            rx_len: 0,
+            frame: [0; ft::HEADER_LEN + ft::MAX_PAYLOAD],
+        }
+    }
+
+    fn send(&mut self, kind: u8, payload: &[u8]) {
+        for chunk in payload.chunks(ft::MAX_PAYLOAD).chain(
+            // An empty payload still sends one frame.
+            payload.is_empty().then_some(&[][..]),
+        ) {
+            let mut header = [kind, 0, 0, 0, 0];
+            header[1..].copy_from_slice(&(chunk.len() as u32).to_le_bytes());
+            sys::write_all(self.fd, &header);
+            sys::write_all(self.fd, chunk);
+        }
+    }
+
+    fn error_with(&mut self, msg: &[u8], detail: &[u8]) {
+        let mut buf = [0u8; 640];
+        let n = msg.len().min(128);
+        buf[..n].copy_from_slice(&msg[..n]);
+        let m = detail.len().min(buf.len() - n);
+        buf[n..n + m].copy_from_slice(&detail[..m]);
+        self.send(ft::ERROR, &buf[..n + m]);
+        self.drain();
+    }
+
+    /// Waits until the tty has sent everything (tcdrain).
+    fn drain(&self) {
+        sys::tcdrain(self.fd);
+    }
+
+    /// Length of the complete frame at the start of `rx`, if there is one.
+    fn buffered_frame_len(&self) -> Option<usize> {
+        if self.rx_len < ft::HEADER_LEN {
+            return None;
+        }
+        let len = u32::from_le_bytes([self.rx[1], self.rx[2], self.rx[3], self.rx[4]]) as usize;
+        let total = ft::HEADER_LEN + len.min(ft::MAX_PAYLOAD);
+        (self.rx_len >= total).then_some(total)
+    }
+
+    fn has_buffered_frame(&self) -> bool {
+        self.buffered_frame_len().is_some()
+    }
+
+    /// The next frame (blocking); `None` when the channel fails.
+    fn recv(&mut self) -> Option<(u8, &[u8])> {
+        let total = loop {
+            if let Some(total) = self.buffered_frame_len() {
+                break total;
+            }
+            match sys::read(self.fd, &mut self.rx[self.rx_len..]) {
+                Ok(n) if n > 0 => self.rx_len += n,
+                Err(sys::EINTR) | Err(sys::EAGAIN) => {}
+                _ => return None,
+            }
+        };
+        self.frame[..total].copy_from_slice(&self.rx[..total]);
+        self.rx.copy_within(total..self.rx_len, 0);
+        self.rx_len -= total;
+        Some((self.frame[0], &self.frame[ft::HEADER_LEN..total]))
+    }
 }

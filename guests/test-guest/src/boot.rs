@@ -342,6 +342,14 @@ ember_fault_hex_digit:              /* prints RBX's top nibble, rotates it away 
 ember_hex_digits:
     .ascii "0123456789abcdef"
 
+    /* Boot protocol 2.15 kernel_info, found by the bzImage maker (testing.rs). */
+    .balign 4
+ember_kernel_info:
+    .ascii "LToP"                   /* magic */
+    .long 16                        /* size */
+    .long 16                        /* size_total */
+    .long 0                         /* setup_type_max: we read no setup_data */
+
     /* 256 stubs, 16 bytes apart: make the frame uniform (push a 0 error code
        where the CPU pushes none), push the vector, go to ember_fault. */
     .section .boot.vectors, "ax"

@@ -216,7 +216,7 @@ pub fn write_gdt_and_idt(mem: &GuestMemoryMmap) -> Result<(), Error> {
 }
 
 /// Writes 4-level page tables identity-mapping the first 1 GiB with 2 MiB
-/// pages: PML4[0] → PDPT, PDPT[0] → PD, PD[0..512] → 0..1 GiB.
+/// pages: `PML4[0]` → PDPT, `PDPT[0]` → PD, `PD[0..512]` → 0..1 GiB.
 ///
 /// Long mode cannot run without paging. The 64-bit boot protocol only asks
 /// that the kernel image, zero page and command line be identity-mapped;

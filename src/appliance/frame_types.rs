@@ -1,0 +1,35 @@
+//! Frame type bytes of the appliance channel protocol (see `protocol.rs`).
+//!
+//! This file is shared verbatim with the guest init (`guests/init`), which is
+//! `no_std`: keep it to plain constants.
+
+/// Frame header: type byte + little-endian u32 payload length.
+pub const HEADER_LEN: usize = 5;
+/// Largest payload either side sends or accepts.
+pub const MAX_PAYLOAD: usize = 64 * 1024;
+
+// Guest → host.
+/// The guest set its channel up and waits for the command (empty payload).
+pub const READY: u8 = 0x01;
+/// Bytes the command wrote to its stdout.
+pub const STDOUT: u8 = 0x02;
+/// Bytes the command wrote to its stderr.
+pub const STDERR: u8 = 0x03;
+/// The command finished: i32 le, its exit code (128 + signal if killed).
+pub const EXIT: u8 = 0x04;
+/// The appliance itself failed (UTF-8 message); no EXIT follows.
+pub const ERROR: u8 = 0x05;
+
+// Host → guest.
+/// One argv element (the first is argv[0]).
+pub const ARG: u8 = 0x10;
+/// One environment entry, `NAME=value`.
+pub const ENV: u8 = 0x11;
+/// The working directory.
+pub const CWD: u8 = 0x12;
+/// The path to execute; ends the command description and starts it.
+pub const EXEC: u8 = 0x13;
+/// Bytes for the command's stdin.
+pub const STDIN: u8 = 0x14;
+/// The command's stdin ends (empty payload).
+pub const STDIN_EOF: u8 = 0x15;

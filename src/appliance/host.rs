@@ -1,0 +1,316 @@
+//! The host side of an appliance run: listen on the channel socket, start the
+//! VMM, hand the command to the guest init, relay stdin/stdout/stderr frames,
+//! and make sure the VMM is gone on every path out (a drop guard kills it,
+//! and `PR_SET_PDEATHSIG` kills it even if ember itself is killed).
+
+use super::protocol::{self, Decoder, Kind};
+use crate::backend::{Backend, BackendError, GuestSpec};
+use std::io::{self, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// How much of the VMM's console and stderr is kept for error messages.
+const CONSOLE_TAIL: usize = 8 * 1024;
+/// How often to look at the VMM while waiting for it to connect.
+const ACCEPT_POLL: Duration = Duration::from_millis(1);
+/// Stdin is forwarded in chunks of this size.
+const STDIN_CHUNK: usize = 32 * 1024;
+
+/// Host-side errors.
+#[derive(Debug, Error)]
+pub enum HostError {
+    /// The backend cannot build its command.
+    #[error("cannot start the VMM")]
+    Backend(#[source] BackendError),
+    /// Socket or process plumbing failed.
+    #[error("{0}")]
+    Io(String, #[source] io::Error),
+    /// The guest sent bytes that are not frames.
+    #[error("the guest broke the channel protocol")]
+    Protocol(#[source] protocol::ProtocolError),
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// argv, argv[0] first.
+    pub argv: Vec<String>,
+    /// The path init executes.
+    pub exec: String,
+    /// The environment, `NAME=value`.
+    pub env: Vec<String>,
+    /// The working directory, if not `/`.
+    pub cwd: Option<String>,
+    /// Forward our stdin (else the command's stdin is empty).
+    pub forward_stdin: bool,
+    /// Give up after this long.
+    pub timeout: Option<Duration>,
+    /// Copy the guest console to our stderr.
+    pub verbose: bool,
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The command exited with this code.
+    Exited(i32),
+    /// The guest init reported a failure.
+    GuestError(String),
+    /// The VMM went away without a report; the console/stderr tail.
+    NoReport(String),
+    /// The timeout expired.
+    TimedOut,
+}
+
+/// Kills and reaps the VMM and removes the socket, whatever happens.
+struct VmmGuard {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Drop for VmmGuard {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// A shared ring of the last bytes a stream produced.
+type Tail = Arc<Mutex<Vec<u8>>>;
+
+fn keep_tail(tail: &Tail, bytes: &[u8]) {
+    let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
+    t.extend_from_slice(bytes);
+    if t.len() > CONSOLE_TAIL {
+        let cut = t.len() - CONSOLE_TAIL;
+        t.drain(..cut);
+    }
+}
+
+/// Drains a VMM pipe on a thread: always into `tail`, and to our stderr when verbose.
+fn drain(mut r: impl Read + Send + 'static, tail: Tail, verbose: bool) {
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = r.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            keep_tail(&tail, &buf[..n]);
+            if verbose {
+                let _ = io::stderr().write_all(&buf[..n]);
+            }
+        }
+    });
+}
+
+/// A unique socket path in the temp directory.
+fn socket_path() -> PathBuf {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    std::env::temp_dir().join(format!(
+        "ember-{}-{}.sock",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+/// Boots `spec` (its `channel` is filled in here) with `backend` and runs `job`.
+pub fn run(
+    backend: &dyn Backend,
+    mut spec: GuestSpec,
+    job: &Job,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<Outcome, HostError> {
+    let start = Instant::now();
+    let deadline = job.timeout.map(|t| start + t);
+    let socket = socket_path();
+    let _ = std::fs::remove_file(&socket);
+    let listener = UnixListener::bind(&socket)
+        .map_err(|e| HostError::Io(format!("cannot listen on {}", socket.display()), e))?;
+    spec.channel = Some(socket.clone());
+
+    let mut cmd = backend.command(&spec).map_err(HostError::Backend)?;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: prctl is async-signal-safe; it only sets a flag on the child.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(|e| {
+        let _ = std::fs::remove_file(&socket);
+        HostError::Io(
+            format!("cannot run {}", cmd.get_program().to_string_lossy()),
+            e,
+        )
+    })?;
+    let mut guard = VmmGuard { child, socket };
+    let tail: Tail = Arc::default();
+    if let Some(o) = guard.child.stdout.take() {
+        drain(o, tail.clone(), job.verbose);
+    }
+    if let Some(e) = guard.child.stderr.take() {
+        drain(e, tail.clone(), true);
+    }
+    let no_report = |guard: &mut VmmGuard| {
+        // Give the drain threads a moment to collect the VMM's last words.
+        let _ = guard.child.wait();
+        std::thread::sleep(Duration::from_millis(20));
+        let t = tail.lock().unwrap_or_else(|e| e.into_inner());
+        Outcome::NoReport(String::from_utf8_lossy(&t).into_owned())
+    };
+
+    let stream = match accept(&listener, &mut guard, deadline)? {
+        Some(s) => s,
+        None if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(Outcome::TimedOut),
+        None => return Ok(no_report(&mut guard)),
+    };
+    match converse(stream, job, deadline, out, err)? {
+        Some(outcome) => Ok(outcome),
+        None => Ok(no_report(&mut guard)),
+    }
+}
+
+/// Waits for the VMM to connect; `None` if it exited or time ran out.
+fn accept(
+    listener: &UnixListener,
+    guard: &mut VmmGuard,
+    deadline: Option<Instant>,
+) -> Result<Option<UnixStream>, HostError> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| HostError::Io("socket".into(), e))?;
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false)
+                    .map_err(|e| HostError::Io("socket".into(), e))?;
+                return Ok(Some(s));
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(HostError::Io("accept on the channel socket".into(), e)),
+        }
+        if matches!(guard.child.try_wait(), Ok(Some(_))) {
+            return Ok(None);
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
+        std::thread::sleep(ACCEPT_POLL);
+    }
+}
+
+/// Runs the protocol; `None` if the channel closed without a report.
+fn converse(
+    mut stream: UnixStream,
+    job: &Job,
+    deadline: Option<Instant>,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<Option<Outcome>, HostError> {
+    let io_err = |what: &str| {
+        let what = what.to_owned();
+        move |e| HostError::Io(what, e)
+    };
+    let mut dec = Decoder::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        if let Some(d) = deadline {
+            let left = d.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(Some(Outcome::TimedOut));
+            }
+            stream
+                .set_read_timeout(Some(left))
+                .map_err(io_err("socket"))?;
+        }
+        let n = match stream.read(&mut buf) {
+            Ok(0) => return Ok(None),
+            Ok(n) => n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return Ok(None),
+            Err(e) => return Err(HostError::Io("reading the channel".into(), e)),
+        };
+        dec.feed(&buf[..n]);
+        while let Some(frame) = dec.next_frame().map_err(HostError::Protocol)? {
+            match frame.kind {
+                Kind::Ready => send_job(&stream, job).map_err(io_err("writing the channel"))?,
+                Kind::Stdout => {
+                    // A closed stdout (e.g. `| head`) must not stop the run.
+                    let _ = out.write_all(&frame.payload).and_then(|_| out.flush());
+                }
+                Kind::Stderr => {
+                    let _ = err.write_all(&frame.payload).and_then(|_| err.flush());
+                }
+                Kind::Exit => {
+                    let code = protocol::exit_code(&frame.payload).unwrap_or(-1);
+                    return Ok(Some(Outcome::Exited(code)));
+                }
+                Kind::Error => {
+                    let msg = String::from_utf8_lossy(&frame.payload).into_owned();
+                    return Ok(Some(Outcome::GuestError(msg)));
+                }
+                // Host-bound kinds are never sent by the guest; ignore them.
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Sends the command, then starts forwarding stdin (or sends its end).
+fn send_job(stream: &UnixStream, job: &Job) -> io::Result<()> {
+    let mut frames = Vec::new();
+    for a in &job.argv {
+        protocol::encode(&mut frames, Kind::Arg, a.as_bytes());
+    }
+    for e in &job.env {
+        protocol::encode(&mut frames, Kind::Env, e.as_bytes());
+    }
+    if let Some(cwd) = &job.cwd {
+        protocol::encode(&mut frames, Kind::Cwd, cwd.as_bytes());
+    }
+    protocol::encode(&mut frames, Kind::Exec, job.exec.as_bytes());
+    if !job.forward_stdin {
+        protocol::encode(&mut frames, Kind::StdinEof, &[]);
+    }
+    (&*stream).write_all(&frames)?;
+    if job.forward_stdin {
+        let mut w = stream.try_clone()?;
+        std::thread::spawn(move || {
+            let mut stdin = io::stdin().lock();
+            let mut buf = vec![0u8; STDIN_CHUNK];
+            loop {
+                match stdin.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if protocol::write_frame(&mut w, Kind::Stdin, &buf[..n]).is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+            let _ = protocol::write_frame(&mut w, Kind::StdinEof, &[]);
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,541 @@
+//! The appliance kernel: where it lives in ember's cache, how `ember setup`
+//! fetches Debian's cloud kernel, and how the ELF vmlinux is pulled out of a
+//! bzImage once so that no boot pays for decompression.
+//!
+//! Which kernel a run uses, first match wins:
+//! 1. `--kernel PATH` (modules from `<cache>/…/lib/modules/<ver>` or
+//!    `/lib/modules/<ver>` when they exist, else none);
+//! 2. the kernel `ember setup` installed (`<cache>/kernel/current`);
+//! 3. a kernel under `/boot` whose modules are in `/lib/modules/<ver>`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use thiserror::Error;
+
+/// Debian's meta package that depends on the current cloud kernel.
+pub const META_PACKAGE: &str = "linux-image-cloud-amd64";
+/// `vmlinuz` bytes that start the setup header ("HdrS" at 0x202).
+const HDRS_OFFSET: usize = 0x202;
+const HDRS_MAGIC: &[u8; 4] = b"HdrS";
+/// Setup header fields (Documentation/arch/x86/boot.rst).
+const SETUP_SECTS_OFFSET: usize = 0x1f1;
+const KERNEL_VERSION_OFFSET: usize = 0x20e;
+const PAYLOAD_OFFSET_OFFSET: usize = 0x248;
+const PAYLOAD_LENGTH_OFFSET: usize = 0x24c;
+const SECTOR: usize = 512;
+/// The kernel's LZ4 "legacy" frame magic, and its fixed chunk size.
+const LZ4_LEGACY_MAGIC: u32 = 0x184c_2102;
+const LZ4_LEGACY_CHUNK: usize = 8 << 20;
+const ELF_MAGIC: &[u8; 4] = b"\x7fELF";
+/// gzip, xz, zstd, bzip2, lzma, lzo magics: payload formats we name in errors.
+const OTHER_MAGICS: &[(&[u8], &str)] = &[
+    (b"\x1f\x8b", "gzip"),
+    (b"\xfd7zXZ", "xz"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"BZh", "bzip2"),
+    (b"\x5d\x00\x00", "lzma"),
+    (b"\x89LZO", "lzo"),
+];
+
+/// Kernel errors.
+#[derive(Debug, Error)]
+pub enum KernelError {
+    /// Not a bzImage.
+    #[error("`{0}` is not a bzImage or ELF kernel")]
+    NotBzImage(PathBuf),
+    /// The payload is compressed with something we don't decompress.
+    #[error("the kernel payload is {0}-compressed; only LZ4 (Debian's) is supported")]
+    Compression(&'static str),
+    /// The LZ4 stream is damaged.
+    #[error("the kernel's LZ4 payload is corrupt: {0}")]
+    BadLz4(String),
+    /// Decompressed, but not an ELF image.
+    #[error("the decompressed kernel payload is not an ELF vmlinux")]
+    NotElf,
+    /// No kernel anywhere.
+    #[error(
+        "no appliance kernel: run `ember setup` (fetches Debian's cloud kernel), or pass --kernel"
+    )]
+    NoKernel,
+    /// Reading or writing a file failed.
+    #[error("{what} `{path}`")]
+    Io {
+        /// What we were doing.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why it failed.
+        #[source]
+        source: std::io::Error,
+    },
+    /// apt-get/apt-cache/dpkg failed.
+    #[error("`{0}` failed: {1}")]
+    Tool(String, String),
+    /// The cache directory cannot be determined.
+    #[error("no cache directory: set EMBER_CACHE, XDG_CACHE_HOME or HOME")]
+    NoCacheDir,
+}
+
+fn io_err<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> KernelError + 'a {
+    move |source| KernelError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// ember's cache directory: `$EMBER_CACHE`, else `$XDG_CACHE_HOME/ember`,
+/// else `~/.cache/ember`.
+pub fn cache_dir() -> Result<PathBuf, KernelError> {
+    let var = |k| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    if let Some(d) = var("EMBER_CACHE") {
+        return Ok(d);
+    }
+    if let Some(d) = var("XDG_CACHE_HOME") {
+        return Ok(d.join("ember"));
+    }
+    var("HOME")
+        .map(|h| h.join(".cache/ember"))
+        .ok_or(KernelError::NoCacheDir)
+}
+
+/// A kernel ready to boot as an appliance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kernel {
+    /// What to boot: the extracted vmlinux (or the given image).
+    pub image: PathBuf,
+    /// Its release string (`6.1.0-56-cloud-amd64`), if known.
+    pub version: Option<String>,
+    /// Its modules directory (`…/lib/modules/<ver>`), if any.
+    pub modules: Option<PathBuf>,
+}
+
+/// Where `ember setup` puts things, under the cache directory.
+#[derive(Debug, Clone)]
+pub struct KernelCache {
+    root: PathBuf,
+}
+
+impl KernelCache {
+    /// The kernel cache inside `cache_dir`.
+    pub fn new(cache_dir: &Path) -> Self {
+        KernelCache {
+            root: cache_dir.join("kernel"),
+        }
+    }
+
+    /// The directory a package version is unpacked into.
+    pub fn unpack_dir(&self, version: &str) -> PathBuf {
+        self.root.join(version)
+    }
+
+    /// The file naming the installed version.
+    fn current_file(&self) -> PathBuf {
+        self.root.join("current")
+    }
+
+    /// The installed kernel, if `ember setup` completed.
+    pub fn current(&self) -> Option<Kernel> {
+        let version = fs::read_to_string(self.current_file()).ok()?;
+        let version = version.trim();
+        let dir = self.unpack_dir(version);
+        let image = dir.join("vmlinux");
+        image.is_file().then(|| Kernel {
+            image,
+            version: Some(version.to_owned()),
+            modules: Some(dir.join("lib/modules").join(version)).filter(|m| m.is_dir()),
+        })
+    }
+
+    /// Records `version` as installed (atomically).
+    pub fn set_current(&self, version: &str) -> Result<(), KernelError> {
+        let tmp = self.root.join(".current.tmp");
+        fs::write(&tmp, version).map_err(io_err("cannot write", &tmp))?;
+        fs::rename(&tmp, self.current_file()).map_err(io_err("cannot write", &tmp))
+    }
+}
+
+/// Resolves the kernel for a run (see the module docs for the order).
+pub fn find_kernel(explicit: Option<&Path>, cache_dir: &Path) -> Result<Kernel, KernelError> {
+    if let Some(path) = explicit {
+        return Ok(explicit_kernel(path, cache_dir));
+    }
+    if let Some(k) = KernelCache::new(cache_dir).current() {
+        return Ok(k);
+    }
+    boot_kernel().ok_or(KernelError::NoKernel)
+}
+
+/// A `--kernel` image, with modules found by its version string.
+fn explicit_kernel(path: &Path, cache_dir: &Path) -> Kernel {
+    let version = image_version(path);
+    let modules = version.as_ref().and_then(|v| {
+        [
+            KernelCache::new(cache_dir)
+                .unpack_dir(v)
+                .join("lib/modules")
+                .join(v),
+            Path::new("/lib/modules").join(v),
+        ]
+        .into_iter()
+        .find(|d| d.join("modules.order").is_file())
+    });
+    Kernel {
+        image: path.to_path_buf(),
+        version,
+        modules,
+    }
+}
+
+/// The newest `/boot/vmlinuz-<ver>` whose `/lib/modules/<ver>` exists.
+fn boot_kernel() -> Option<Kernel> {
+    let mut found: Vec<_> = fs::read_dir("/boot")
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let ver = name.strip_prefix("vmlinuz-")?.to_owned();
+            let modules = Path::new("/lib/modules").join(&ver);
+            modules.join("modules.order").is_file().then(|| Kernel {
+                image: e.path(),
+                version: Some(ver),
+                modules: Some(modules),
+            })
+        })
+        .collect();
+    found.sort_by(|a, b| a.version.cmp(&b.version));
+    found.pop()
+}
+
+/// The release string of a bzImage (its setup header's kernel_version) or of
+/// a vmlinux whose name is `vmlinux-<ver>`.
+pub fn image_version(path: &Path) -> Option<String> {
+    use std::io::Read;
+    let mut head = vec![0u8; 0x4000];
+    let n = fs::File::open(path).ok()?.read(&mut head).ok()?;
+    head.truncate(n);
+    if let Some(v) = bzimage_version(&head) {
+        return Some(v);
+    }
+    let name = path.file_name()?.to_str()?;
+    name.strip_prefix("vmlinux-")
+        .or_else(|| name.strip_prefix("vmlinuz-"))
+        .map(str::to_owned)
+}
+
+fn bzimage_version(head: &[u8]) -> Option<String> {
+    if head.get(HDRS_OFFSET..HDRS_OFFSET + 4)? != HDRS_MAGIC {
+        return None;
+    }
+    let ptr = u16::from_le_bytes(
+        head.get(KERNEL_VERSION_OFFSET..KERNEL_VERSION_OFFSET + 2)?
+            .try_into()
+            .ok()?,
+    ) as usize;
+    // The pointer is relative to 0x200 (the setup code's start).
+    let s = head.get(ptr + 0x200..)?;
+    let end = s.iter().position(|&b| b == 0 || b == b' ')?;
+    String::from_utf8(s[..end].to_vec()).ok()
+}
+
+fn le32(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// Extracts the ELF vmlinux from a bzImage whose payload is LZ4 (legacy frames).
+pub fn extract_vmlinux(bzimage: &[u8], name: &Path) -> Result<Vec<u8>, KernelError> {
+    if bzimage.starts_with(ELF_MAGIC) {
+        return Ok(bzimage.to_vec());
+    }
+    let not_bz = || KernelError::NotBzImage(name.to_path_buf());
+    if bzimage.get(HDRS_OFFSET..HDRS_OFFSET + 4) != Some(HDRS_MAGIC) {
+        return Err(not_bz());
+    }
+    let setup_sects = match *bzimage.get(SETUP_SECTS_OFFSET).ok_or_else(not_bz)? {
+        0 => 4, // the historical default
+        n => n as usize,
+    };
+    let offset = le32(bzimage, PAYLOAD_OFFSET_OFFSET).ok_or_else(not_bz)? as usize;
+    let length = le32(bzimage, PAYLOAD_LENGTH_OFFSET).ok_or_else(not_bz)? as usize;
+    let start = (setup_sects + 1) * SECTOR + offset;
+    let payload = bzimage.get(start..start + length).ok_or_else(not_bz)?;
+    let elf = decompress_lz4_legacy(payload)?;
+    if !elf.starts_with(ELF_MAGIC) {
+        return Err(KernelError::NotElf);
+    }
+    Ok(elf)
+}
+
+/// Decompresses the kernel's LZ4 legacy format: magic, then chunks of
+/// `[u32 le compressed size][LZ4 block]`, each at most 8 MiB decompressed.
+/// Streams may be concatenated (the magic repeats); the kernel build appends
+/// the decompressed size as a trailing u32, which is skipped.
+pub fn decompress_lz4_legacy(data: &[u8]) -> Result<Vec<u8>, KernelError> {
+    if le32(data, 0) != Some(LZ4_LEGACY_MAGIC) {
+        let kind = OTHER_MAGICS
+            .iter()
+            .find(|(m, _)| data.starts_with(m))
+            .map_or("unknown", |(_, k)| *k);
+        return Err(KernelError::Compression(kind));
+    }
+    let mut out = Vec::new();
+    let mut pos = 4;
+    while data.len() - pos >= 4 {
+        let size = le32(data, pos).unwrap_or(0);
+        pos += 4;
+        if size == LZ4_LEGACY_MAGIC {
+            continue;
+        }
+        let size = size as usize;
+        if data.len() - pos < size {
+            if data.len() == pos {
+                break; // that u32 was the appended length
+            }
+            return Err(KernelError::BadLz4(format!(
+                "chunk of {size} bytes overruns"
+            )));
+        }
+        let block = &data[pos..pos + size];
+        pos += size;
+        let at = out.len();
+        out.resize(at + LZ4_LEGACY_CHUNK, 0);
+        let n = lz4_flex::block::decompress_into(block, &mut out[at..])
+            .map_err(|e| KernelError::BadLz4(e.to_string()))?;
+        out.truncate(at + n);
+    }
+    Ok(out)
+}
+
+/// Writes `path` atomically (temp file + rename).
+pub fn write_atomic(path: &Path, data: &[u8]) -> Result<(), KernelError> {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    fs::write(&tmp, data).map_err(io_err("cannot write", &tmp))?;
+    fs::rename(&tmp, path).map_err(io_err("cannot write", path))
+}
+
+/// Prints one progress line (setup is interactive; keep it terse).
+fn progress(msg: &str) {
+    eprintln!("ember setup: {msg}");
+}
+
+/// `ember setup`: fetch, unpack and extract Debian's cloud kernel into the
+/// cache (or register `--kernel`). Fast and silent-ish when already done.
+pub fn setup(cache_dir: &Path, explicit: Option<&Path>) -> Result<Kernel, KernelError> {
+    let cache = KernelCache::new(cache_dir);
+    fs::create_dir_all(&cache.root).map_err(io_err("cannot create", &cache.root))?;
+    if let Some(path) = explicit {
+        let k = explicit_kernel(path, cache_dir);
+        progress(&format!(
+            "using {} (modules: {})",
+            path.display(),
+            k.modules
+                .as_ref()
+                .map_or("none found".into(), |m| m.display().to_string())
+        ));
+        return Ok(k);
+    }
+    let package = resolve_package()?;
+    let version = package
+        .strip_prefix("linux-image-")
+        .unwrap_or(&package)
+        .to_owned();
+    if let Some(k) = cache
+        .current()
+        .filter(|k| k.version.as_deref() == Some(&version))
+    {
+        progress(&format!("kernel {version} already set up"));
+        return Ok(k);
+    }
+    let dir = cache.unpack_dir(&version);
+    let vmlinuz = dir.join("boot").join(format!("vmlinuz-{version}"));
+    if !vmlinuz.is_file() {
+        let deb = download(&cache.root, &package)?;
+        progress(&format!("unpacking {}", deb.display()));
+        run_tool(Command::new("dpkg").arg("-x").arg(&deb).arg(&dir))?;
+        let _ = fs::remove_file(&deb);
+    }
+    progress("extracting vmlinux from the bzImage");
+    let bz = fs::read(&vmlinuz).map_err(io_err("cannot read", &vmlinuz))?;
+    let elf = extract_vmlinux(&bz, &vmlinuz)?;
+    write_atomic(&dir.join("vmlinux"), &elf)?;
+    cache.set_current(&version)?;
+    progress(&format!("kernel {version} ready in {}", dir.display()));
+    cache.current().ok_or(KernelError::NoKernel)
+}
+
+/// The real package behind [`META_PACKAGE`] (`linux-image-<ver>-cloud-amd64`),
+/// from apt-cache; runs `apt-get update` once if apt knows nothing yet.
+fn resolve_package() -> Result<String, KernelError> {
+    let depends = || -> Result<Option<String>, KernelError> {
+        let out = run_tool(Command::new("apt-cache").args(["depends", META_PACKAGE]));
+        Ok(out.ok().and_then(|text| {
+            text.lines()
+                .filter_map(|l| l.trim().strip_prefix("Depends: "))
+                .map(str::trim)
+                .find(|p| p.starts_with("linux-image-") && *p != META_PACKAGE)
+                .map(str::to_owned)
+        }))
+    };
+    if let Some(p) = depends()? {
+        return Ok(p);
+    }
+    progress("apt does not know the kernel package yet: running apt-get update");
+    run_tool(Command::new("apt-get").arg("update"))?;
+    depends()?.ok_or_else(|| {
+        KernelError::Tool(
+            format!("apt-cache depends {META_PACKAGE}"),
+            "no linux-image dependency found".into(),
+        )
+    })
+}
+
+/// `apt-get download PACKAGE` into `dir`; returns the .deb.
+fn download(dir: &Path, package: &str) -> Result<PathBuf, KernelError> {
+    progress(&format!("downloading {package}"));
+    let mut cmd = Command::new("apt-get");
+    cmd.args(["download", package]).current_dir(dir);
+    if run_tool(&mut cmd).is_err() {
+        progress("download failed: running apt-get update and retrying");
+        run_tool(Command::new("apt-get").arg("update"))?;
+        run_tool(&mut cmd)?;
+    }
+    fs::read_dir(dir)
+        .map_err(io_err("cannot read", dir))?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.extension().is_some_and(|e| e == "deb")
+                && p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&format!("{package}_")))
+        })
+        .ok_or_else(|| KernelError::Tool(format!("apt-get download {package}"), "no .deb".into()))
+}
+
+/// Runs a tool; its stdout on success, its stderr in the error.
+fn run_tool(cmd: &mut Command) -> Result<String, KernelError> {
+    let name = format!(
+        "{} {}",
+        cmd.get_program().to_string_lossy(),
+        cmd.get_args()
+            .map(|a| a.to_string_lossy())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let out = cmd
+        .output()
+        .map_err(|e| KernelError::Tool(name.clone(), e.to_string()))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.lines().last().unwrap_or("").trim().to_owned();
+        return Err(KernelError::Tool(name, last));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake bzImage around `payload`.
+    fn bzimage(payload: &[u8]) -> Vec<u8> {
+        let setup_sects = 1usize;
+        let mut b = vec![0u8; (setup_sects + 1) * SECTOR];
+        b[SETUP_SECTS_OFFSET] = setup_sects as u8;
+        b[HDRS_OFFSET..HDRS_OFFSET + 4].copy_from_slice(HDRS_MAGIC);
+        b[PAYLOAD_OFFSET_OFFSET..PAYLOAD_OFFSET_OFFSET + 4].copy_from_slice(&16u32.to_le_bytes());
+        b[PAYLOAD_LENGTH_OFFSET..PAYLOAD_LENGTH_OFFSET + 4]
+            .copy_from_slice(&(payload.len() as u32).to_le_bytes());
+        b.extend_from_slice(&[0xcc; 16]);
+        b.extend_from_slice(payload);
+        b
+    }
+
+    fn lz4_legacy(data: &[u8], chunk: usize) -> Vec<u8> {
+        let mut out = LZ4_LEGACY_MAGIC.to_le_bytes().to_vec();
+        for c in data.chunks(chunk) {
+            let block = lz4_flex::block::compress(c);
+            out.extend_from_slice(&(block.len() as u32).to_le_bytes());
+            out.extend_from_slice(&block);
+        }
+        out.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        out
+    }
+
+    #[test]
+    fn extracts_a_synthetic_lz4_payload() {
+        let mut elf = ELF_MAGIC.to_vec();
+        elf.extend((0..300_000u32).map(|i| (i % 251) as u8));
+        let got = extract_vmlinux(&bzimage(&lz4_legacy(&elf, 100_000)), Path::new("x")).unwrap();
+        assert_eq!(got, elf);
+    }
+
+    #[test]
+    fn rejects_other_formats_and_damage() {
+        let p = Path::new("k");
+        assert!(matches!(
+            extract_vmlinux(b"not a kernel at all", p),
+            Err(KernelError::NotBzImage(_))
+        ));
+        assert!(matches!(
+            extract_vmlinux(&bzimage(b"\x1f\x8b\x08\x00rest"), p),
+            Err(KernelError::Compression("gzip"))
+        ));
+        let not_elf = lz4_legacy(b"just some bytes, not ELF", 8);
+        assert!(matches!(
+            extract_vmlinux(&bzimage(&not_elf), p),
+            Err(KernelError::NotElf)
+        ));
+        let mut cut = lz4_legacy(&[7u8; 5000], 5000);
+        cut.truncate(cut.len() - 8);
+        assert!(matches!(
+            decompress_lz4_legacy(&cut),
+            Err(KernelError::BadLz4(_))
+        ));
+    }
+
+    #[test]
+    fn extracts_the_real_debian_kernel_when_present() {
+        let dir = Path::new("/root/.cache/ember/debian/x/boot");
+        let Some(vmlinuz) = fs::read_dir(dir).ok().and_then(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .find(|p| p.to_string_lossy().contains("vmlinuz-"))
+        }) else {
+            eprintln!("SKIPPED: no Debian kernel under {}", dir.display());
+            return;
+        };
+        let bz = fs::read(&vmlinuz).unwrap();
+        let elf = extract_vmlinux(&bz, &vmlinuz).unwrap();
+        assert!(elf.len() > bz.len(), "decompressed is larger");
+        assert_eq!(
+            image_version(&vmlinuz).as_deref(),
+            vmlinuz
+                .file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .strip_prefix("vmlinuz-")
+        );
+    }
+
+    #[test]
+    fn cache_dir_precedence() {
+        // Only reads the environment; the variables are process-wide, so
+        // check the rule without mutating them.
+        let d = cache_dir().unwrap();
+        if let Some(e) = std::env::var_os("EMBER_CACHE").filter(|v| !v.is_empty()) {
+            assert_eq!(d, PathBuf::from(e));
+        } else {
+            assert!(d.ends_with("ember"), "{}", d.display());
+        }
+    }
+}

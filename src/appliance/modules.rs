@@ -1,0 +1,311 @@
+//! Kernel module selection: the appliance carries exactly the modules it needs
+//! plus their dependencies, in load order.
+//!
+//! Debian's kernel package ships no `modules.dep`, so dependencies come from
+//! each `.ko`'s `.modinfo` section (`depends=a,b`). `modules.order` maps
+//! module names to files; `modules.builtin` lists what is compiled in (and so
+//! never needs loading).
+
+use object::read::elf::{ElfFile64, FileHeader};
+use object::{Object, ObjectSection};
+use std::collections::{BTreeSet, HashMap};
+use std::fs;
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+/// What the appliance wants: virtio transports, disks, the console channel,
+/// entropy, DAX-capable pmem and vsock.
+pub const APPLIANCE_MODULES: &[&str] = &[
+    "virtio_mmio",
+    "virtio_pci",
+    "virtio_blk",
+    "virtio_console",
+    "virtio_rng",
+    "virtio_pmem",
+    "nd_pmem",
+    "vmw_vsock_virtio_transport",
+];
+
+/// Modules never carried, even as a dependency: graphics and input pull in
+/// large subsystems (drm) a command runner has no use for.
+pub const BLACKLIST: &[&str] = &["drm", "drm_kms_helper", "virtio_gpu", "virtio_input", "ttm"];
+
+/// Module errors.
+#[derive(Debug, Error)]
+pub enum ModuleError {
+    /// A wanted module is neither built in nor shipped.
+    #[error("kernel modules in `{dir}` lack `{name}` (neither built in nor a .ko)")]
+    Missing {
+        /// The modules directory.
+        dir: PathBuf,
+        /// The module.
+        name: String,
+    },
+    /// A wanted module needs a blacklisted one.
+    #[error("module `{name}` depends on blacklisted `{dep}`")]
+    Blacklisted {
+        /// The module.
+        name: String,
+        /// Its blacklisted dependency.
+        dep: String,
+    },
+    /// A `.ko` without a readable `.modinfo`.
+    #[error("`{0}` is not a kernel module (no .modinfo section)")]
+    NotAModule(PathBuf),
+    /// A dependency cycle (a broken modules tree).
+    #[error("module dependency cycle through `{0}`")]
+    Cycle(String),
+    /// I/O failure.
+    #[error("cannot read `{path}`")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// `virtio-rng` and `virtio_rng` are the same module to the kernel.
+pub fn normalize(name: &str) -> String {
+    name.replace('-', "_")
+}
+
+/// The module name of a `.ko` path.
+fn module_name(path: &str) -> Option<String> {
+    let file = path.rsplit('/').next()?;
+    Some(normalize(file.strip_suffix(".ko")?))
+}
+
+/// A kernel's module tree.
+#[derive(Debug)]
+pub struct ModuleTree {
+    dir: PathBuf,
+    files: HashMap<String, PathBuf>,
+    builtin: BTreeSet<String>,
+}
+
+impl ModuleTree {
+    /// Reads `modules.order` and `modules.builtin` of `dir` (`…/lib/modules/<ver>`).
+    pub fn open(dir: &Path) -> Result<Self, ModuleError> {
+        let read = |name: &str| {
+            let path = dir.join(name);
+            fs::read_to_string(&path).map_err(|source| ModuleError::Io { path, source })
+        };
+        let files = read("modules.order")?
+            .lines()
+            .filter_map(|l| Some((module_name(l.trim())?, dir.join(l.trim()))))
+            .collect();
+        // Missing modules.builtin means nothing is known to be built in.
+        let builtin = read("modules.builtin")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| module_name(l.trim()))
+            .collect();
+        Ok(ModuleTree {
+            dir: dir.to_path_buf(),
+            files,
+            builtin,
+        })
+    }
+
+    /// `wanted` and their dependencies, dependencies first, skipping built-ins.
+    pub fn resolve(
+        &self,
+        wanted: &[&str],
+        blacklist: &[&str],
+    ) -> Result<Vec<PathBuf>, ModuleError> {
+        let blacklist: BTreeSet<String> = blacklist.iter().map(|b| normalize(b)).collect();
+        let mut order = Vec::new();
+        let mut state = HashMap::new();
+        for w in wanted {
+            self.visit(&normalize(w), None, &blacklist, &mut state, &mut order)?;
+        }
+        Ok(order)
+    }
+
+    /// Depth-first post-order visit; `state` is false while on the stack.
+    fn visit(
+        &self,
+        name: &str,
+        parent: Option<&str>,
+        blacklist: &BTreeSet<String>,
+        state: &mut HashMap<String, bool>,
+        order: &mut Vec<PathBuf>,
+    ) -> Result<(), ModuleError> {
+        match state.get(name) {
+            Some(true) => return Ok(()),
+            Some(false) => return Err(ModuleError::Cycle(name.to_owned())),
+            None => {}
+        }
+        if self.builtin.contains(name) {
+            state.insert(name.to_owned(), true);
+            return Ok(());
+        }
+        if blacklist.contains(name) {
+            return Err(ModuleError::Blacklisted {
+                name: parent.unwrap_or(name).to_owned(),
+                dep: name.to_owned(),
+            });
+        }
+        let path = self.files.get(name).ok_or_else(|| ModuleError::Missing {
+            dir: self.dir.clone(),
+            name: name.to_owned(),
+        })?;
+        state.insert(name.to_owned(), false);
+        for dep in depends(path)? {
+            self.visit(&dep, Some(name), blacklist, state, order)?;
+        }
+        state.insert(name.to_owned(), true);
+        order.push(path.clone());
+        Ok(())
+    }
+}
+
+/// The `depends=` list of a `.ko` file's `.modinfo` section.
+pub fn depends(ko: &Path) -> Result<Vec<String>, ModuleError> {
+    let data = fs::read(ko).map_err(|source| ModuleError::Io {
+        path: ko.to_path_buf(),
+        source,
+    })?;
+    let modinfo = modinfo(&data).ok_or_else(|| ModuleError::NotAModule(ko.to_path_buf()))?;
+    Ok(modinfo
+        .split(|&b| b == 0)
+        .filter_map(|kv| kv.strip_prefix(b"depends="))
+        .flat_map(|v| v.split(|&b| b == b','))
+        .filter(|d| !d.is_empty())
+        .map(|d| normalize(&String::from_utf8_lossy(d)))
+        .collect())
+}
+
+/// The bytes of the `.modinfo` section of an ELF64 object.
+fn modinfo(data: &[u8]) -> Option<&[u8]> {
+    let elf = ElfFile64::<object::Endianness>::parse(data).ok()?;
+    // Relocatable objects only: a module is ET_REL.
+    let header = elf.elf_header();
+    if header.e_type(elf.endian()) != object::elf::ET_REL {
+        return None;
+    }
+    elf.section_by_name(".modinfo")?.data().ok()
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use object::write::{Object as WObject, StandardSection};
+
+    /// A minimal relocatable x86_64 ELF with a `.modinfo` section.
+    pub(crate) fn fake_ko(modinfo: &str) -> Vec<u8> {
+        let mut obj = WObject::new(
+            object::BinaryFormat::Elf,
+            object::Architecture::X86_64,
+            object::Endianness::Little,
+        );
+        let text = obj.section_id(StandardSection::Text);
+        obj.append_section_data(text, &[0xc3], 1);
+        let id = obj.add_section(Vec::new(), b".modinfo".to_vec(), object::SectionKind::Data);
+        obj.append_section_data(id, modinfo.as_bytes(), 1);
+        obj.write().unwrap()
+    }
+
+    /// Writes a fake modules tree: (relative path, depends) pairs; `builtin` lines.
+    pub(crate) fn fake_tree(dir: &Path, mods: &[(&str, &str)], builtin: &[&str]) {
+        let mut order = String::new();
+        for (rel, deps) in mods {
+            let p = dir.join(rel);
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            let name = module_name(rel).unwrap();
+            fs::write(
+                &p,
+                fake_ko(&format!("license=GPL\0depends={deps}\0name={name}\0")),
+            )
+            .unwrap();
+            order.push_str(rel);
+            order.push('\n');
+        }
+        fs::write(dir.join("modules.order"), order).unwrap();
+        fs::write(dir.join("modules.builtin"), builtin.join("\n")).unwrap();
+    }
+
+    fn names(paths: &[PathBuf]) -> Vec<String> {
+        paths
+            .iter()
+            .map(|p| module_name(p.to_str().unwrap()).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn resolves_dependencies_first_and_skips_builtins() {
+        let dir = crate::appliance::test_dir("modules-synthetic");
+        fake_tree(
+            &dir,
+            &[
+                ("kernel/a/virtio_ring.ko", ""),
+                ("kernel/a/virtio.ko", "virtio_ring"),
+                ("kernel/b/virtio-rng.ko", "virtio,virtio_ring,rng_core"),
+                ("kernel/c/virtio_gpu.ko", "drm,virtio"),
+                ("kernel/c/drm.ko", ""),
+            ],
+            &["kernel/d/rng-core.ko"],
+        );
+        let tree = ModuleTree::open(&dir).unwrap();
+        let got = names(&tree.resolve(&["virtio-rng"], &[]).unwrap());
+        assert_eq!(got, ["virtio_ring", "virtio", "virtio_rng"]);
+        // Asking twice for shared deps loads them once.
+        let got = names(&tree.resolve(&["virtio", "virtio_rng"], &[]).unwrap());
+        assert_eq!(got, ["virtio_ring", "virtio", "virtio_rng"]);
+        assert!(matches!(
+            tree.resolve(&["virtio_gpu"], &["drm"]),
+            Err(ModuleError::Blacklisted { .. })
+        ));
+        assert!(matches!(
+            tree.resolve(&["nope"], &[]),
+            Err(ModuleError::Missing { .. })
+        ));
+    }
+
+    #[test]
+    fn cycles_and_non_modules_are_errors() {
+        let dir = crate::appliance::test_dir("modules-cycle");
+        fake_tree(&dir, &[("a.ko", "b"), ("b.ko", "a")], &[]);
+        let tree = ModuleTree::open(&dir).unwrap();
+        assert!(matches!(
+            tree.resolve(&["a"], &[]),
+            Err(ModuleError::Cycle(_))
+        ));
+        let junk = dir.join("junk.ko");
+        fs::write(&junk, b"not elf").unwrap();
+        assert!(matches!(depends(&junk), Err(ModuleError::NotAModule(_))));
+    }
+
+    #[test]
+    fn resolves_the_real_debian_modules_when_present() {
+        let Some(dir) = fs::read_dir("/root/.cache/ember/debian/x/lib/modules")
+            .ok()
+            .and_then(|mut d| d.next())
+            .and_then(|e| e.ok())
+            .map(|e| e.path())
+        else {
+            eprintln!("SKIPPED: no Debian modules tree");
+            return;
+        };
+        let tree = ModuleTree::open(&dir).unwrap();
+        let got = names(&tree.resolve(APPLIANCE_MODULES, BLACKLIST).unwrap());
+        let pos = |n: &str| {
+            got.iter()
+                .position(|g| g == n)
+                .unwrap_or_else(|| panic!("{n} in {got:?}"))
+        };
+        assert!(pos("virtio_ring") < pos("virtio"));
+        assert!(pos("virtio") < pos("virtio_console"));
+        assert!(pos("libnvdimm") < pos("nd_pmem"));
+        assert!(pos("vsock") < pos("vmw_vsock_virtio_transport"));
+        assert!(pos("nd_btt") < pos("nd_pmem"));
+        assert!(
+            !got.iter().any(|g| g.contains("drm") || g == "dax"),
+            "{got:?}"
+        );
+        let unique: BTreeSet<_> = got.iter().collect();
+        assert_eq!(unique.len(), got.len());
+    }
+}

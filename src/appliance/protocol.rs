@@ -1,0 +1,286 @@
+//! The appliance channel protocol: how the command, its stdin, stdout,
+//! stderr and exit status travel between ember and the guest init over one
+//! byte stream (a serial line or a virtio-console port).
+//!
+//! Every message is a frame:
+//!
+//! ```text
+//! +---------+----------------------+-----------------+
+//! | type u8 | length u32 (le)      | payload (length)|
+//! +---------+----------------------+-----------------+
+//! ```
+//!
+//! Payloads are raw bytes (binary-safe) of at most [`MAX_PAYLOAD`]; longer
+//! data is sent as several frames of the same type. The conversation:
+//!
+//! 1. guest → host `READY` once its channel tty is raw (so nothing the host
+//!    sends is echoed back);
+//! 2. host → guest `ARG`… (argv, argv[0] first), `ENV`… (`NAME=value`),
+//!    optionally `CWD`, then `EXEC` (the path to execute) which starts it;
+//! 3. both ways concurrently: host → guest `STDIN`… then `STDIN_EOF`;
+//!    guest → host `STDOUT`/`STDERR` as the command writes;
+//! 4. guest → host `EXIT` (i32 le: exit code, or 128 + signal), or `ERROR`
+//!    (UTF-8 message) if the appliance itself failed; then the guest powers off.
+//!
+//! Kernel messages never travel here: the kernel's console is another device.
+
+#[path = "frame_types.rs"]
+mod frame_types;
+
+pub use frame_types::{HEADER_LEN, MAX_PAYLOAD};
+use std::io::{self, Write};
+use thiserror::Error;
+
+/// A frame's meaning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Guest ready for the command.
+    Ready,
+    /// Command stdout bytes.
+    Stdout,
+    /// Command stderr bytes.
+    Stderr,
+    /// Command exit code.
+    Exit,
+    /// Appliance failure message.
+    Error,
+    /// One argv element.
+    Arg,
+    /// One `NAME=value` environment entry.
+    Env,
+    /// Working directory.
+    Cwd,
+    /// Path to execute; starts the command.
+    Exec,
+    /// Stdin bytes.
+    Stdin,
+    /// End of stdin.
+    StdinEof,
+}
+
+impl Kind {
+    /// The type byte on the wire.
+    pub fn byte(self) -> u8 {
+        use frame_types as t;
+        match self {
+            Kind::Ready => t::READY,
+            Kind::Stdout => t::STDOUT,
+            Kind::Stderr => t::STDERR,
+            Kind::Exit => t::EXIT,
+            Kind::Error => t::ERROR,
+            Kind::Arg => t::ARG,
+            Kind::Env => t::ENV,
+            Kind::Cwd => t::CWD,
+            Kind::Exec => t::EXEC,
+            Kind::Stdin => t::STDIN,
+            Kind::StdinEof => t::STDIN_EOF,
+        }
+    }
+
+    /// The kind of a type byte.
+    pub fn from_byte(b: u8) -> Option<Kind> {
+        use frame_types as t;
+        Some(match b {
+            t::READY => Kind::Ready,
+            t::STDOUT => Kind::Stdout,
+            t::STDERR => Kind::Stderr,
+            t::EXIT => Kind::Exit,
+            t::ERROR => Kind::Error,
+            t::ARG => Kind::Arg,
+            t::ENV => Kind::Env,
+            t::CWD => Kind::Cwd,
+            t::EXEC => Kind::Exec,
+            t::STDIN => Kind::Stdin,
+            t::STDIN_EOF => Kind::StdinEof,
+            _ => return None,
+        })
+    }
+}
+
+/// Protocol errors.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ProtocolError {
+    /// A type byte no side sends.
+    #[error("unknown frame type {0:#04x}")]
+    UnknownType(u8),
+    /// A length beyond [`MAX_PAYLOAD`].
+    #[error("frame of {0} bytes exceeds the {MAX_PAYLOAD}-byte limit")]
+    TooLong(usize),
+    /// The stream ended inside a frame.
+    #[error("the channel closed in the middle of a frame ({0} bytes left over)")]
+    Truncated(usize),
+}
+
+/// One decoded frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// Its type.
+    pub kind: Kind,
+    /// Its payload.
+    pub payload: Vec<u8>,
+}
+
+/// Encodes frames of `kind` carrying `payload` (split at [`MAX_PAYLOAD`];
+/// an empty payload is one empty frame) into `out`.
+pub fn encode(out: &mut Vec<u8>, kind: Kind, payload: &[u8]) {
+    let mut chunks = payload.chunks(MAX_PAYLOAD).peekable();
+    if chunks.peek().is_none() {
+        out.push(kind.byte());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        return;
+    }
+    for chunk in chunks {
+        out.push(kind.byte());
+        // Chunks are at most MAX_PAYLOAD (64 KiB), which fits a u32.
+        out.extend_from_slice(&(chunk.len() as u32).to_le_bytes());
+        out.extend_from_slice(chunk);
+    }
+}
+
+/// Writes frames of `kind` with `payload` to `w`.
+pub fn write_frame(w: &mut impl Write, kind: Kind, payload: &[u8]) -> io::Result<()> {
+    let mut buf = Vec::with_capacity(HEADER_LEN + payload.len());
+    encode(&mut buf, kind, payload);
+    w.write_all(&buf)
+}
+
+/// Incremental decoder: feed it bytes as they arrive, in pieces of any size.
+#[derive(Debug, Default)]
+pub struct Decoder {
+    buf: Vec<u8>,
+}
+
+impl Decoder {
+    /// An empty decoder.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends received bytes.
+    pub fn feed(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// The next complete frame, `Ok(None)` if more bytes are needed.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, ProtocolError> {
+        if self.buf.len() < HEADER_LEN {
+            return Ok(None);
+        }
+        let kind = Kind::from_byte(self.buf[0]).ok_or(ProtocolError::UnknownType(self.buf[0]))?;
+        let len = u32::from_le_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+        if len > MAX_PAYLOAD {
+            return Err(ProtocolError::TooLong(len));
+        }
+        if self.buf.len() < HEADER_LEN + len {
+            return Ok(None);
+        }
+        let payload = self.buf[HEADER_LEN..HEADER_LEN + len].to_vec();
+        self.buf.drain(..HEADER_LEN + len);
+        Ok(Some(Frame { kind, payload }))
+    }
+
+    /// Call at end of stream: an error if a partial frame is left.
+    pub fn finish(&self) -> Result<(), ProtocolError> {
+        match self.buf.len() {
+            0 => Ok(()),
+            n => Err(ProtocolError::Truncated(n)),
+        }
+    }
+}
+
+/// Decodes an `EXIT` payload.
+pub fn exit_code(payload: &[u8]) -> Option<i32> {
+    Some(i32::from_le_bytes(payload.try_into().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode_all(bytes: &[u8], piece: usize) -> Result<Vec<Frame>, ProtocolError> {
+        let mut d = Decoder::new();
+        let mut frames = Vec::new();
+        for p in bytes.chunks(piece.max(1)) {
+            d.feed(p);
+            while let Some(f) = d.next_frame()? {
+                frames.push(f);
+            }
+        }
+        d.finish()?;
+        Ok(frames)
+    }
+
+    #[test]
+    fn round_trip_every_kind_and_binary_payloads() {
+        let binary: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+        let mut wire = Vec::new();
+        encode(&mut wire, Kind::Ready, b"");
+        encode(&mut wire, Kind::Stdout, &binary);
+        encode(&mut wire, Kind::Stderr, b"\r\n\x00\x03\x11\x13");
+        encode(&mut wire, Kind::Exit, &7i32.to_le_bytes());
+        let frames = decode_all(&wire, wire.len()).unwrap();
+        assert_eq!(frames.len(), 4);
+        assert_eq!(frames[0].kind, Kind::Ready);
+        assert_eq!(frames[1].payload, binary);
+        assert_eq!(frames[2].payload, b"\r\n\x00\x03\x11\x13");
+        assert_eq!(exit_code(&frames[3].payload), Some(7));
+        for b in 0..=255u8 {
+            if let Some(k) = Kind::from_byte(b) {
+                assert_eq!(k.byte(), b);
+            }
+        }
+    }
+
+    #[test]
+    fn frames_split_at_every_boundary_decode_the_same() {
+        let mut wire = Vec::new();
+        encode(&mut wire, Kind::Arg, b"sh");
+        encode(&mut wire, Kind::Env, b"A=b");
+        encode(&mut wire, Kind::Exec, b"/bin/sh");
+        let whole = decode_all(&wire, wire.len()).unwrap();
+        for piece in 1..wire.len() {
+            assert_eq!(decode_all(&wire, piece).unwrap(), whole, "piece {piece}");
+        }
+    }
+
+    #[test]
+    fn long_payloads_are_split_into_max_size_frames() {
+        let data = vec![0xa5u8; MAX_PAYLOAD * 2 + 3];
+        let mut wire = Vec::new();
+        encode(&mut wire, Kind::Stdin, &data);
+        let frames = decode_all(&wire, 4096).unwrap();
+        let lens: Vec<_> = frames.iter().map(|f| f.payload.len()).collect();
+        assert_eq!(lens, [MAX_PAYLOAD, MAX_PAYLOAD, 3]);
+        assert_eq!(frames.concat_payloads(), data);
+    }
+
+    trait Concat {
+        fn concat_payloads(&self) -> Vec<u8>;
+    }
+    impl Concat for Vec<Frame> {
+        fn concat_payloads(&self) -> Vec<u8> {
+            self.iter().flat_map(|f| f.payload.clone()).collect()
+        }
+    }
+
+    #[test]
+    fn truncated_unknown_and_oversized_frames_are_errors() {
+        let mut wire = Vec::new();
+        encode(&mut wire, Kind::Stdout, b"hello");
+        assert_eq!(
+            decode_all(&wire[..wire.len() - 2], 3),
+            Err(ProtocolError::Truncated(HEADER_LEN + 3))
+        );
+        assert_eq!(
+            decode_all(&[0x7f, 0, 0, 0, 0], 5),
+            Err(ProtocolError::UnknownType(0x7f))
+        );
+        let mut big = vec![frame_types::STDOUT];
+        big.extend_from_slice(&(MAX_PAYLOAD as u32 + 1).to_le_bytes());
+        assert_eq!(
+            decode_all(&big, 5),
+            Err(ProtocolError::TooLong(MAX_PAYLOAD + 1))
+        );
+        assert_eq!(exit_code(b"abc"), None);
+    }
+}

@@ -1,0 +1,119 @@
+//! A ready-made userspace for boot measurements: a newc initramfs with
+//! busybox-static and an `/init` script that prints the lab's markers and
+//! powers the guest off at once, so a boot goes kernel → userspace →
+//! shutdown → VMM exit with nothing else in the way.
+//!
+//! Markers (matched by the built-in rules): `ember-lab: begin init-script` /
+//! `ember-lab: end init-script` around the script's work, and
+//! `ember-lab: poweroff` just before `poweroff -f`.
+
+use crate::initramfs::{InitramfsError, NewcWriter};
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+/// Where busybox-static lives on Debian.
+pub const DEFAULT_BUSYBOX: &str = "/bin/busybox";
+
+/// The `/init` script.
+pub const INIT_SCRIPT: &str = "#!/bin/sh
+echo 'ember-lab: begin init-script'
+/bin/busybox mount -t proc proc /proc
+echo 'ember-lab: end init-script'
+echo 'ember-lab: poweroff'
+/bin/busybox poweroff -f
+";
+
+/// Errors building the initramfs.
+#[derive(Debug, Error)]
+pub enum GuestError {
+    /// busybox could not be read.
+    #[error("cannot read busybox at {path} (install busybox-static)")]
+    Busybox {
+        /// Where we looked.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Writing the archive failed.
+    #[error("cannot write the initramfs {path}")]
+    Write {
+        /// The output.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: InitramfsError,
+    },
+}
+
+/// Writes the busybox initramfs to `out`, taking busybox from `busybox`
+/// (a static binary: the archive has no libraries).
+pub fn write_busybox_initramfs(out: &Path, busybox: &Path) -> Result<(), GuestError> {
+    let binary = std::fs::read(busybox).map_err(|source| GuestError::Busybox {
+        path: busybox.to_path_buf(),
+        source,
+    })?;
+    let write = |source| GuestError::Write {
+        path: out.to_path_buf(),
+        source,
+    };
+    let file = std::fs::File::create(out).map_err(|e| write(InitramfsError::Io(e)))?;
+    let mut w = NewcWriter::new(std::io::BufWriter::new(file));
+    let build = |w: &mut NewcWriter<_>| -> Result<(), InitramfsError> {
+        for dir in ["bin", "dev", "proc"] {
+            w.dir(dir, 0o755)?;
+        }
+        w.file("bin/busybox", 0o755, &binary)?;
+        w.symlink("bin/sh", "busybox")?;
+        w.file("init", 0o755, INIT_SCRIPT.as_bytes())?;
+        Ok(())
+    };
+    build(&mut w).map_err(write)?;
+    let (mut buf, _) = w.finish().map_err(write)?;
+    std::io::Write::flush(&mut buf).map_err(|e| write(InitramfsError::Io(e)))
+}
+
+/// The busybox initramfs, built once into the temp directory (written under
+/// a private name and renamed, so concurrent lab runs never see half a file).
+pub fn busybox_initramfs() -> Result<PathBuf, GuestError> {
+    let path = std::env::temp_dir().join("ember-lab-busybox.cpio");
+    if !path.is_file() {
+        let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
+        write_busybox_initramfs(&tmp, Path::new(DEFAULT_BUSYBOX))?;
+        std::fs::rename(&tmp, &path).map_err(|e| GuestError::Write {
+            path: path.clone(),
+            source: InitramfsError::Io(e),
+        })?;
+    }
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn archive_holds_init_and_busybox() {
+        let dir = std::env::temp_dir().join(format!("ember-lab-guest-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fake = dir.join("busybox");
+        std::fs::write(&fake, b"\x7fELF not really").unwrap();
+        let out = dir.join("i.cpio");
+        write_busybox_initramfs(&out, &fake).unwrap();
+        let bytes = std::fs::read(&out).unwrap();
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(bytes.starts_with(b"070701"));
+        for needle in [
+            "bin/busybox",
+            "init",
+            "ember-lab: poweroff",
+            "TRAILER!!!",
+            "ELF not really",
+        ] {
+            assert!(text.contains(needle), "missing {needle}");
+        }
+        let e = write_busybox_initramfs(&out, &dir.join("nope")).unwrap_err();
+        assert!(e.to_string().contains("install busybox-static"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

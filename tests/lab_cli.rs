@@ -1,0 +1,238 @@
+//! `ember bench` / `ember analyze` through the binary, driven by stand-in VMMs
+//! (shell scripts passed as `--vmm`, printing what a Linux boot prints) so the
+//! plumbing, the statistics and the error paths are tested in seconds.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ember-lab-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A stand-in VMM: prints a short Linux-like boot, sleeping `delay` seconds in
+/// the kernel phase.
+fn fake_vmm(dir: &Path, name: &str, body: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(name);
+    let version = "[ \"$1\" = --version ] && { echo 'fake-vmm 1.0'; exit 0; }";
+    std::fs::write(&p, format!("#!/bin/sh\n{version}\n{body}\n")).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p
+}
+
+fn linux_like(delay: &str) -> String {
+    format!(
+        "echo '[    0.000000] Linux version 6.1.0-fake'\nsleep {delay}\n\
+         echo '[    0.010000] Run /init as init process'\necho 'ember-lab: poweroff'\n\
+         echo '[    0.020000] reboot: Power down'"
+    )
+}
+
+fn ember(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args(args)
+        .output()
+        .expect("ember runs")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn base(vmm: &str) -> Vec<&str> {
+    vec![
+        "--backend",
+        "qemu",
+        "--accel",
+        "tcg",
+        "--vmm",
+        vmm,
+        "--kernel",
+        "/bin/sh",
+    ]
+}
+
+#[test]
+fn bench_json_reports_every_milestone() {
+    let d = scratch("json");
+    let vmm = fake_vmm(&d, "vmm", &linux_like("0.05"));
+    let mut args = vec!["bench"];
+    args.extend(base(vmm.to_str().unwrap()));
+    args.extend(["-n", "3", "-w", "1", "--json"]);
+    let out = ember(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["counted"][0], 3);
+    assert_eq!(v["header"]["backend"], "qemu");
+    assert!(v["header"]["accel"].as_str().unwrap().contains("TCG"));
+    let metrics: Vec<&str> = v["metrics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        metrics,
+        [
+            "first output",
+            "kernel",
+            "userspace",
+            "shutdown",
+            "exit",
+            "peak RSS MiB"
+        ]
+    );
+    let userspace = &v["metrics"][2]["a"];
+    assert_eq!(userspace["n"], 3);
+    // The script sleeps 50 ms between the kernel line and userspace.
+    assert!(userspace["min"].as_f64().unwrap() >= 50.0, "{userspace}");
+}
+
+#[test]
+fn vs_compares_pair_by_pair() {
+    let d = scratch("vs");
+    let fast = fake_vmm(&d, "fast", &linux_like("0.02"));
+    let slow = fake_vmm(&d, "slow", &linux_like("0.25"));
+    let vs = format!("vmm={}", slow.display());
+    let mut args = vec!["bench"];
+    args.extend(base(fast.to_str().unwrap()));
+    args.extend(["-n", "4", "-w", "0", "--vs", &vs, "--metric", "userspace"]);
+    let out = ember(&args);
+    let s = text(&out.stdout);
+    assert!(out.status.success(), "{s}{}", text(&out.stderr));
+    assert!(s.contains("config: A") && s.contains("config: B"), "{s}");
+    assert!(s.contains("B/A of `userspace`, pair by pair:"), "{s}");
+    assert!(s.contains("B is slower by"), "{s}");
+}
+
+#[test]
+fn a_hung_boot_times_out_and_is_not_averaged() {
+    let d = scratch("hang");
+    let vmm = fake_vmm(
+        &d,
+        "vmm",
+        "echo '[    0.000000] Linux version 6.1'\nexec sleep 30",
+    );
+    let mut args = vec!["bench"];
+    args.extend(base(vmm.to_str().unwrap()));
+    args.extend(["-n", "2", "-w", "0", "--timeout", "0.5"]);
+    let start = Instant::now();
+    let out = ember(&args);
+    assert!(start.elapsed() < Duration::from_secs(10));
+    assert_eq!(out.status.code(), Some(1));
+    let s = text(&out.stdout);
+    assert!(s.contains("2 timed out after 0.5 s"), "{s}");
+    assert!(text(&out.stderr).contains("no boot reached userspace"));
+}
+
+#[test]
+fn a_kernel_that_never_reaches_userspace_is_reported() {
+    let d = scratch("panic");
+    let vmm = fake_vmm(
+        &d,
+        "vmm",
+        "echo '[    0.500000] Kernel panic - not syncing: No working init found.'",
+    );
+    let mut args = vec!["analyze"];
+    args.extend(base(vmm.to_str().unwrap()));
+    args.extend(["-n", "2", "-w", "0"]);
+    let out = ember(&args);
+    assert_eq!(out.status.code(), Some(1));
+    let s = text(&out.stdout);
+    assert!(s.contains("2 ended without reaching userspace"), "{s}");
+    assert!(s.contains("nothing to analyse"), "{s}");
+}
+
+#[test]
+fn bad_input_gives_one_clear_line() {
+    let d = scratch("bad");
+    let out = ember(&[
+        "bench",
+        "--backend",
+        "qemu",
+        "--vmm",
+        "/nonexistent/qemu",
+        "--kernel",
+        "/bin/sh",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let e = text(&out.stderr);
+    assert!(
+        e.contains("`/nonexistent/qemu` not found or not executable"),
+        "{e}"
+    );
+
+    let out = ember(&["bench", "--backend", "bochs", "--kernel", "/bin/sh"]);
+    assert!(text(&out.stderr).contains("unknown backend `bochs`"));
+
+    let out = ember(&[
+        "bench",
+        "--backend",
+        "qemu",
+        "--kernel",
+        "/nonexistent/vmlinuz",
+    ]);
+    assert!(text(&out.stderr).contains("kernel /nonexistent/vmlinuz does not exist"));
+
+    let rules = d.join("bad.rules");
+    std::fs::write(&rules, "[x]\nstart = (unclosed\nend = y\n").unwrap();
+    let vmm = fake_vmm(&d, "vmm", &linux_like("0"));
+    let mut args = vec!["analyze", "--rules", rules.to_str().unwrap()];
+    args.extend(base(vmm.to_str().unwrap()));
+    let out = ember(&args);
+    assert_eq!(out.status.code(), Some(1));
+    let e = text(&out.stderr);
+    assert!(e.contains("bad.rules:2: bad regex in `start`"), "{e}");
+    assert_eq!(e.lines().count(), 1, "{e}");
+
+    let broken = fake_vmm(
+        &d,
+        "broken",
+        "echo 'qemu: could not load kernel' >&2; exit 1",
+    );
+    let mut args = vec!["bench"];
+    args.extend(base(broken.to_str().unwrap()));
+    let out = ember(&args);
+    let e = text(&out.stderr);
+    assert!(e.contains("failed at once (exit status 1)"), "{e}");
+    assert!(e.contains("could not load kernel"), "{e}");
+}
+
+#[test]
+fn ctrl_c_stops_and_reports_what_was_measured() {
+    let d = scratch("sigint");
+    let vmm = fake_vmm(&d, "vmm", &linux_like("0.1"));
+    let child = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args([
+            "bench",
+            "--backend",
+            "qemu",
+            "--accel",
+            "tcg",
+            "--kernel",
+            "/bin/sh",
+        ])
+        .arg("--vmm")
+        .arg(&vmm)
+        .args(["-n", "500", "-w", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: kill() on our own child's pid.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    let start = Instant::now();
+    let out = child.wait_with_output().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(5));
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    assert!(s.contains("INTERRUPTED, partial results"), "{s}");
+    assert!(s.contains("Result: "), "{s}");
+}

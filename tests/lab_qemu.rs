@@ -1,0 +1,143 @@
+//! End to end on real boots: Debian's cloud kernel under QEMU/TCG with the
+//! lab's busybox initramfs. A few boots each, so the suite stays quick.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const KERNEL: &str = "/root/.cache/ember/debian/x/boot/vmlinuz-6.1.0-56-cloud-amd64";
+
+fn kernel() -> &'static str {
+    assert!(
+        Path::new(KERNEL).is_file(),
+        "{KERNEL} is missing: these end-to-end tests need Debian's cloud kernel unpacked there"
+    );
+    KERNEL
+}
+
+fn ember(args: &[&str]) -> Output {
+    // The subcommand, then the guest, then the test's own options.
+    Command::new(env!("CARGO_BIN_EXE_ember"))
+        .arg(args[0])
+        .args([
+            "--backend",
+            "qemu",
+            "--machine",
+            "q35",
+            "--kernel",
+            kernel(),
+        ])
+        .args(&args[1..])
+        .output()
+        .expect("ember runs")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn bench_boots_linux_to_userspace_and_back() {
+    let out = ember(&["bench", "--busybox-init", "-n", "2", "-w", "0", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["counted"][0], 2);
+    assert!(
+        v["header"]["backend_version"]
+            .as_str()
+            .unwrap()
+            .contains("QEMU")
+    );
+    let accel = v["header"]["accel"].as_str().unwrap();
+    assert!(accel.contains("TCG") || accel.contains("KVM"), "{accel}");
+    let metric = |name: &str| {
+        v["metrics"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {v}"))["a"]["mean"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(metric("first output") < metric("kernel"));
+    assert!(metric("kernel") < metric("userspace"));
+    assert!(metric("userspace") < metric("shutdown"));
+    assert!(metric("shutdown") <= metric("exit"));
+    assert!(
+        metric("peak RSS MiB") > 50.0,
+        "QEMU with 256 MiB of guest RAM"
+    );
+}
+
+#[test]
+fn analyze_finds_initcalls_and_draws_the_timeline() {
+    let dir: PathBuf = std::env::temp_dir().join(format!("ember-lab-qemu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (svg, html) = (dir.join("t.svg"), dir.join("t.html"));
+    let out = ember(&[
+        "analyze",
+        "--busybox-init",
+        "--cmdline",
+        "console=ttyS0 panic=-1 initcall_debug ignore_loglevel",
+        "-n",
+        "1",
+        "-w",
+        "0",
+        "--svg",
+        svg.to_str().unwrap(),
+        "--html",
+        html.to_str().unwrap(),
+    ]);
+    let s = text(&out.stdout);
+    assert!(out.status.success(), "{s}{}", text(&out.stderr));
+    for needle in [
+        "Longest activities:",
+        "kernel:initcalls",
+        "initcall:",
+        "userspace:init-script",
+        "Console: ",
+        "serial line cost",
+    ] {
+        assert!(s.contains(needle), "{needle} missing:\n{s}");
+    }
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.matches("<g class=\"bar\">").count() > 400);
+    let html = std::fs::read_to_string(&html).unwrap();
+    assert!(html.contains("<svg") && html.contains("initcall:"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_kernel_without_init_never_counts() {
+    // No init: the kernel panics; panic=-1 reboots, and QEMU (-no-reboot) exits.
+    let out = ember(&[
+        "bench",
+        "--busybox-init",
+        "--cmdline",
+        "console=ttyS0 quiet panic=-1 rdinit=/nonexistent init=/nonexistent",
+        "-n",
+        "1",
+        "-w",
+        "0",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let s = text(&out.stdout);
+    assert!(s.contains("1 ended without reaching userspace"), "{s}");
+
+    // panic=0 waits forever: the timeout ends it.
+    let out = ember(&[
+        "bench",
+        "--busybox-init",
+        "--cmdline",
+        "console=ttyS0 quiet panic=0 rdinit=/nonexistent init=/nonexistent",
+        "-n",
+        "1",
+        "-w",
+        "0",
+        "--timeout",
+        "4",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let s = text(&out.stdout);
+    assert!(s.contains("1 timed out after 4 s"), "{s}");
+}

@@ -1,0 +1,118 @@
+//! `ember bench-range` on a scratch git repository whose "build" produces a
+//! stand-in VMM script: one commit makes the boot slower, one changes nothing,
+//! one breaks the build. Checks the marks, the error line and resuming.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "user.name=lab", "-c", "user.email=lab@example.com"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Commits a `build.sh` that writes `out/vmm`, a VMM stand-in that spends
+/// `delay` seconds "in the kernel".
+fn commit(repo: &Path, delay: &str, message: &str, broken: bool) {
+    let vmm = format!(
+        "#!/bin/sh\n[ \"$1\" = --version ] && {{ echo fake; exit 0; }}\n\
+         echo '[    0.000000] Linux version 6.1'\nsleep {delay}\n\
+         echo '[    0.010000] Run /init as init process'\necho '[    0.020000] reboot: Power down'\n"
+    );
+    std::fs::write(repo.join("vmm.in"), vmm).unwrap();
+    let build = if broken {
+        "#!/bin/sh\necho 'cc: error: this commit does not build' >&2\nexit 2\n"
+    } else {
+        "#!/bin/sh\nmkdir -p out && cp vmm.in out/vmm && chmod +x out/vmm\n"
+    };
+    std::fs::write(repo.join("build.sh"), build).unwrap();
+    git(repo, &["add", "-A"]);
+    git(repo, &["commit", "-q", "--allow-empty", "-m", message]);
+}
+
+fn run(repo: &Path, cache: &Path, range: &str) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ember"))
+        .arg("bench-range")
+        .arg(repo)
+        .arg(range)
+        .args([
+            "--build",
+            "sh build.sh",
+            "--artifact",
+            "out/vmm",
+            "--artifact-kind",
+            "vmm",
+        ])
+        .args(["--backend", "qemu", "--accel", "tcg", "--kernel", "/bin/sh"])
+        .args(["-n", "6", "-w", "0", "--metric", "userspace"])
+        .arg("--cache-dir")
+        .arg(cache)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn range_marks_the_regression_and_resumes() {
+    let root: PathBuf =
+        std::env::temp_dir().join(format!("ember-lab-range-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (repo, cache) = (root.join("repo"), root.join("cache"));
+    std::fs::create_dir_all(&repo).unwrap();
+    git(&repo, &["init", "-q"]);
+    commit(&repo, "0.02", "base", false);
+    commit(&repo, "0.02", "docs only", false);
+    commit(&repo, "0.30", "add a slow probe", false);
+    commit(&repo, "0.30", "half-finished refactor", true);
+    commit(&repo, "0.02", "remove the slow probe", false);
+
+    let out = run(&repo, &cache, "HEAD");
+    let s = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{s}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let blocks: Vec<&str> = s.split_inclusive("\n        ").collect();
+    let line_of = |subject: &str| {
+        let i = s
+            .find(subject)
+            .unwrap_or_else(|| panic!("{subject} missing:\n{s}"));
+        s[i..].lines().nth(1).unwrap().to_owned()
+    };
+    assert!(blocks.len() >= 5, "{s}");
+    assert!(!line_of("docs only").contains('%'), "{s}");
+    assert!(
+        line_of("add a slow probe").contains("↓ regresses by"),
+        "{s}"
+    );
+    assert!(
+        line_of("half-finished refactor").contains("error: build failed"),
+        "{s}"
+    );
+    // Compared with the last commit that was measured.
+    assert!(
+        line_of("remove the slow probe").contains("↑ improves by"),
+        "{s}"
+    );
+
+    // Everything is cached now: a rerun measures nothing and prints the same.
+    let again = run(&repo, &cache, "HEAD");
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(err.contains("5 cached, 0 to measure"), "{err}");
+    assert_eq!(String::from_utf8_lossy(&again.stdout), s);
+
+    let bad = run(&repo, &cache, "nosuchref..HEAD");
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("git rev-list"));
+    let _ = std::fs::remove_dir_all(&root);
+}
