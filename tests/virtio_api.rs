@@ -406,6 +406,28 @@ fn console_carries_bytes_between_guest_and_a_unix_socket() {
     app_end.read_exact(&mut got).unwrap();
     assert_eq!(&got, b"\x00\x01ok\xff");
     d.wait_used(1);
-    app_end.write_all(b"reply").unwrap();
+    // Socket -> guest through the receive queue (queue 0): post one buffer by hand.
+    let (desc, avail, used) = (DESC + 0x8000, AVAIL + 0x8000, USED + 0x8000);
+    d.mem.write_obj(BUFS + 0x3000, GuestAddress(desc)).unwrap();
+    d.mem.write_obj(64u32, GuestAddress(desc + 8)).unwrap();
+    d.mem.write_obj(F_WRITE, GuestAddress(desc + 12)).unwrap();
+    d.mem.write_obj(0u16, GuestAddress(avail + 4)).unwrap();
+    d.mem.write_obj(1u16, GuestAddress(avail + 2)).unwrap();
+    d.write(QUEUE_NOTIFY, 0);
+    app_end.write_all(b"re\x00ply").unwrap();
+    let start = Instant::now();
+    while d.mem.read_obj::<u16>(GuestAddress(used + 2)).unwrap() == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "input never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(d.mem.read_obj::<u32>(GuestAddress(used + 8)).unwrap(), 6);
+    let mut got = [0u8; 6];
+    d.mem
+        .read_slice(&mut got, GuestAddress(BUFS + 0x3000))
+        .unwrap();
+    assert_eq!(&got, b"re\x00ply");
     drop(d); // shuts the device thread down
 }
