@@ -60,18 +60,19 @@ fn fill_ring(mem: &GuestMemoryMmap<()>, kind: u32, round: u64, avail_idx: &mut u
     mem.write_obj(*avail_idx, GuestAddress(AVAIL + 2)).unwrap();
 }
 
-fn run(engine: EngineKind, kind: u32, path: &std::path::Path) -> Vec<f64> {
+fn run(engine: EngineKind, kind: u32, path: &std::path::Path, direct: bool) -> Vec<f64> {
     let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 4 << 20)]).unwrap();
     let mut q = Queue::new(QSIZE).unwrap();
     q.set_desc_table_address(Some(DESC as u32), Some(0));
     q.set_avail_ring_address(Some(AVAIL as u32), Some(0));
     q.set_used_ring_address(Some(USED as u32), Some(0));
     q.set_ready(true);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true).write(true);
+    if direct {
+        std::os::unix::fs::OpenOptionsExt::custom_flags(&mut opts, libc::O_DIRECT);
+    }
+    let file = opts.open(path).unwrap();
     let mut h = BlockHandler::new(
         mem.clone(),
         q,
@@ -80,7 +81,7 @@ fn run(engine: EngineKind, kind: u32, path: &std::path::Path) -> Vec<f64> {
         DiskParams {
             capacity: DISK_BYTES as u64 / 512,
             read_only: false,
-            direct: false,
+            direct,
             serial: [0; 20],
         },
     );
@@ -108,21 +109,29 @@ fn blk_engines_4k_random() {
     let path = std::env::temp_dir().join(format!("ember-blk-bench-{}.img", std::process::id()));
     std::fs::write(&path, vec![1u8; DISK_BYTES]).unwrap();
     println!(
-        "virtio-blk, 4 KiB random requests, {} per batch, {BATCHES} batches (page cache warm)",
+        "virtio-blk, 4 KiB random requests, {} per batch, {BATCHES} batches",
         QSIZE / 3
     );
-    for (kind, name) in [(0u32, "read"), (1, "write")] {
-        let sync = summary(&run(EngineKind::Sync, kind, &path));
-        let uring = summary(&run(EngineKind::IoUring, kind, &path));
-        for (engine, (med, min, max)) in [("preadv/pwritev", sync), ("io_uring", uring)] {
+    for direct in [false, true] {
+        let mode = if direct {
+            "O_DIRECT"
+        } else {
+            "buffered, page cache warm"
+        };
+        println!("{mode}:");
+        for (kind, name) in [(0u32, "read"), (1, "write")] {
+            let sync = summary(&run(EngineKind::Sync, kind, &path, direct));
+            let uring = summary(&run(EngineKind::IoUring, kind, &path, direct));
+            for (engine, (med, min, max)) in [("preadv/pwritev", sync), ("io_uring", uring)] {
+                println!(
+                    "  {name:5} {engine:14} median {med:7.2} µs/request (min {min:.2}, max {max:.2})"
+                );
+            }
             println!(
-                "  {name:5} {engine:14} median {med:6.2} µs/request (min {min:.2}, max {max:.2})"
+                "  {name:5} io_uring / sync median ratio: {:.2}",
+                uring.0 / sync.0
             );
         }
-        println!(
-            "  {name:5} io_uring / sync median ratio: {:.2}",
-            uring.0 / sync.0
-        );
     }
     std::fs::remove_file(path).unwrap();
 }

@@ -1,3 +1,4 @@
+#![allow(dead_code)] // each target uses a different part
 //! Shared set-up: a small guest memory filled with fuzzer bytes, and a queue over it.
 
 use virtio_queue::{Queue, QueueT};

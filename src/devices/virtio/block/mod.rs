@@ -232,7 +232,8 @@ impl Block {
         })
     }
 
-    /// Chooses the I/O engine (default: io_uring when available).
+    /// Chooses the I/O engine (default [`EngineKind::Auto`]: io_uring for `direct` disks
+    /// when the host has it, `preadv`/`pwritev` otherwise).
     pub fn with_engine(mut self, engine: EngineKind) -> Self {
         self.engine = engine;
         self
@@ -302,7 +303,14 @@ impl VirtioDevice for Block {
         check_queues(&queues, 1)?;
         let ActiveQueue { queue, evt } = queues.remove(0);
         let file = self.file.try_clone().map_err(ActivateError::Backend)?;
-        let engine = io::open(self.engine, file).map_err(ActivateError::Backend)?;
+        // Buffered I/O completes from the page cache without blocking for long, and there
+        // the plain syscalls beat io_uring (which punts buffered writes to worker threads);
+        // io_uring pays off when requests really wait for the device.
+        let kind = match self.engine {
+            EngineKind::Auto if !self.params.direct => EngineKind::Sync,
+            kind => kind,
+        };
+        let engine = io::open(kind, file).map_err(ActivateError::Backend)?;
         log::debug!(
             "virtio-blk: {} uses the {} engine",
             self.thread_name,
