@@ -19,7 +19,10 @@ use crate::devices::legacy::{
     AcpiSleep, BootTimer, ConsoleSink, DebugExit, DebugPort, I8042, Serial, SerialIrq, SerialUart,
     VmEnd,
 };
-use crate::devices::virtio::{self, Block, Console, DiskConfig, MmioTransport, Rng, VirtioDevice};
+use crate::devices::virtio::{
+    self, Balloon, BalloonHandle, Block, Console, DiskConfig, MmioTransport, Pmem, PmemRegion, Rng, VirtioDevice,
+};
+use crate::devices::virtio::pmem::PMEM_ALIGN;
 use crate::events::{Recorder, kind};
 use crate::vstate::kvm::{self, KvmError};
 use crate::vstate::memory::{self, MemoryError};
@@ -123,6 +126,9 @@ pub enum BuildError {
         #[source]
         source: virtio::mmio::Error,
     },
+    /// A pmem backing file could not be mapped.
+    #[error("cannot map pmem file {0}: {1}")]
+    Pmem(PathBuf, String),
     /// A disk could not be opened or is unusable.
     #[error("cannot attach disk {0}")]
     Disk(PathBuf, #[source] virtio::block::Error),
@@ -165,6 +171,10 @@ pub struct VmConfig {
     pub channel: Option<PathBuf>,
     /// Add a virtio-rng device.
     pub rng: bool,
+    /// Files to expose as virtio-pmem regions (a DAX root).
+    pub pmem: Vec<PathBuf>,
+    /// Add a virtio-balloon device (statistics, free page reporting).
+    pub balloon: bool,
 }
 
 /// What a parked vCPU thread receives when the VM is complete.
@@ -187,6 +197,10 @@ pub struct Vmm {
     pub vm: Arc<Vm>,
     /// vCPU threads (never joined on the fast exit path; see `run`).
     pub vcpu_threads: Vec<JoinHandle<()>>,
+    /// virtio-pmem file mappings, alive as long as the VM.
+    pub pmem: Vec<PmemRegion>,
+    /// Control of the balloon, when there is one.
+    pub balloon: Option<BalloonHandle>,
 }
 
 /// Builds the VM described by `cfg` and starts its vCPUs. Steps are numbered
@@ -320,6 +334,27 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     if cfg.rng {
         place("rng", transport_for(Rng::new()))?;
     }
+    // pmem files are mapped into guest-physical space above RAM, each at a 2 MiB
+    // boundary (what the guest's nd_pmem driver needs for DAX).
+    let mut pmem_regions = Vec::new();
+    let mut pmem_next = layout::PMEM_START_MIN.max(ram.last().map_or(0, |r| r.0 + r.1)).next_multiple_of(PMEM_ALIGN);
+    for path in &cfg.pmem {
+        let pmem_err = |e: String| BuildError::Pmem(path.clone(), e);
+        let region = PmemRegion::map(path).map_err(|e| pmem_err(error_chain(&e)))?;
+        vm.add_region(pmem_next, region.len(), region.host_addr())?;
+        let dev = Pmem::new(&region, pmem_next).map_err(|e| pmem_err(e.to_string()))?;
+        place("pmem", transport_for(dev))?;
+        pmem_next = (pmem_next + region.len()).next_multiple_of(PMEM_ALIGN);
+        pmem_regions.push(region);
+    }
+    let balloon = if cfg.balloon {
+        let dev = Balloon::new(0)?;
+        let handle = dev.handle();
+        place("balloon", transport_for(dev))?;
+        Some(handle)
+    } else {
+        None
+    };
 
     // 6. Boot structures.
     let cmdline_max = match hdr {
@@ -327,7 +362,8 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
             (h.cmdline_size as usize).min(layout::CMDLINE_MAX_SIZE)
         }
         Some(_) => DEFAULT_CMDLINE_SIZE,
-        None => layout::CMDLINE_MAX_SIZE,
+        // An ELF kernel has no setup header: Linux's own limit applies.
+        None => boot::LINUX_CMDLINE_MAX,
     };
     // Devices are announced both ways: on the command line for kernels with
     // VIRTIO_MMIO_CMDLINE_DEVICES, in the DSDT for kernels that only read ACPI.
@@ -419,6 +455,8 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         serial,
         vm,
         vcpu_threads,
+        pmem: pmem_regions,
+        balloon,
     })
 }
 
@@ -465,8 +503,14 @@ fn load_kernel(
                     version: hdr.version,
                 });
             }
+            // ember enters bzImages at their 64-bit entry, which only kernels that
+            // say so (protocol 2.12+, XLF_KERNEL_64) have.
+            boot::check_64bit_entry(&hdr)?;
             let entry = BootEntry::Linux64(r.kernel_load.0 + BZIMAGE_64BIT_ENTRY_OFFSET);
-            Ok((entry, Some(hdr), r.kernel_end))
+            // The kernel decompresses itself in place up to `init_size` past its load
+            // address: nothing (the initramfs) may be put there.
+            let end = boot::bzimage_kernel_end(&hdr, r.kernel_load.0, r.kernel_end);
+            Ok((entry, Some(hdr), end))
         }
         Err(e) => Err(not_a_kernel(path, elf_err, e.to_string())),
     }

@@ -47,14 +47,18 @@ pub struct RunArgs {
     /// Add a virtio-rng device (guest entropy from the host's getrandom).
     #[arg(long)]
     pub rng: bool,
+    /// Add a virtio-balloon device (statistics, free page reporting).
+    #[arg(long)]
+    pub balloon: bool,
     /// Connect a virtio-console port to this unix socket (the appliance's data channel).
     #[arg(long)]
     pub channel: Option<PathBuf>,
     /// Describe devices with an MP table and the command line only (no ACPI tables).
     #[arg(long)]
     pub no_acpi: bool,
-    /// Appliance mode: which VMM boots the appliance (`ember` or `qemu`).
-    #[arg(long, default_value = "ember")]
+    /// Appliance mode: which VMM boots the appliance: `ember`, `qemu`, or `auto`
+    /// (ember where KVM has hardware virtualization, QEMU with TCG elsewhere).
+    #[arg(long, default_value = "auto")]
     pub backend: String,
     /// Appliance mode, qemu backend: machine type.
     #[arg(long, default_value = "q35")]
@@ -133,6 +137,8 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
             .collect::<Result<_, _>>()?,
         channel: args.channel.clone(),
         rng: args.rng,
+        pmem: args.pmem.clone(),
+        balloon: args.balloon,
     };
     let vmm = builder::build(cfg, recorder.clone())
         .map_err(|e| anyhow::anyhow!(builder::error_chain(&e)))?;

@@ -160,22 +160,10 @@ pub fn find_init() -> Result<PathBuf, ApplianceError> {
     .ok_or(ApplianceError::NoInit)
 }
 
-/// Parses `256M`, `1G`, `512K` or bytes into MiB.
+/// Parses `256M`, `1G`, `512K` or bytes (the VMM's size syntax) into MiB.
 pub fn parse_mem_mib(s: &str) -> Result<u64, ApplianceError> {
     let bad = || ApplianceError::BadArg(format!("bad --mem `{s}` (e.g. 256M, 1G)"));
-    let (num, mult) = match s.trim().chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&s[..s.len() - 1], 1u64 << 10),
-        Some('M') => (&s[..s.len() - 1], 1 << 20),
-        Some('G') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    let bytes = num
-        .trim()
-        .parse::<u64>()
-        .map_err(|_| bad())?
-        .checked_mul(mult)
-        .ok_or_else(bad)?;
-    match bytes >> 20 {
+    match crate::vstate::memory::parse_size(s).map_err(|_| bad())? >> 20 {
         0 => Err(bad()),
         mib => Ok(mib),
     }

@@ -32,7 +32,7 @@ pub enum BackendError {
         what: String,
     },
     /// An unknown backend name.
-    #[error("unknown backend `{0}` (known: ember, qemu)")]
+    #[error("unknown backend `{0}` (known: auto, ember, qemu)")]
     Unknown(String),
 }
 
@@ -176,6 +176,10 @@ impl Backend for EmberBackend {
 /// Looks up a backend by name.
 pub fn by_name(name: &str, qemu_machine: &str) -> Result<Box<dyn Backend>, BackendError> {
     match name {
+        // ember itself where KVM runs guest kernels natively, QEMU/TCG elsewhere
+        // (a software KVM emulates guest kernel mode, far slower than TCG).
+        "auto" if qemu::hardware_kvm_usable() => by_name("ember", qemu_machine),
+        "auto" => by_name("qemu", qemu_machine),
         "ember" => Ok(Box::new(EmberBackend::current()?)),
         "qemu" => Ok(Box::new(qemu::QemuBackend::detect(
             qemu_machine,
