@@ -19,10 +19,11 @@ use crate::devices::legacy::{
     AcpiSleep, BootTimer, ConsoleSink, DebugExit, DebugPort, I8042, Serial, SerialIrq, SerialUart,
     VmEnd,
 };
-use crate::devices::virtio::{
-    self, Balloon, BalloonHandle, Block, Console, DiskConfig, MmioTransport, Pmem, PmemRegion, Rng, VirtioDevice,
-};
 use crate::devices::virtio::pmem::PMEM_ALIGN;
+use crate::devices::virtio::{
+    self, Balloon, BalloonHandle, Block, Console, DiskConfig, MmioTransport, Pmem, PmemRegion, Rng,
+    VirtioDevice,
+};
 use crate::events::{Recorder, kind};
 use crate::vstate::kvm::{self, KvmError};
 use crate::vstate::memory::{self, MemoryError};
@@ -337,7 +338,9 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     // pmem files are mapped into guest-physical space above RAM, each at a 2 MiB
     // boundary (what the guest's nd_pmem driver needs for DAX).
     let mut pmem_regions = Vec::new();
-    let mut pmem_next = layout::PMEM_START_MIN.max(ram.last().map_or(0, |r| r.0 + r.1)).next_multiple_of(PMEM_ALIGN);
+    let mut pmem_next = layout::PMEM_START_MIN
+        .max(ram.last().map_or(0, |r| r.0 + r.1))
+        .next_multiple_of(PMEM_ALIGN);
     for path in &cfg.pmem {
         let pmem_err = |e: String| BuildError::Pmem(path.clone(), e);
         let region = PmemRegion::map(path).map_err(|e| pmem_err(error_chain(&e)))?;

@@ -67,8 +67,16 @@ fn boot_linux(test: &str, kernel_file: impl FnOnce(&PathBuf, &Scratch) -> PathBu
     assert!(out.contains("Run /init as init process"), "{out}");
     // Linux understood the structures ember wrote: CPUID's KVM leaves, the MP
     // table, the memory map and the command line.
-    for seen in ["Hypervisor detected: KVM", "MPTABLE: OEM ID: EMBER", "usable", "mitigations=off reboot=k"] {
-        assert!(out.contains(seen), "{test}: `{seen}` missing from the boot log:\n{out}");
+    for seen in [
+        "Hypervisor detected: KVM",
+        "MPTABLE: OEM ID: EMBER",
+        "usable",
+        "mitigations=off reboot=k",
+    ] {
+        assert!(
+            out.contains(seen),
+            "{test}: `{seen}` missing from the boot log:\n{out}"
+        );
     }
     if disk {
         assert!(

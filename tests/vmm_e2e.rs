@@ -225,9 +225,18 @@ fn bad_input_is_a_clear_error() {
         (vec!["--kernel", gs, "--cpus", "100000"], "vCPUs requested"),
         (vec!["--kernel", gs, "--cpus", "0"], "at least one vCPU"),
         (vec![], "give a kernel"),
-        (vec!["--kernel", gs, "--disk", "/nonexistent/disk.img"], "cannot attach disk"),
-        (vec!["--kernel", gs, "--disk", "x.img,bogus"], "unknown disk option"),
-        (vec!["--kernel", gs, "--pmem", "/nonexistent/pmem.img"], "cannot map pmem file"),
+        (
+            vec!["--kernel", gs, "--disk", "/nonexistent/disk.img"],
+            "cannot attach disk",
+        ),
+        (
+            vec!["--kernel", gs, "--disk", "x.img,bogus"],
+            "unknown disk option",
+        ),
+        (
+            vec!["--kernel", gs, "--pmem", "/nonexistent/pmem.img"],
+            "cannot map pmem file",
+        ),
     ];
     for (args, want) in cases {
         let o = output(ember().arg("run").args(&args));
@@ -283,20 +292,44 @@ fn virtio_blk_round_trip_and_read_only() {
     }
     let dir = Scratch::new("blk");
     let disk = dir.path("disk.img");
-    std::fs::File::create(&disk).unwrap().set_len(8 << 20).unwrap();
+    std::fs::File::create(&disk)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
     let d = disk.to_str().unwrap();
-    let (code, out, err, _) = boot(&guest(), "bs=64k qd=4 blkmib=4 blkverify exit=0", &["--disk", d, "--rng", "--balloon"]);
+    let (code, out, err, _) = boot(
+        &guest(),
+        "bs=64k qd=4 blkmib=4 blkverify exit=0",
+        &["--disk", d, "--rng", "--balloon"],
+    );
     assert_eq!(code, 0, "{out}\n{err}");
-    assert!(out.contains("blkverify: ok blocks=64 bytes=4194304"), "{out}");
+    assert!(
+        out.contains("blkverify: ok blocks=64 bytes=4194304"),
+        "{out}"
+    );
     let written = std::fs::read(&disk).unwrap();
-    assert!(written[..4 << 20].iter().any(|&b| b != 0), "the guest's writes must be in the host file");
-    assert!(written[4 << 20..].iter().all(|&b| b == 0), "nothing beyond the span");
+    assert!(
+        written[..4 << 20].iter().any(|&b| b != 0),
+        "the guest's writes must be in the host file"
+    );
+    assert!(
+        written[4 << 20..].iter().all(|&b| b == 0),
+        "nothing beyond the span"
+    );
 
     let before = std::fs::read(&disk).unwrap();
     let ro = format!("{d},ro");
-    let (code, out, _, _) = boot(&guest(), "bs=4k blkmib=1 blkverify exit=0", &["--disk", &ro]);
+    let (code, out, _, _) = boot(
+        &guest(),
+        "bs=4k blkmib=1 blkverify exit=0",
+        &["--disk", &ro],
+    );
     assert_ne!(code, 0, "a write to a read-only disk must fail: {out}");
-    assert_eq!(std::fs::read(&disk).unwrap(), before, "a read-only disk stays byte-identical");
+    assert_eq!(
+        std::fs::read(&disk).unwrap(),
+        before,
+        "a read-only disk stays byte-identical"
+    );
 }
 
 /// A DAX-style pmem region and the other virtio devices coexist with a disk.
@@ -308,9 +341,22 @@ fn all_virtio_devices_attach() {
     let dir = Scratch::new("virtio-all");
     let disk = dir.path("disk.img");
     let pmem = dir.path("pmem.img");
-    std::fs::File::create(&disk).unwrap().set_len(1 << 20).unwrap();
-    std::fs::File::create(&pmem).unwrap().set_len(3 << 20).unwrap();
-    let args = ["--disk", disk.to_str().unwrap(), "--pmem", pmem.to_str().unwrap(), "--rng", "--balloon"];
+    std::fs::File::create(&disk)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    std::fs::File::create(&pmem)
+        .unwrap()
+        .set_len(3 << 20)
+        .unwrap();
+    let args = [
+        "--disk",
+        disk.to_str().unwrap(),
+        "--pmem",
+        pmem.to_str().unwrap(),
+        "--rng",
+        "--balloon",
+    ];
     let (code, out, err, _) = boot(&guest(), "bs=4k blkmib=1 blkverify exit=0", &args);
     assert_eq!(code, 0, "{out}\n{err}");
     // Four windows, announced on the command line (and in the DSDT).
