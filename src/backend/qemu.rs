@@ -105,6 +105,9 @@ impl Backend for QemuBackend {
         };
         c.args(["-M", &machine]);
         match self.accel {
+            // `-cpu host` needs a CPU KVM can pass through; a software KVM (PVM)
+            // refuses some of its MSRs at start, so it gets a plain model.
+            Accel::Kvm if !hardware_kvm_usable() => c.args(["-accel", "kvm", "-cpu", "qemu64"]),
             Accel::Kvm => c.args(["-accel", "kvm", "-cpu", "host"]),
             _ => c.args(["-accel", "tcg", "-cpu", "max"]),
         };
@@ -201,7 +204,8 @@ mod tests {
         });
         spec.console = false;
         let s = args(&qemu("q35", Accel::Kvm).command(&spec).unwrap()).join(" ");
-        assert!(s.contains("-M q35 -accel kvm -cpu host"));
+        let cpu = if hardware_kvm_usable() { "host" } else { "qemu64" };
+        assert!(s.contains(&format!("-M q35 -accel kvm -cpu {cpu}")), "{s}");
         assert!(s.contains("-serial null"));
         assert!(s.contains("file=/d,format=raw,if=none,cache=none,aio=io_uring,readonly=on"));
         assert!(s.contains("virtio-blk-pci,drive=d0"));
