@@ -223,8 +223,10 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
             max,
         });
     }
-    let supported = kvm::supported_cpuid(&kvm)?;
     let vm = Vm::new(&kvm)?;
+    // The vCPU threads ask KVM for its CPUID (once per process) off this
+    // thread, while it loads the kernel.
+    let kvm = Arc::new(kvm);
     recorder.mark(kind::KVM_OPEN);
 
     // 2. Guest memory, registered before the irqchip exists (see `Vm::new`).
@@ -242,7 +244,8 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     for id in 0..cfg.vcpus {
         let (tx, rx) = mpsc::channel::<Arc<Start>>();
         starts.push(tx);
-        let (vm, end, recorder, configured) = (
+        let (kvm, vm, end, recorder, configured) = (
+            kvm.clone(),
             vm.clone(),
             end.clone(),
             recorder.clone(),
@@ -254,6 +257,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
             .spawn(move || {
                 let result = (|| -> Result<(), BuildError> {
                     let mut vcpu = Vcpu::new(vm.fd(), id)?;
+                    let supported = kvm::supported_cpuid(&kvm)?;
                     // The TSC rate goes into the KVM timing leaf so guests need not calibrate.
                     let cpuid = cpuid::configure_cpuid(supported, id, vcpus, vcpu.tsc_khz())?;
                     vcpu.configure(&cpuid, &msr::boot_msrs())?;

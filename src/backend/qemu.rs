@@ -204,7 +204,11 @@ mod tests {
         });
         spec.console = false;
         let s = args(&qemu("q35", Accel::Kvm).command(&spec).unwrap()).join(" ");
-        let cpu = if hardware_kvm_usable() { "host" } else { "qemu64" };
+        let cpu = if hardware_kvm_usable() {
+            "host"
+        } else {
+            "qemu64"
+        };
         assert!(s.contains(&format!("-M q35 -accel kvm -cpu {cpu}")), "{s}");
         assert!(s.contains("-serial null"));
         assert!(s.contains("file=/d,format=raw,if=none,cache=none,aio=io_uring,readonly=on"));
