@@ -264,7 +264,7 @@ fn triple_fault_is_reported_as_a_crash() {
     // ud2; then spin (never reached).
     std::fs::write(
         &kernel,
-        common::static_elf(0x10_0000, &[0x0f, 0x0b, 0xeb, 0xfe]),
+        ember::testing::static_elf(0x10_0000, &[0x0f, 0x0b, 0xeb, 0xfe]),
     )
     .unwrap();
     let o = output(

@@ -67,8 +67,6 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-pub use ember::testing::{static_elf, tiny_init_elf};
-
 /// An initramfs holding just `/init` (see [`ember::testing::tiny_initramfs`]).
 pub fn tiny_initramfs(path: &Path, msg: &str) {
     std::fs::write(path, ember::testing::tiny_initramfs(msg).unwrap()).unwrap();
