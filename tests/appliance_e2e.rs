@@ -176,9 +176,10 @@ fn bad_commands_get_distinct_statuses() {
 
 #[test]
 fn a_vmm_that_dies_is_reported_not_waited_for() {
-    // QEMU refuses a "kernel" that is not one and exits at once.
-    let start = Instant::now();
+    // QEMU refuses a "kernel" that is not one and exits at once. (The clock
+    // starts after `ember()`, which may first have to build ember-init.)
     let mut c = ember(&["--kernel", "/etc/hostname", "--", "true"]);
+    let start = Instant::now();
     let child = c
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
