@@ -144,8 +144,8 @@ fn env_and_workdir() {
 
 #[test]
 fn timeout_kills_the_vm_and_leaves_nothing_behind() {
-    let start = Instant::now();
     let mut c = ember(&["--timeout", "3", "--", "sleep", "100"]);
+    let start = Instant::now();
     let child = c
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
