@@ -23,6 +23,7 @@
 //!
 //! The same binary is its own host runner: `blk host-run PATH OP PATTERN BS QD SECS DIRECT`.
 
+use ember::lab::stats::Summary;
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
@@ -625,25 +626,16 @@ fn prepare_disk(path: &Path, mib: u64) {
     while f.read(&mut chunk).expect("read the disk file") > 0 {}
 }
 
-struct Stats {
-    median: f64,
-    min: f64,
-    max: f64,
-}
-
-fn stats(mut v: Vec<f64>) -> Stats {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    let median = if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    };
-    Stats {
-        median,
-        min: v[0],
-        max: v[n - 1],
-    }
+/// Median and range of `v` (the lab's summary; empty input gives zeros).
+fn stats(v: Vec<f64>) -> Summary {
+    Summary::of(&v).unwrap_or(Summary {
+        n: 0,
+        mean: 0.0,
+        sd: 0.0,
+        median: 0.0,
+        min: 0.0,
+        max: 0.0,
+    })
 }
 
 fn cell(v: Vec<f64>, digits: usize) -> (String, f64) {

@@ -5,6 +5,7 @@
 //! The guest is ember's test guest told to end at once (`halt`): a null guest.
 
 use ember::events::{EventFile, monotonic_ns};
+use ember::lab::stats::Summary;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -98,25 +99,16 @@ fn ember_internals(ember: &Path, guest: &Path, dir: &Path) -> (f64, f64) {
     )
 }
 
-struct Stats {
-    median: f64,
-    min: f64,
-    max: f64,
-}
-
-fn stats(mut v: Vec<f64>) -> Stats {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    let median = if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    };
-    Stats {
-        median,
-        min: v[0],
-        max: v[n - 1],
-    }
+/// Median and range of `v` (the lab's summary; empty input gives zeros).
+fn stats(v: Vec<f64>) -> Summary {
+    Summary::of(&v).unwrap_or(Summary {
+        n: 0,
+        mean: 0.0,
+        sd: 0.0,
+        median: 0.0,
+        min: 0.0,
+        max: 0.0,
+    })
 }
 
 fn row(name: &str, unit: &str, v: Vec<f64>) -> f64 {
