@@ -1,16 +1,21 @@
 //! The one place that knows the boot order. Reading [`build`] top to bottom is
 //! reading how a microVM comes to life:
 //!
-//! 1. open /dev/kvm, create the VM with its in-kernel irqchip and PIT;
-//! 2. map guest memory (lazily) and register it;
+//! 1. open /dev/kvm and create the VM;
+//! 2. map guest memory (lazily), give its first GiB to KVM (the rest on first
+//!    touch), then create the in-kernel irqchip and PIT;
 //! 3. start the vCPU threads — they create and configure their vCPUs in
 //!    parallel with everything that follows;
 //! 4. load the kernel straight from its file into guest memory (ELF with a PVH
 //!    note, ELF without, or bzImage) and the initramfs after it;
-//! 5. write the boot structures: command line, zero page or PVH start info,
-//!    e820 map, GDT, page tables, MP table and ACPI tables;
-//! 6. put the devices on the buses;
-//! 7. hand the boot vCPU its entry registers; it enters the guest.
+//! 5. create the virtio devices (MMIO windows, irqfds, ioeventfds);
+//! 6. write the boot structures: command line, GDT, page tables, MP table, ACPI
+//!    tables, and the zero page with its e820 map or the PVH start info;
+//! 7. put the legacy devices on the buses;
+//! 8. hand every vCPU the finished buses and the boot vCPU its entry registers;
+//!    it enters the guest.
+//!
+//! `ARCHITECTURE.md` walks the same path with more of the why.
 
 use crate::arch::x86_64::{acpi, boot, cpuid, layout, mptable, msr, regs};
 use crate::devices::IrqFdLine;
@@ -236,7 +241,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     recorder.mark(kind::MEMORY_READY);
     let vm = Arc::new(vm);
 
-    // 3. vCPU threads, created and configured in parallel with steps 4-6.
+    // 3. vCPU threads, created and configured in parallel with steps 4-7.
     let end = Arc::new(VmEnd::new()?);
     let mut starts = Vec::new();
     let mut vcpu_threads = Vec::new();

@@ -105,6 +105,12 @@ pub const DEFAULT_CMDLINE: &str =
 
 /// Runs `ember run`; returns the process exit status.
 pub fn main(args: RunArgs) -> anyhow::Result<i32> {
+    if let Some(t) = args.timeout {
+        // Durations from floats panic on NaN, infinity and overflow: refuse them here.
+        if !(t.is_finite() && t > 0.0 && t < 1e9) {
+            anyhow::bail!("--timeout must be a positive number of seconds, not {t}");
+        }
+    }
     if !args.command.is_empty() {
         return crate::appliance::run_command(&args);
     }

@@ -224,6 +224,14 @@ fn bad_input_is_a_clear_error() {
         (vec!["--kernel", gs, "--mem", "1M"], "too small"),
         (vec!["--kernel", gs, "--cpus", "100000"], "vCPUs requested"),
         (vec!["--kernel", gs, "--cpus", "0"], "at least one vCPU"),
+        (
+            vec!["--kernel", gs, "--timeout", "nan"],
+            "--timeout must be",
+        ),
+        (
+            vec!["--kernel", gs, "--timeout", "1e30"],
+            "--timeout must be",
+        ),
         (vec![], "give a kernel"),
         (
             vec!["--kernel", gs, "--disk", "/nonexistent/disk.img"],

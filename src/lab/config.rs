@@ -232,7 +232,8 @@ pub fn build(opts: &GuestOpts, label: &str) -> Result<(BootConfig, Milestones), 
             }
         }
     }
-    if !(opts.timeout > 0.0 && opts.timeout.is_finite()) {
+    // Bounded too: a float too large for a `Duration` would panic later.
+    if !(opts.timeout > 0.0 && opts.timeout < 1e9) {
         return Err(ConfigError::Invalid(
             "--timeout must be a positive number of seconds".into(),
         ));
