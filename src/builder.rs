@@ -381,12 +381,8 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     // VIRTIO_MMIO_CMDLINE_DEVICES, in the DSDT for kernels that only read ACPI.
     let mut cmdline = cfg.cmdline.trim().to_owned();
     for d in &announced {
-        cmdline.push_str(&format!(
-            " virtio_mmio.device={}K@{:#x}:{}",
-            d.len >> 10,
-            d.base,
-            d.gsi
-        ));
+        cmdline.push(' ');
+        cmdline.push_str(&virtio::mmio::cmdline_device(d.base, d.len, d.gsi));
     }
     boot::write_cmdline(&mem, &cmdline, cmdline_max)?;
     regs::write_gdt_and_idt(&mem)?;

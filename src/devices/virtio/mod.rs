@@ -355,6 +355,28 @@ pub(crate) fn return_chain(
     }
 }
 
+/// One pass over a queue in the shape the simple devices share: take up to a
+/// queue's worth of chains, answer each with `handle` (its used length), then
+/// interrupt the guest once if anything went back and the driver wants to hear.
+pub(crate) fn serve_queue(
+    queue: &mut Queue,
+    mem: &GuestMemory,
+    irq: &VirtioInterrupt,
+    device: &str,
+    mut handle: impl FnMut(virtio_queue::DescriptorChain<&GuestMemory>) -> u32,
+) {
+    use virtio_queue::QueueT;
+    let mut returned = false;
+    for chain in pop_chains(queue, mem, irq, device) {
+        let head = chain.head_index();
+        let len = handle(chain);
+        returned |= return_chain(queue, mem, irq, device, head, len);
+    }
+    if returned && queue.needs_notification(mem).unwrap_or(true) {
+        irq.signal_used_queue();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

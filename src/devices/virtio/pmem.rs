@@ -10,12 +10,12 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 use virtio_bindings::virtio_ids::VIRTIO_ID_PMEM;
-use virtio_queue::{DescriptorChain, Queue, QueueT, Reader, Writer};
+use virtio_queue::{DescriptorChain, Queue, Reader, Writer};
 
 use super::worker::{QueueHandler, Worker, spawn_queue_worker};
 use super::{
     ActivateError, ActiveQueue, GuestMemory, VIRTIO_F_VERSION_1, VirtioDevice, VirtioInterrupt,
-    check_queues, pop_chains, read_config_bytes, return_chain,
+    check_queues, read_config_bytes, serve_queue,
 };
 
 /// Entries in the request queue.
@@ -266,13 +266,13 @@ pub(crate) struct PmemHandler {
 
 impl PmemHandler {
     /// Handles one request; returns the used length.
-    fn handle(&self, chain: DescriptorChain<&GuestMemory>) -> u32 {
-        let req = Reader::<()>::new(&self.mem, chain.clone()).and_then(|mut r| {
+    fn handle(mem: &GuestMemory, file: &File, chain: DescriptorChain<&GuestMemory>) -> u32 {
+        let req = Reader::<()>::new(mem, chain.clone()).and_then(|mut r| {
             r.read_obj::<u32>()
                 .map_err(|_| virtio_queue::Error::InvalidChain)
         });
         let resp = match req {
-            Ok(REQ_TYPE_FLUSH) => match self.file.sync_all() {
+            Ok(REQ_TYPE_FLUSH) => match file.sync_all() {
                 Ok(()) => RESP_OK,
                 Err(e) => {
                     log::warn!("{DEVICE}: fsync failed: {e}");
@@ -288,7 +288,7 @@ impl PmemHandler {
                 RESP_EIO
             }
         };
-        let written = Writer::<()>::new(&self.mem, chain).and_then(|mut w| {
+        let written = Writer::<()>::new(mem, chain).and_then(|mut w| {
             w.write_obj(resp)
                 .map_err(|_| virtio_queue::Error::InvalidChain)
         });
@@ -304,15 +304,15 @@ impl PmemHandler {
 
 impl QueueHandler for PmemHandler {
     fn process_queue(&mut self, _index: usize) {
-        let mut returned = false;
-        for chain in pop_chains(&mut self.queue, &self.mem, &self.irq, DEVICE) {
-            let head = chain.head_index();
-            let len = self.handle(chain);
-            returned |= return_chain(&mut self.queue, &self.mem, &self.irq, DEVICE, head, len);
-        }
-        if returned && self.queue.needs_notification(&self.mem).unwrap_or(true) {
-            self.irq.signal_used_queue();
-        }
+        let Self {
+            mem,
+            queue,
+            irq,
+            file,
+        } = self;
+        serve_queue(queue, mem, irq, DEVICE, |chain| {
+            Self::handle(mem, file, chain)
+        });
     }
 }
 

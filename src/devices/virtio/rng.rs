@@ -1,13 +1,13 @@
 //! virtio-rng: an entropy source backed by the host's getrandom(2) (virtio 1.x §5.4).
 
 use virtio_bindings::virtio_ids::VIRTIO_ID_RNG;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::Queue;
 use vm_memory::Bytes;
 
 use super::worker::{QueueHandler, Worker, spawn_queue_worker};
 use super::{
     ActivateError, ActiveQueue, GuestMemory, VIRTIO_F_VERSION_1, VIRTIO_RING_F_INDIRECT_DESC,
-    VirtioDevice, VirtioInterrupt, check_queues, pop_chains, return_chain,
+    VirtioDevice, VirtioInterrupt, check_queues, serve_queue,
 };
 
 /// Entries in the request queue.
@@ -88,7 +88,7 @@ pub(crate) struct RngHandler {
 }
 
 impl RngHandler {
-    fn fill(&self, chain: virtio_queue::DescriptorChain<&GuestMemory>) -> u32 {
+    fn fill(mem: &GuestMemory, chain: virtio_queue::DescriptorChain<&GuestMemory>) -> u32 {
         let mut written = 0usize;
         let mut buf = Vec::new();
         for desc in chain.writable() {
@@ -101,7 +101,7 @@ impl RngHandler {
                 log::warn!("{DEVICE}: getrandom failed: {e}");
                 break;
             }
-            if self.mem.write_slice(&buf, desc.addr()).is_err() {
+            if mem.write_slice(&buf, desc.addr()).is_err() {
                 log::warn!(
                     "{DEVICE}: buffer at {:#x} is outside guest memory",
                     desc.addr().0
@@ -116,15 +116,8 @@ impl RngHandler {
 
 impl QueueHandler for RngHandler {
     fn process_queue(&mut self, _index: usize) {
-        let mut returned = false;
-        for chain in pop_chains(&mut self.queue, &self.mem, &self.irq, DEVICE) {
-            let head = chain.head_index();
-            let len = self.fill(chain);
-            returned |= return_chain(&mut self.queue, &self.mem, &self.irq, DEVICE, head, len);
-        }
-        if returned && self.queue.needs_notification(&self.mem).unwrap_or(true) {
-            self.irq.signal_used_queue();
-        }
+        let Self { mem, queue, irq } = self;
+        serve_queue(queue, mem, irq, DEVICE, |chain| Self::fill(mem, chain));
     }
 }
 
