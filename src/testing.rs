@@ -560,6 +560,15 @@ pub fn static_elf(base: u64, code: &[u8]) -> Vec<u8> {
     elf
 }
 
+/// Reports a test that could not run here. Written straight to the process's
+/// stderr, not through `eprintln!`, which the test harness captures (and hides
+/// for a passing test): a skipped test must be seen.
+pub fn skip(test: &str, why: &str) {
+    use std::io::Write;
+    let line = format!("\n!!!!!!!! SKIPPED {test}: {why} !!!!!!!!\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
 /// An initramfs holding just `/init` ([`tiny_init_elf`]) and `/dev/console`
 /// (so its output shows before devtmpfs exists).
 pub fn tiny_initramfs(msg: &str) -> Result<Vec<u8>, crate::initramfs::InitramfsError> {

@@ -23,8 +23,9 @@ fn pvm_kernel_dir(test: &str) -> Option<PathBuf> {
     match std::env::var_os("EMBER_PVM_KERNEL") {
         Some(d) => Some(PathBuf::from(d)),
         None => {
-            eprintln!(
-                "\n*** SKIPPED {test}: EMBER_PVM_KERNEL is not set (scripts/test builds the kernel and sets it) ***\n"
+            ember::testing::skip(
+                test,
+                "EMBER_PVM_KERNEL is not set (scripts/test builds the kernel and sets it)",
             );
             None
         }

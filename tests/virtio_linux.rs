@@ -62,8 +62,9 @@ fn linux_drives_virtio_blk_and_the_console_channel() {
         return;
     }
     let Some(dir) = std::env::var_os("EMBER_PVM_KERNEL") else {
-        eprintln!(
-            "\n*** SKIPPED {test}: EMBER_PVM_KERNEL is not set (scripts/test builds the kernel and sets it) ***\n"
+        ember::testing::skip(
+            test,
+            "EMBER_PVM_KERNEL is not set (scripts/test builds the kernel and sets it)",
         );
         return;
     };

@@ -401,13 +401,14 @@ pub(crate) mod tests {
 
     #[test]
     fn resolves_the_real_debian_modules_when_present() {
-        let Some(dir) = fs::read_dir("/root/.cache/ember/debian/x/lib/modules")
-            .ok()
-            .and_then(|mut d| d.next())
-            .and_then(|e| e.ok())
-            .map(|e| e.path())
-        else {
-            eprintln!("SKIPPED: no Debian modules tree");
+        // The modules of the kernel `ember setup` fetched (scripts/test runs it first).
+        let cache = crate::appliance::kernel::cache_dir()
+            .map(|d| crate::appliance::kernel::KernelCache::new(&d));
+        let Some(dir) = cache.ok().and_then(|c| c.current()).and_then(|k| k.modules) else {
+            crate::testing::skip(
+                "resolves_the_real_debian_modules",
+                "no Debian modules tree (run `ember setup`)",
+            );
             return;
         };
         let tree = ModuleTree::open(&dir).unwrap();

@@ -19,7 +19,7 @@ pub fn require_kvm(test: &str) -> bool {
         .is_ok();
     if !ok {
         if std::env::var_os("EMBER_ALLOW_NO_KVM").is_some() {
-            eprintln!("\n*** SKIPPED {test}: /dev/kvm is not usable on this host ***\n");
+            ember::testing::skip(test, "/dev/kvm is not usable on this host");
             return false;
         }
         panic!(

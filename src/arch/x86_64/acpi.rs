@@ -590,9 +590,9 @@ mod tests {
             .output()
             .is_err()
         {
-            eprintln!(
-                "!!!!!!!! SKIPPED acpica_evaluates_the_dsdt: `acpiexec` not installed \
-                 (apt-get install acpica-tools) !!!!!!!!"
+            crate::testing::skip(
+                "acpica_evaluates_the_dsdt",
+                "`acpiexec` not installed (apt-get install acpica-tools)",
             );
             return;
         }
@@ -640,9 +640,9 @@ mod tests {
     #[test]
     fn iasl_accepts_the_tables() {
         if !iasl_installed() {
-            eprintln!(
-                "!!!!!!!! SKIPPED iasl_accepts_the_tables: `iasl` not installed \
-                 (apt-get install acpica-tools) !!!!!!!!"
+            crate::testing::skip(
+                "iasl_accepts_the_tables",
+                "`iasl` not installed (apt-get install acpica-tools)",
             );
             return;
         }
