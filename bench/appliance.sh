@@ -10,8 +10,8 @@ set -euo pipefail
 RUNS=${1:-5}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
-cargo build --release -q -p ember -p ember-init
-EMBER=$ROOT/target/release/ember
+EMBER=$(scripts/build-release)
+cargo build --release -q -p ember-init
 export EMBER_INIT=$ROOT/target/release/ember-init
 WORK=$(mktemp -d /tmp/ember-bench.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT

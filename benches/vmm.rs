@@ -1,8 +1,15 @@
 //! VMM-core benchmark: ember against QEMU microvm (KVM) on the same machine,
 //! in one run, interleaved so both see the same noise.
 //!
-//! `cargo bench --bench vmm` (EMBER_BENCH_RUNS=N to change the run count).
-//! The guest is ember's test guest told to end at once (`halt`): a null guest.
+//! `cargo bench --target x86_64-unknown-linux-musl --bench vmm` measures ember
+//! as shipped (statically linked, see scripts/build-release); plain
+//! `cargo bench --bench vmm` measures the dynamically linked glibc build.
+//! EMBER_BENCH_RUNS=N changes the run count. The guest is ember's test guest
+//! told to end at once (`halt`): a null guest.
+//!
+//! `ember run` is two processes (see `vstate::teardown`): the one started,
+//! which only waits, and the VMM it forks. Peak RSS from wait4 is the waiting
+//! process's; the VMM's comes from its own `memory` event.
 
 use ember::events::{EventFile, monotonic_ns};
 use ember::lab::stats::Summary;
@@ -52,8 +59,8 @@ fn measure(cmd: &mut Command) -> Run {
 }
 
 /// Runs ember with an events file; returns (exec -> first guest instruction ms,
-/// VMM overhead KiB = peak RSS - guest memory resident).
-fn ember_internals(ember: &Path, guest: &Path, dir: &Path) -> (f64, f64) {
+/// VMM process peak RSS KiB, VMM overhead KiB = that - guest memory resident).
+fn ember_internals(ember: &Path, guest: &Path, dir: &Path) -> (f64, f64, f64) {
     let events = dir.join("ev.json");
     let t0 = monotonic_ns();
     let st = Command::new(ember)
@@ -95,8 +102,25 @@ fn ember_internals(ember: &Path, guest: &Path, dir: &Path) -> (f64, f64) {
     };
     (
         (exec_to_main_us + first) / 1e3,
+        field("vm_hwm_kib="),
         field("vm_hwm_kib=") - field("guest_resident_kib="),
     )
+}
+
+/// How `bin` is linked: "static" without a program interpreter.
+fn linking(bin: &Path) -> &'static str {
+    let bytes = std::fs::read(bin).unwrap_or_default();
+    match object::read::File::parse(&*bytes) {
+        Ok(f) => {
+            use object::Object;
+            if f.section_by_name(".interp").is_some() {
+                "dynamically linked"
+            } else {
+                "statically linked"
+            }
+        }
+        Err(_) => "unknown linking",
+    }
 }
 
 /// Median and range of `v` (the lab's summary; empty input gives zeros).
@@ -185,7 +209,7 @@ fn main() {
         }
     }
     let (mut e, mut e64g, mut ver, mut q) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut first_insn, mut overhead) = (Vec::new(), Vec::new());
+    let (mut first_insn, mut vmm_rss, mut overhead) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..runs {
         eprint!("\rrun {}/{runs}", i + 1);
         e.push(measure(&mut ember_cmd("512M")));
@@ -194,9 +218,10 @@ fn main() {
         if let Some(qb) = &qemu {
             q.push(measure(&mut qemu_cmd(qb)));
         }
-        let (fi, oh) = ember_internals(&ember, &guest, &dir);
+        let (fi, rss, oh) = ember_internals(&ember, &guest, &dir);
         first_insn.push(fi);
-        overhead.push(oh);
+        vmm_rss.push(rss / 1024.0);
+        overhead.push(oh / 1024.0);
     }
     eprintln!();
     let ms = |v: &[Run]| v.iter().map(|r| r.exit_ms).collect::<Vec<_>>();
@@ -207,7 +232,8 @@ fn main() {
             .collect::<Vec<_>>()
     };
 
-    println!("\nember VMM core, {runs} interleaved runs (test guest, 512 MiB, 1 vCPU)\n");
+    println!("\nember VMM core, {runs} interleaved runs (test guest, 512 MiB, 1 vCPU)");
+    println!("ember binary: {} ({})\n", ember.display(), linking(&ember));
     println!("| measure | median | min – max |");
     println!("| --- | --- | --- |");
     row("ember: exec → first guest instruction", "ms", first_insn);
@@ -215,12 +241,13 @@ fn main() {
     let e_exit = row("ember: exec → exit", "ms", ms(&e));
     let e64 = row("ember: exec → exit, 64 GiB guest", "ms", ms(&e64g));
     let v = row("ember --version: exec → exit", "ms", ms(&ver));
-    row("ember: peak RSS", "MiB", rss(&e));
+    row("ember: VMM process peak RSS", "MiB", vmm_rss);
     row(
-        "ember: VMM overhead (peak RSS − guest resident)",
+        "ember: VMM overhead (VMM peak RSS − guest resident)",
         "MiB",
-        overhead.iter().map(|k| k / 1024.0).collect(),
+        overhead,
     );
+    row("ember: waiting process peak RSS", "MiB", rss(&e));
     if !q.is_empty() {
         let q_line = row(
             "QEMU microvm (KVM): exec → first console line",

@@ -1,11 +1,12 @@
 //! The one place that knows the boot order. Reading [`build`] top to bottom is
 //! reading how a microVM comes to life:
 //!
-//! 1. open /dev/kvm and create the VM;
-//! 2. map guest memory (lazily), give its first GiB to KVM (the rest on first
-//!    touch), then create the in-kernel irqchip and PIT;
-//! 3. start the vCPU threads — they create and configure their vCPUs in
-//!    parallel with everything that follows;
+//! 1. open /dev/kvm;
+//! 2. start the vCPU threads — they fetch KVM's CPUID while the VM is being
+//!    made, then create and configure their vCPUs in parallel with everything
+//!    that follows;
+//! 3. create the VM, map guest memory (lazily), give its first GiB to KVM (the
+//!    rest on first touch), then create the in-kernel irqchip and PIT;
 //! 4. load the kernel straight from its file into guest memory (ELF with a PVH
 //!    note, ELF without, or bzImage) and the initramfs after it;
 //! 5. create the virtio devices (MMIO windows, irqfds, ioeventfds);
@@ -217,8 +218,8 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     }
     memory::check_size(cfg.mem_size)?;
 
-    // 1. KVM and the VM.
-    let kvm = kvm::open()?;
+    // 1. KVM.
+    let kvm = Arc::new(kvm::open()?);
     let max = u32::try_from(kvm.get_max_vcpus())
         .unwrap_or(u32::MAX)
         .min(mptable::max_cpus());
@@ -228,30 +229,24 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
             max,
         });
     }
-    let vm = Vm::new(&kvm)?;
-    // The vCPU threads ask KVM for its CPUID (once per process) off this
-    // thread, while it loads the kernel.
-    let kvm = Arc::new(kvm);
-    recorder.mark(kind::KVM_OPEN);
 
-    // 2. Guest memory, registered before the irqchip exists (see `Vm::new`).
-    let mem = memory::create(cfg.mem_size)?;
-    vm.register_memory(&mem)?;
-    vm.create_irqchip()?;
-    recorder.mark(kind::MEMORY_READY);
-    let vm = Arc::new(vm);
-
-    // 3. vCPU threads, created and configured in parallel with steps 4-7.
+    // 2. vCPU threads, started before the VM exists: asking KVM for its CPUID
+    // (once per process; a few hundred microseconds where CPUID traps) runs
+    // while this thread creates the VM and its memory. Each thread then waits
+    // for the irqchip, creates and configures its vCPU in parallel with steps
+    // 4-7, and waits for the go.
     let end = Arc::new(VmEnd::new()?);
+    let mut readies = Vec::new();
     let mut starts = Vec::new();
     let mut vcpu_threads = Vec::new();
     let configured = Arc::new(AtomicU32::new(0));
     for id in 0..cfg.vcpus {
+        let (ready_tx, ready_rx) = mpsc::channel::<Arc<Vm>>();
         let (tx, rx) = mpsc::channel::<Arc<Start>>();
+        readies.push(ready_tx);
         starts.push(tx);
-        let (kvm, vm, end, recorder, configured) = (
+        let (kvm, end, recorder, configured) = (
             kvm.clone(),
-            vm.clone(),
             end.clone(),
             recorder.clone(),
             configured.clone(),
@@ -261,15 +256,18 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
             .name(format!("ember-vcpu{id}"))
             .spawn(move || {
                 let result = (|| -> Result<(), BuildError> {
-                    let mut vcpu = Vcpu::new(vm.fd(), id)?;
                     let supported = kvm::supported_cpuid(&kvm)?;
+                    // A closed channel means the build failed: just leave.
+                    let Ok(vm) = ready_rx.recv() else {
+                        return Ok(());
+                    };
+                    let mut vcpu = Vcpu::new(vm.fd(), id)?;
                     // The TSC rate goes into the KVM timing leaf so guests need not calibrate.
                     let cpuid = cpuid::configure_cpuid(supported, id, vcpus, vcpu.tsc_khz())?;
                     vcpu.configure(&cpuid, &msr::boot_msrs())?;
                     if configured.fetch_add(1, Ordering::SeqCst) + 1 == vcpus {
                         recorder.mark(kind::VCPUS_CREATED);
                     }
-                    // A closed channel means the build failed: just leave.
                     let Ok(start) = rx.recv() else { return Ok(()) };
                     if id == 0 {
                         vcpu.set_boot_state(start.entry)?;
@@ -282,6 +280,20 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
                 }
             })?;
         vcpu_threads.push(thread);
+    }
+
+    // 3. The VM and its memory, registered before the irqchip exists (see
+    // `Vm::new`); then the vCPU threads may create their vCPUs.
+    let vm = Vm::new(&kvm)?;
+    recorder.mark(kind::KVM_OPEN);
+    let mem = memory::create(cfg.mem_size)?;
+    vm.register_memory(&mem)?;
+    vm.create_irqchip()?;
+    recorder.mark(kind::MEMORY_READY);
+    let vm = Arc::new(vm);
+    for ready in readies {
+        // A vCPU thread that already failed has hung up; its error is in `end`.
+        let _ = ready.send(vm.clone());
     }
 
     // 4. Kernel and initramfs, read once, straight into guest memory.

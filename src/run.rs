@@ -146,6 +146,10 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
         pmem: args.pmem.clone(),
         balloon: args.balloon,
     };
+    // From here on this process is the VMM; the one the user started waits
+    // for its result (see `vstate::teardown`).
+    let reporter = crate::vstate::teardown::split()?;
+    recorder.mark(kind::VMM_START);
     let vmm = builder::build(cfg, recorder.clone())
         .map_err(|e| anyhow::anyhow!(builder::error_chain(&e)))?;
     if args.console == ConsoleMode::Serial && std::io::stdin().is_terminal() {
@@ -180,7 +184,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
         std::fs::write(path, json)
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
     }
-    crate::vstate::teardown::exit_leaving_teardown(code)
+    reporter.exit(code)
 }
 
 /// Waits for the guest to end; `None` when `timeout` (seconds) passes first.

@@ -8,7 +8,9 @@
 # Usage: docs/boot-lab/make-sample.sh   (from the repository root)
 set -eu
 out=$(dirname "$0")
-kernel=${KERNEL:-/root/.cache/ember/debian/x/boot/vmlinuz-6.1.0-56-cloud-amd64}
+cache=${EMBER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ember}/kernel
+ver=$(cat "$cache/current")   # written by `ember setup`
+kernel=${KERNEL:-$cache/$ver/boot/vmlinuz-$ver}
 cargo build --release --quiet
 cargo build -p ember-test-guest --release --quiet --target-dir target/guests
 ember=target/release/ember

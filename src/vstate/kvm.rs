@@ -68,14 +68,12 @@ pub fn open() -> Result<Kvm, KvmError> {
 /// The CPUID KVM supports, asked once per process: every vCPU's CPUID is
 /// derived from it (QEMU Lite's "query CPUID once").
 pub fn supported_cpuid(kvm: &Kvm) -> Result<&'static CpuId, KvmError> {
-    static CPUID: OnceLock<CpuId> = OnceLock::new();
-    if let Some(c) = CPUID.get() {
-        return Ok(c);
-    }
-    let c = kvm
-        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-        .map_err(KvmError::SupportedCpuid)?;
-    Ok(CPUID.get_or_init(|| c))
+    // Callers racing here wait for the one fetch rather than repeating it.
+    static CPUID: OnceLock<Result<CpuId, kvm_ioctls::Error>> = OnceLock::new();
+    CPUID
+        .get_or_init(|| kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES))
+        .as_ref()
+        .map_err(|e| KvmError::SupportedCpuid(*e))
 }
 
 #[cfg(test)]

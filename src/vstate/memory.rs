@@ -74,10 +74,14 @@ pub fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
     for region in mem.iter() {
         let len = region.len() as usize;
         if let Ok(addr) = region.get_host_address(vm_memory::MemoryRegionAddress(0)) {
-            // SAFETY: `addr..addr+len` is exactly one mapping vm-memory owns and keeps
-            // alive as long as `mem`; MADV_HUGEPAGE only changes how future faults are
-            // backed, never the contents, so it cannot break any Rust reference.
-            let rc = unsafe { libc::madvise(addr.cast(), len, libc::MADV_HUGEPAGE) };
+            // The low range stays on small pages (see `layout::SMALL_PAGES_END`).
+            let small =
+                (layout::SMALL_PAGES_END.saturating_sub(region.start_addr().0) as usize).min(len);
+            // SAFETY: `addr+small..addr+len` lies within one mapping vm-memory owns and
+            // keeps alive as long as `mem`; MADV_HUGEPAGE only changes how future faults
+            // are backed, never the contents, so it cannot break any Rust reference.
+            let rc =
+                unsafe { libc::madvise(addr.add(small).cast(), len - small, libc::MADV_HUGEPAGE) };
             if rc != 0 {
                 // THP disabled on the host: a performance hint lost, not an error.
                 log::debug!(
@@ -85,8 +89,9 @@ pub fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
                     std::io::Error::last_os_error()
                 );
             }
-            // The teardown child (see `vstate::teardown`) must not inherit guest
-            // memory: fork would have to copy its page tables.
+            // A child forked later (a helper process) must not inherit guest
+            // memory: fork would copy its page tables and make its pages
+            // copy-on-write under a running guest. QEMU advises the same.
             // SAFETY: as above; MADV_DONTFORK only affects future forks.
             if unsafe { libc::madvise(addr.cast(), len, libc::MADV_DONTFORK) } != 0 {
                 log::debug!(
@@ -102,10 +107,14 @@ pub fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
 /// How many bytes of guest memory are resident on the host, from
 /// /proc/self/smaps (cheap even for a 64 GiB guest, unlike mincore).
 pub fn resident_bytes(mem: &GuestMemoryMmap) -> u64 {
-    let starts: Vec<u64> = mem
+    // Host ranges of guest RAM. Advice splits a region into several mappings
+    // (small pages first, see `create`), so match mappings inside a range.
+    let ranges: Vec<(u64, u64)> = mem
         .iter()
-        .filter_map(|r| r.get_host_address(vm_memory::MemoryRegionAddress(0)).ok())
-        .map(|p| p as u64)
+        .filter_map(|r| {
+            let start = r.get_host_address(vm_memory::MemoryRegionAddress(0)).ok()? as u64;
+            Some((start, start + r.len()))
+        })
         .collect();
     let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
     let mut total_kib = 0;
@@ -115,7 +124,7 @@ pub fn resident_bytes(mem: &GuestMemoryMmap) -> u64 {
         if let Some((range, _)) = line.split_once(' ') {
             if let Some((start, _)) = range.split_once('-') {
                 if let Ok(start) = u64::from_str_radix(start, 16) {
-                    in_guest = starts.contains(&start);
+                    in_guest = ranges.iter().any(|&(s, e)| (s..e).contains(&start));
                     continue;
                 }
             }
@@ -173,12 +182,51 @@ mod tests {
     }
 
     #[test]
+    fn boot_range_is_on_small_pages_and_the_rest_huge() {
+        let mem = create(16 << 20).unwrap();
+        let base = mem
+            .iter()
+            .next()
+            .unwrap()
+            .get_host_address(vm_memory::MemoryRegionAddress(0))
+            .unwrap() as u64;
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        // (start, end, advised for huge pages) of the mappings at `base`.
+        let mut maps = Vec::new();
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ') {
+                if let Some((a, b)) = range.split_once('-') {
+                    if let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16))
+                    {
+                        maps.push((a, b, false));
+                        continue;
+                    }
+                }
+            }
+            if let (Some(flags), Some(last)) = (line.strip_prefix("VmFlags:"), maps.last_mut()) {
+                last.2 = flags.split_whitespace().any(|f| f == "hg");
+            }
+        }
+        let low = maps.iter().find(|m| m.0 == base).expect("the low mapping");
+        assert_eq!((low.1 - low.0, low.2), (layout::SMALL_PAGES_END, false));
+        let high = maps.iter().find(|m| m.0 == low.1).expect("the rest");
+        // A kernel without THP refuses the advice (and ember goes on without).
+        if std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+            assert!(high.2, "the rest is advised for huge pages");
+        }
+    }
+
+    #[test]
     fn resident_bytes_counts_touched_pages() {
         use vm_memory::Bytes;
         let mem = create(16 << 20).unwrap();
         let before = resident_bytes(&mem);
+        // One page on small pages, one in the huge-page range.
+        mem.write_obj(1u8, GuestAddress(0x1000)).unwrap();
+        let small = resident_bytes(&mem);
+        assert!(small >= before + 4096, "{before} -> {small}");
         mem.write_obj(1u8, GuestAddress(8 << 20)).unwrap();
-        assert!(resident_bytes(&mem) >= before + 4096);
+        assert!(resident_bytes(&mem) >= small + 4096);
     }
 
     #[test]

@@ -4,9 +4,13 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// The ember binary under test.
+/// The ember binary under test: cargo's, or `EMBER_BIN` (scripts/test points
+/// it at the statically linked release binary that scripts/install ships).
 pub fn ember() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_ember"))
+    match std::env::var_os("EMBER_BIN") {
+        Some(bin) => Command::new(bin),
+        None => Command::new(env!("CARGO_BIN_EXE_ember")),
+    }
 }
 
 /// Whether this host has a usable /dev/kvm. Without one, KVM tests fail —
