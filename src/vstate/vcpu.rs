@@ -215,36 +215,46 @@ impl Vcpu {
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
                 Err(source) => return Err(VcpuError::Run { id, source }),
             };
-            match exit {
-                VcpuExit::IoOut(port, data) => {
-                    io.write(u64::from(port), data);
-                }
-                VcpuExit::IoIn(port, data) => {
-                    io.read(u64::from(port), data);
-                }
+            // Port I/O is finished after the match, once `exit` no longer
+            // borrows the vCPU: its access size is needed and kvm-ioctls
+            // does not pass it on.
+            let pio = match exit {
+                VcpuExit::IoOut(port, data) => Some(Pio::out(port, data)),
+                VcpuExit::IoIn(port, data) => Some(Pio::input(port, data.len())),
                 VcpuExit::MmioWrite(addr, data) => {
                     if !mmio.write(addr, data) && claim(vm, addr)? {
                         mem.write_slice(data, GuestAddress(addr))
                             .map_err(|_| VcpuError::LazyRam(addr))?;
                     }
+                    None
                 }
                 VcpuExit::MmioRead(addr, data) => {
                     if !mmio.read(addr, data) && claim(vm, addr)? {
                         mem.read_slice(data, GuestAddress(addr))
                             .map_err(|_| VcpuError::LazyRam(addr))?;
                     }
+                    None
                 }
                 // A triple fault: the CPU gives up.
-                VcpuExit::Shutdown => end.report(GuestEnd::TripleFault),
+                VcpuExit::Shutdown => {
+                    end.report(GuestEnd::TripleFault);
+                    None
+                }
                 // With the in-kernel LAPIC, HLT only exits when the guest halted for good.
-                VcpuExit::Hlt => end.report(GuestEnd::PowerOff),
-                VcpuExit::SystemEvent(kind, _) => end.report(match kind {
-                    kvm_bindings::KVM_SYSTEM_EVENT_RESET => GuestEnd::Reset,
-                    _ => GuestEnd::PowerOff,
-                }),
+                VcpuExit::Hlt => {
+                    end.report(GuestEnd::PowerOff);
+                    None
+                }
+                VcpuExit::SystemEvent(kind, _) => {
+                    end.report(match kind {
+                        kvm_bindings::KVM_SYSTEM_EVENT_RESET => GuestEnd::Reset,
+                        _ => GuestEnd::PowerOff,
+                    });
+                    None
+                }
                 // An instruction KVM could not emulate may be one that touched RAM
                 // KVM does not know yet (e.g. a fetch): register it and retry.
-                VcpuExit::InternalError if vm.claim_all_ram().map_err(VcpuError::Memory)? => {}
+                VcpuExit::InternalError if vm.claim_all_ram().map_err(VcpuError::Memory)? => None,
                 VcpuExit::InternalError => {
                     let run = self.fd.get_kvm_run();
                     // SAFETY: KVM filled the `internal` member of the exit union because
@@ -263,7 +273,7 @@ impl Vcpu {
                         rip: self.rip(),
                     });
                 }
-                VcpuExit::Intr => {}
+                VcpuExit::Intr => None,
                 other => {
                     let exit = format!("{other:?}");
                     return Err(VcpuError::Unexpected {
@@ -272,8 +282,86 @@ impl Vcpu {
                         rip: self.rip(),
                     });
                 }
+            };
+            if let Some(pio) = pio {
+                self.finish_pio(io, pio);
             }
         }
+    }
+
+    /// Serves a port-I/O exit. String instructions (`rep outsb`, `rep insw`)
+    /// arrive as one exit of `count` accesses of `size` bytes each; every
+    /// access goes to the device on its own, as the guest made it.
+    fn finish_pio(&mut self, io: &Bus, pio: Pio) {
+        let run = self.fd.get_kvm_run();
+        // SAFETY: the last exit was KVM_EXIT_IO (a `Pio` is only made for one),
+        // so KVM filled the `io` member of the exit union; it is plain integers.
+        let exit = unsafe { run.__bindgen_anon_1.io };
+        let size = usize::from(exit.size);
+        match pio {
+            Pio::Out { port, len, data } => dispatch_out(io, port, size, &data[..len]),
+            Pio::In { port, len } => {
+                let mut data = [0u8; PIO_MAX];
+                dispatch_in(io, port, size, &mut data[..len]);
+                let base = (run as *mut kvm_bindings::kvm_run).cast::<u8>();
+                // SAFETY: KVM put this exit's `len` data bytes at `data_offset`
+                // inside the vCPU's kvm_run mapping (kvm-ioctls sliced the same
+                // bytes for `IoIn`), and no reference to them is alive now.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        data.as_ptr(),
+                        base.add(exit.data_offset as usize),
+                        len,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The most data one port-I/O exit carries: KVM stages it in one page.
+const PIO_MAX: usize = 4096;
+
+/// A port-I/O exit, copied out of the kvm_run page.
+enum Pio {
+    Out {
+        port: u16,
+        len: usize,
+        data: [u8; PIO_MAX],
+    },
+    In {
+        port: u16,
+        len: usize,
+    },
+}
+
+impl Pio {
+    fn out(port: u16, bytes: &[u8]) -> Pio {
+        let len = bytes.len().min(PIO_MAX);
+        let mut data = [0u8; PIO_MAX];
+        data[..len].copy_from_slice(&bytes[..len]);
+        Pio::Out { port, len, data }
+    }
+
+    fn input(port: u16, len: usize) -> Pio {
+        Pio::In {
+            port,
+            len: len.min(PIO_MAX),
+        }
+    }
+}
+
+/// Writes `data` to `port` as accesses of `size` bytes each.
+fn dispatch_out(io: &Bus, port: u16, size: usize, data: &[u8]) {
+    for access in data.chunks(size.max(1)) {
+        io.write(u64::from(port), access);
+    }
+}
+
+/// Fills `data` from `port` with reads of `size` bytes each.
+fn dispatch_in(io: &Bus, port: u16, size: usize, data: &mut [u8]) {
+    for access in data.chunks_mut(size.max(1)) {
+        io.read(u64::from(port), access);
     }
 }
 
@@ -296,6 +384,46 @@ fn write_lapic_reg(regs: &mut [std::os::raw::c_char; 1024], offset: usize, value
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::bus::BusDevice;
+    use std::sync::{Arc, Mutex};
+
+    /// Records every access it gets; reads return 0x10, 0x11, …
+    #[derive(Default)]
+    struct Recorder {
+        writes: Vec<Vec<u8>>,
+        reads: Vec<usize>,
+    }
+
+    impl BusDevice for Recorder {
+        fn read(&mut self, _offset: u64, data: &mut [u8]) {
+            self.reads.push(data.len());
+            data.fill(0x10 + self.reads.len() as u8 - 1);
+        }
+        fn write(&mut self, _offset: u64, data: &[u8]) {
+            self.writes.push(data.to_vec());
+        }
+    }
+
+    #[test]
+    fn string_port_io_reaches_the_device_access_by_access() {
+        let dev = Arc::new(Mutex::new(Recorder::default()));
+        let mut bus = Bus::new();
+        bus.insert(dev.clone(), 0x3f8, 8).unwrap();
+        // `rep outsb` of "hi!": one exit, three 1-byte accesses.
+        dispatch_out(&bus, 0x3f8, 1, b"hi!");
+        // `out dx, ax`: one 2-byte access.
+        dispatch_out(&bus, 0x3f8, 2, &[1, 2]);
+        // `rep insw`, count 2.
+        let mut data = [0u8; 4];
+        dispatch_in(&bus, 0x3f8, 2, &mut data);
+        let d = dev.lock().unwrap();
+        assert_eq!(
+            d.writes,
+            [b"h".to_vec(), b"i".to_vec(), b"!".to_vec(), vec![1, 2]]
+        );
+        assert_eq!(d.reads, [2, 2]);
+        assert_eq!(data, [0x10, 0x10, 0x11, 0x11]);
+    }
 
     #[test]
     fn lapic_register_round_trip() {
