@@ -323,6 +323,9 @@ impl Vcpu {
 const PIO_MAX: usize = 4096;
 
 /// A port-I/O exit, copied out of the kvm_run page.
+// It lives on the vCPU thread's stack for one exit; boxing the data would
+// allocate on every port access.
+#[allow(clippy::large_enum_variant)]
 enum Pio {
     Out {
         port: u16,
