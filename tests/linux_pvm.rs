@@ -8,29 +8,13 @@
 
 mod common;
 
-use common::{Scratch, ember, output, require_kvm, stderr, stdout, tiny_initramfs};
+use common::{
+    PVM_CMDLINE, Scratch, ember, output, pvm_kernel_dir, require_kvm, stderr, stdout,
+    tiny_initramfs,
+};
 use std::path::PathBuf;
 
 const MARKER: &str = "EMBER-INIT-OK";
-
-/// The command line every working boot of the PVM test kernel used, plus a
-/// keyboard-controller reboot so /init's reboot ends the VM.
-const PVM_CMDLINE: &str = "console=ttyS0 noxsave noint3selftest nofxsaveleak \
-    clearcpuid=151,297,580,308,158,306,534,311,312,59,141 nofsgsbase noinvpcid nopcid nopku \
-    mitigations=off reboot=k panic=-1";
-
-fn pvm_kernel_dir(test: &str) -> Option<PathBuf> {
-    match std::env::var_os("EMBER_PVM_KERNEL") {
-        Some(d) => Some(PathBuf::from(d)),
-        None => {
-            ember::testing::skip(
-                test,
-                "EMBER_PVM_KERNEL is not set (scripts/test builds the kernel and sets it)",
-            );
-            None
-        }
-    }
-}
 
 fn boot_linux(test: &str, kernel_file: impl FnOnce(&PathBuf, &Scratch) -> PathBuf, disk: bool) {
     if !require_kvm(test) {

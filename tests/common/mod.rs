@@ -75,3 +75,25 @@ pub fn stderr(o: &Output) -> String {
 pub fn tiny_initramfs(path: &Path, msg: &str) {
     std::fs::write(path, ember::testing::tiny_initramfs(msg).unwrap()).unwrap();
 }
+
+/// The command line every working boot of the PVM test kernel used (see
+/// ../shared/pvm-test-kernel), plus a keyboard-controller reboot so the guest's
+/// reboot ends the VM (ember reports it as status 2).
+pub const PVM_CMDLINE: &str = "console=ttyS0 noxsave noint3selftest nofxsaveleak \
+    clearcpuid=151,297,580,308,158,306,534,311,312,59,141 nofsgsbase noinvpcid nopcid nopku \
+    mitigations=off reboot=k panic=-1";
+
+/// The directory holding the PVM test kernel (`vmlinux`, `bzImage`), from
+/// EMBER_PVM_KERNEL; `None`, with a loud skip line, when it is not set.
+pub fn pvm_kernel_dir(test: &str) -> Option<PathBuf> {
+    match std::env::var_os("EMBER_PVM_KERNEL") {
+        Some(d) => Some(PathBuf::from(d)),
+        None => {
+            ember::testing::skip(
+                test,
+                "EMBER_PVM_KERNEL is not set (scripts/test builds the kernel and sets it)",
+            );
+            None
+        }
+    }
+}
