@@ -90,10 +90,11 @@ pub enum Error {
 }
 
 /// How long, at most, the I/O thread busy-polls for more requests before it sleeps
-/// ([`worker::PollWindow`]). About QEMU's `poll-max-ns` (32 µs): long enough to cover a
-/// polling driver's turnaround and a page-cache request, short enough that an idle disk
-/// costs next to nothing.
-pub const DEFAULT_POLL: Duration = Duration::from_micros(50);
+/// ([`worker::PollWindow`]). QEMU's `poll-max-ns` default: far longer than a polling
+/// driver takes to answer a completion (~1 µs), short enough that an idle disk costs next
+/// to nothing and that polling on the vCPU's own CPU (an overcommitted host) wastes
+/// little.
+pub const DEFAULT_POLL: Duration = Duration::from_micros(32);
 /// The largest `poll=` accepted, in microseconds.
 pub const MAX_POLL_US: u64 = 1_000_000;
 

@@ -643,11 +643,34 @@ const COMPLETION_TOKEN: u64 = 2;
 /// The I/O thread body: runs until `kill`, then finishes what is in flight. It polls for
 /// up to `poll_max` (adaptively) before sleeping; zero disables polling.
 pub fn run(mut handler: BlockHandler, queue_evt: EventFd, kill: EventFd, poll_max: Duration) {
-    let mut poll = PollWindow::new(poll_max);
+    let mut poll = Windows {
+        guest: PollWindow::new(poll_max),
+        engine: PollWindow::new(poll_max),
+    };
     if let Err(e) = event_loop(&mut handler, &queue_evt, &kill, &mut poll) {
         log::warn!("virtio-blk: I/O thread failed: {e}");
     }
     handler.drain();
+}
+
+/// One poll window per thing the thread can be waiting for, since they keep different
+/// times: with nothing in flight only the driver can bring work, and a polling driver
+/// answers a completion within a microsecond or two; with I/O in flight the disk may take
+/// far longer than is worth polling (`O_DIRECT`), and a shared window would then shrink
+/// to nothing and make the driver notify again.
+struct Windows {
+    guest: PollWindow,
+    engine: PollWindow,
+}
+
+impl Windows {
+    fn for_state(&mut self, handler: &BlockHandler) -> &mut PollWindow {
+        if handler.in_flight() > 0 {
+            &mut self.engine
+        } else {
+            &mut self.guest
+        }
+    }
 }
 
 /// Busy-polls `handler` for up to `window` with notifications suppressed. Returns whether
@@ -674,7 +697,7 @@ fn event_loop(
     handler: &mut BlockHandler,
     queue_evt: &EventFd,
     kill: &EventFd,
-    poll: &mut PollWindow,
+    poll: &mut Windows,
 ) -> io::Result<()> {
     let epoll = Epoll::new()?;
     let add = |fd, token| {
@@ -702,8 +725,9 @@ fn event_loop(
             more = handler.process_queue();
         }
         let idle = Instant::now();
+        let window = poll.for_state(handler);
         // More than a queue's worth was waiting: no need to poll for it.
-        work = more || poll_for_work(handler, poll.window());
+        work = more || poll_for_work(handler, window.window());
         if work && last_look.elapsed() < EVENT_CHECK_PERIOD {
             continue;
         }
@@ -716,7 +740,7 @@ fn event_loop(
         };
         last_look = Instant::now();
         if !work {
-            poll.record(last_look - idle);
+            window.record(last_look - idle);
         }
         let ready = |token| events[..n].iter().any(|e| e.data() == token);
         if ready(KILL_TOKEN) {
@@ -1298,6 +1322,40 @@ mod tests {
         let mut off = PollWindow::new(Duration::ZERO);
         off.record(us(2));
         assert_eq!(off.window(), Duration::ZERO);
+    }
+
+    #[test]
+    fn waiting_for_the_disk_and_for_the_driver_adapt_separately() {
+        let rig = Rig::new();
+        let vq = TestQueue::new(&rig.mem, QSIZE);
+        let mut h = BlockHandler::new(
+            rig.mem.clone(),
+            vq.create_queue().unwrap(),
+            rig.virq.clone(),
+            Box::new(HoldEngine::default()),
+            DiskParams {
+                capacity: DISK_SECTORS,
+                read_only: false,
+                direct: false,
+                serial: [0; 20],
+            },
+        );
+        let max = Duration::from_micros(32);
+        let mut win = Windows {
+            guest: PollWindow::new(max),
+            engine: PollWindow::new(max),
+        };
+        // A slow disk: every wait with I/O in flight is long.
+        rig.header(HDR, VIRTIO_BLK_T_FLUSH, 0);
+        add_chain(&vq, 0, &[r(HDR, 16), w(STATUS, 1)]);
+        h.process_queue();
+        for _ in 0..8 {
+            win.for_state(&h).record(Duration::from_millis(1));
+        }
+        assert_eq!(win.engine.window(), Duration::ZERO);
+        h.drain();
+        // ...while the driver still answers within the window.
+        assert_eq!(win.for_state(&h).window(), max);
     }
 
     /// Waits up to 5 s for `cond`.
