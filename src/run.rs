@@ -38,8 +38,8 @@ pub struct RunArgs {
     /// Write the VMM-side boot timeline (JSON) here.
     #[arg(long, value_name = "FILE.json")]
     pub events: Option<PathBuf>,
-    /// A virtio-blk disk: PATH[,ro][,direct][,serial=ID]. Repeatable.
-    #[arg(long, value_name = "PATH[,ro][,direct][,serial=ID]")]
+    /// A virtio-blk disk: PATH[,ro][,direct][,serial=ID][,poll=US]. Repeatable.
+    #[arg(long, value_name = "PATH[,ro][,direct][,serial=ID][,poll=US]")]
     pub disk: Vec<String>,
     /// A virtio-pmem region backed by this file (a DAX root). Repeatable.
     #[arg(long)]

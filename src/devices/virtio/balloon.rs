@@ -15,7 +15,7 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use virtio_bindings::virtio_ids::VIRTIO_ID_BALLOON;
-use virtio_queue::{DescriptorChain, Queue, QueueT};
+use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
@@ -449,7 +449,7 @@ impl QueueHandler for BalloonHandler {
             }
             returned |= return_chain(&mut self.queues[index], &mem, &self.irq, DEVICE, head, 0);
         }
-        if returned && self.queues[index].needs_notification(&mem).unwrap_or(true) {
+        if returned && super::needs_interrupt(&mut self.queues[index], &mem, DEVICE) {
             self.irq.signal_used_queue();
         }
     }

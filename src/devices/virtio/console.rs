@@ -12,7 +12,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
 use virtio_bindings::virtio_ids::VIRTIO_ID_CONSOLE;
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::{Queue, QueueOwnedT};
 use vm_memory::Bytes;
 
 use super::worker::{QueueHandler, Worker, spawn_queue_worker};
@@ -264,7 +264,7 @@ impl ConsoleHandler {
         } else {
             &mut self.tx
         };
-        if queue.needs_notification(&self.mem).unwrap_or(true) {
+        if super::needs_interrupt(queue, &self.mem, DEVICE) {
             self.irq.signal_used_queue();
         }
     }

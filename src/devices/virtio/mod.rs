@@ -365,15 +365,45 @@ pub(crate) fn serve_queue(
     device: &str,
     mut handle: impl FnMut(virtio_queue::DescriptorChain<&GuestMemory>) -> u32,
 ) {
-    use virtio_queue::QueueT;
     let mut returned = false;
     for chain in pop_chains(queue, mem, irq, device) {
         let head = chain.head_index();
         let len = handle(chain);
         returned |= return_chain(queue, mem, irq, device, head, len);
     }
-    if returned && queue.needs_notification(mem).unwrap_or(true) {
+    if returned && needs_interrupt(queue, mem, device) {
         irq.signal_used_queue();
+    }
+}
+
+/// Whether the driver wants an interrupt for the chains just put in the used ring.
+///
+/// With `VIRTIO_RING_F_EVENT_IDX` that is the used-event index (`virtio-queue` checks it);
+/// without, the driver's `VRING_AVAIL_F_NO_INTERRUPT` flag, which `virtio-queue` ignores:
+/// a driver that polls its used ring sets it and an interrupt would only cost it an exit
+/// and us a syscall. When in doubt (the ring is unreadable), interrupt.
+pub(crate) fn needs_interrupt(queue: &mut Queue, mem: &GuestMemory, device: &str) -> bool {
+    use virtio_bindings::virtio_ring::VRING_AVAIL_F_NO_INTERRUPT;
+    use virtio_queue::QueueT;
+    use vm_memory::{Bytes, GuestAddress};
+    // Fences the used-ring writes before the reads below: the driver clears the flag and
+    // then re-reads the used index, so one of the two sides sees the other's store.
+    let wanted = match queue.needs_notification(mem) {
+        Ok(wanted) => wanted,
+        Err(e) => {
+            log::warn!("{device}: cannot read the used event index: {e}");
+            return true;
+        }
+    };
+    if !wanted || queue.event_idx_enabled() {
+        return wanted;
+    }
+    match mem.load::<u16>(GuestAddress(queue.avail_ring()), Ordering::Acquire) {
+        Ok(flags) => u16::from_le(flags) & VRING_AVAIL_F_NO_INTERRUPT as u16 == 0,
+        Err(e) => {
+            log::warn!("{device}: cannot read the available ring flags: {e}");
+            true
+        }
     }
 }
 
@@ -398,6 +428,24 @@ mod tests {
         irq.clear();
         assert_eq!(irq.status(), 0);
         assert!(!irq.needs_reset());
+    }
+
+    #[test]
+    fn serve_queue_interrupts_unless_the_driver_says_no_interrupt() {
+        use test_utils::*;
+        let line = Arc::new(CountingInterrupt::default());
+        let irq = VirtioInterrupt::new(line.clone());
+        let mem = memory();
+        let vq = TestQueue::new(&mem, 8);
+        let mut queue = vq.create_queue().unwrap();
+        add_chain(&vq, 0, &[w(DATA_START, 4)]);
+        serve_queue(&mut queue, &mem, &irq, "test", |_| 4);
+        assert_eq!(line.count(), 1);
+        vq.set_avail_flags(virtio_bindings::virtio_ring::VRING_AVAIL_F_NO_INTERRUPT as u16);
+        add_chain(&vq, 1, &[w(DATA_START, 4)]);
+        serve_queue(&mut queue, &mem, &irq, "test", |_| 4);
+        assert_eq!(used(&vq).len(), 2);
+        assert_eq!(line.count(), 1, "the driver asked for no interrupt");
     }
 
     #[test]

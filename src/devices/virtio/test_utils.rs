@@ -100,6 +100,16 @@ impl<'a> TestQueue<'a> {
             .unwrap();
     }
 
+    /// Sets the available ring's flags (`VRING_AVAIL_F_NO_INTERRUPT`).
+    pub fn set_avail_flags(&self, flags: u16) {
+        self.mem.write_obj(flags, GuestAddress(self.avail)).unwrap();
+    }
+
+    /// The used ring's flags (`VRING_USED_F_NO_NOTIFY`).
+    pub fn used_flags(&self) -> u16 {
+        self.mem.read_obj(GuestAddress(self.used)).unwrap()
+    }
+
     /// The used index the device has published.
     pub fn used_idx(&self) -> u16 {
         self.mem.read_obj(GuestAddress(self.used + 2)).unwrap()

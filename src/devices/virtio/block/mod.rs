@@ -13,6 +13,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use thiserror::Error;
 use virtio_bindings::virtio_blk::{
@@ -60,8 +61,11 @@ pub enum Error {
     #[error("disk option is missing a path")]
     MissingPath,
     /// An option we do not know.
-    #[error("unknown disk option `{0}` (expected ro, direct or serial=ID)")]
+    #[error("unknown disk option `{0}` (expected ro, direct, serial=ID or poll=US)")]
     UnknownOption(String),
+    /// `poll=` is not a whole number of microseconds up to [`MAX_POLL_US`].
+    #[error("disk option `poll={0}` is not a number of microseconds up to {MAX_POLL_US}")]
+    BadPoll(String),
     /// The serial does not fit `GET_ID`'s 20 bytes.
     #[error("disk serial `{0}` is longer than 20 bytes")]
     SerialTooLong(String),
@@ -85,7 +89,16 @@ pub enum Error {
     },
 }
 
-/// A `--disk PATH[,ro][,direct][,serial=ID]` argument.
+/// How long, at most, the I/O thread busy-polls for more requests before it sleeps
+/// ([`worker::PollWindow`]). QEMU's `poll-max-ns` default: far longer than a polling
+/// driver takes to answer a completion (~1 µs), short enough that an idle disk costs next
+/// to nothing and that polling on the vCPU's own CPU (an overcommitted host) wastes
+/// little.
+pub const DEFAULT_POLL: Duration = Duration::from_micros(32);
+/// The largest `poll=` accepted, in microseconds.
+pub const MAX_POLL_US: u64 = 1_000_000;
+
+/// A `--disk PATH[,ro][,direct][,serial=ID][,poll=US]` argument.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiskConfig {
     /// The image file (or block device).
@@ -96,10 +109,12 @@ pub struct DiskConfig {
     pub direct: bool,
     /// What `GET_ID` returns (at most 20 bytes).
     pub serial: Option<String>,
+    /// The I/O thread's longest busy-poll before sleeping (`poll=US`; zero: never poll).
+    pub poll: Duration,
 }
 
 impl DiskConfig {
-    /// Parses `PATH[,ro][,direct][,serial=ID]`.
+    /// Parses `PATH[,ro][,direct][,serial=ID][,poll=US]`.
     ///
     /// ```
     /// use ember::devices::virtio::DiskConfig;
@@ -107,6 +122,7 @@ impl DiskConfig {
     /// assert!(d.read_only && !d.direct);
     /// assert_eq!(d.serial.as_deref(), Some("root"));
     /// assert!(DiskConfig::parse("x,fast").is_err());
+    /// assert_eq!(DiskConfig::parse("x,poll=0").unwrap().poll.as_micros(), 0);
     /// ```
     pub fn parse(arg: &str) -> Result<Self, Error> {
         let mut parts = arg.split(',');
@@ -119,11 +135,19 @@ impl DiskConfig {
             read_only: false,
             direct: false,
             serial: None,
+            poll: DEFAULT_POLL,
         };
         for opt in parts {
             match opt {
                 "ro" => config.read_only = true,
                 "direct" => config.direct = true,
+                _ if opt.starts_with("poll=") => {
+                    let us = &opt["poll=".len()..];
+                    match us.parse::<u64>() {
+                        Ok(n) if n <= MAX_POLL_US => config.poll = Duration::from_micros(n),
+                        _ => return Err(Error::BadPoll(us.to_owned())),
+                    }
+                }
                 _ => match opt.strip_prefix("serial=") {
                     Some(id) if id.len() <= VIRTIO_BLK_ID_BYTES as usize => {
                         config.serial = Some(id.to_owned());
@@ -162,6 +186,7 @@ pub struct Block {
     file: File,
     params: DiskParams,
     engine: EngineKind,
+    poll: Duration,
     config_space: Vec<u8>,
     avail_features: u64,
     thread_name: String,
@@ -226,6 +251,7 @@ impl Block {
             config_space: config_space(params.capacity),
             params,
             engine: EngineKind::Auto,
+            poll: config.poll,
             avail_features,
             thread_name: format!("ember-blk{}", NEXT_DISK.fetch_add(1, Ordering::Relaxed)),
             worker: None,
@@ -317,8 +343,9 @@ impl VirtioDevice for Block {
             engine.name()
         );
         let handler = BlockHandler::new(mem, queue, interrupt, engine, self.params.clone());
+        let poll = self.poll;
         let worker = Worker::spawn(self.thread_name.clone(), move |kill| {
-            worker::run(handler, evt, kill)
+            worker::run(handler, evt, kill, poll)
         })
         .map_err(ActivateError::Spawn)?;
         self.worker = Some(worker);
@@ -343,7 +370,8 @@ mod tests {
                 path: "/a/b.img".into(),
                 read_only: false,
                 direct: false,
-                serial: None
+                serial: None,
+                poll: DEFAULT_POLL,
             }
         );
         let d = DiskConfig::parse("x,direct,ro,serial=12345678901234567890").unwrap();
@@ -356,6 +384,17 @@ mod tests {
             Err(Error::SerialTooLong(_))
         ));
         assert!(matches!(DiskConfig::parse("x,rw"), Err(Error::UnknownOption(o)) if o == "rw"));
+        assert_eq!(
+            DiskConfig::parse("x,poll=20").unwrap().poll,
+            Duration::from_micros(20)
+        );
+        assert_eq!(DiskConfig::parse("x,poll=0").unwrap().poll, Duration::ZERO);
+        for bad in ["x,poll=", "x,poll=-1", "x,poll=1000001", "x,poll=5us"] {
+            assert!(
+                matches!(DiskConfig::parse(bad), Err(Error::BadPoll(_))),
+                "{bad}"
+            );
+        }
         assert!(matches!(
             DiskConfig::parse("x,"),
             Err(Error::UnknownOption(_))

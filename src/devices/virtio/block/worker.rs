@@ -1,13 +1,23 @@
 //! The virtio-blk I/O thread: one per device, owning an epoll over the queue eventfd, a
 //! kill eventfd and the engine's completion eventfd.
 //!
-//! Each wake-up drains the available ring — at most one queue's worth, since a buggy or
+//! Each pass drains the available ring — at most one queue's worth, since a buggy or
 //! malicious driver can keep adding while we read — submits the batch, completes whatever
-//! has finished into the used ring and raises the interrupt once for the batch. A request
-//! is acknowledged (put in the used ring) only after its syscall has completed.
+//! has finished into the used ring and raises the interrupt once for the batch, unless the
+//! driver asked for none (`VRING_AVAIL_F_NO_INTERRUPT`). A request is acknowledged (put in
+//! the used ring) only after its syscall has completed.
+//!
+//! Out of work, the thread busy-polls the available ring and the engine's completions for
+//! a short, adaptive window ([`PollWindow`], QEMU's `poll-max-ns` scheme) with
+//! `VRING_USED_F_NO_NOTIFY` set, so a driver that submits again within the window never
+//! exits to notify and the thread never sleeps. Only then does it clear the flag, look at
+//! the ring once more (a request published before the driver saw the flag cleared comes
+//! with no notification) and sleep in epoll.
 
 use std::io;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
@@ -21,7 +31,7 @@ use vmm_sys_util::eventfd::EventFd;
 use super::io::{AlignedBuf, Completion, Engine, Op};
 use super::request::{self, DISCARD_SEGMENT_LEN, ParseError, Request, RequestType, Segment};
 use super::{MAX_DISCARD_SECTORS, SECTOR_SHIFT, SECTOR_SIZE};
-use crate::devices::virtio::{GuestMemory, VirtioInterrupt};
+use crate::devices::virtio::{GuestMemory, VirtioInterrupt, needs_interrupt};
 
 /// What the I/O thread knows about its disk.
 #[derive(Debug, Clone)]
@@ -79,6 +89,9 @@ pub struct BlockHandler {
     broken: bool,
     /// The last wake-up stopped early because a queue's worth was already in flight.
     throttled: bool,
+    /// `VRING_USED_F_NO_NOTIFY` is set: the thread is polling and the driver need not
+    /// notify.
+    notify_off: bool,
     completions: Vec<Completion>,
 }
 
@@ -102,6 +115,7 @@ impl BlockHandler {
             pending_irq: false,
             broken: false,
             throttled: false,
+            notify_off: false,
             completions: Vec::new(),
         }
     }
@@ -137,8 +151,19 @@ impl BlockHandler {
             }
         };
         let more = parsed.len() == budget;
+        if parsed.is_empty() {
+            // Nothing new: spare the engine a submit (a syscall for io_uring).
+            self.flush_irq();
+            return false;
+        }
+        // A synchronous engine has finished each request when `push` returns: hand each
+        // back at once, so a polling driver can reuse it while we do the next.
+        let inline = self.engine.notifier().is_none();
         for p in parsed {
             self.start(p);
+            if inline {
+                self.complete_finished();
+            }
         }
         if let Err(e) = self.engine.submit() {
             log::warn!("virtio-blk: {} submit failed: {e}", self.engine.name());
@@ -149,13 +174,72 @@ impl BlockHandler {
 
     /// Completes whatever the engine has finished and raises the interrupt once.
     pub fn process_completions(&mut self) {
+        self.complete_finished();
+        self.flush_irq();
+    }
+
+    /// Puts whatever the engine has finished in the used ring, without interrupting.
+    fn complete_finished(&mut self) {
+        // Checked first so a pass with nothing finished costs no syscall.
+        if !self.engine.has_completions() {
+            return;
+        }
         let mut done = std::mem::take(&mut self.completions);
         self.engine.reap(&mut done);
         for (token, result) in done.drain(..) {
             self.finish(token, result);
         }
         self.completions = done;
-        self.flush_irq();
+    }
+
+    /// Whether there is something to do right now: finished I/O, or available requests
+    /// and room to take them. Reads shared memory only (no syscall), for polling.
+    pub fn has_work(&mut self) -> bool {
+        if self.broken {
+            return false;
+        }
+        if self.engine.has_completions() {
+            return true;
+        }
+        if self.in_flight() >= usize::from(self.queue.size()) {
+            return false;
+        }
+        match self.queue.avail_idx(&self.mem, Ordering::Acquire) {
+            Ok(idx) => idx.0 != self.queue.next_avail(),
+            // Let `process_queue` find the ring unusable and mark the device broken.
+            Err(_) => true,
+        }
+    }
+
+    /// The device was marked `NEEDS_RESET` and serves nothing more.
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
+    /// Asks the driver not to notify (`VRING_USED_F_NO_NOTIFY`): the thread is about to
+    /// poll the available ring instead.
+    pub fn suppress_notifications(&mut self) {
+        if self.notify_off || self.broken {
+            return;
+        }
+        match self.queue.disable_notification(&self.mem) {
+            Ok(()) => self.notify_off = true,
+            Err(e) => log::warn!("virtio-blk: cannot set VRING_USED_F_NO_NOTIFY: {e}"),
+        }
+    }
+
+    /// Asks the driver to notify again, before the thread sleeps. Returns whether there is
+    /// work after all: the driver may have published a request while the flag was still
+    /// set, and no notification will come for that one.
+    pub fn resume_notifications(&mut self) -> bool {
+        if std::mem::take(&mut self.notify_off)
+            && let Err(e) = self.queue.enable_notification(&self.mem)
+        {
+            log::warn!("virtio-blk: cannot clear VRING_USED_F_NO_NOTIFY: {e}");
+        }
+        // `enable_notification` fences its store before any later load, so this re-read
+        // and the driver's re-read of the flag cannot both miss each other's update.
+        self.has_work()
     }
 
     /// Whether `process_queue` held back for lack of in-flight room; clears the mark.
@@ -444,13 +528,8 @@ impl BlockHandler {
         if !std::mem::take(&mut self.pending_irq) {
             return;
         }
-        match self.queue.needs_notification(&self.mem) {
-            Ok(false) => {}
-            Ok(true) => self.irq.signal_used_queue(),
-            Err(e) => {
-                log::warn!("virtio-blk: cannot read the used event index: {e}");
-                self.irq.signal_used_queue();
-            }
+        if needs_interrupt(&mut self.queue, &self.mem, "virtio-blk") {
+            self.irq.signal_used_queue();
         }
     }
 
@@ -501,20 +580,125 @@ fn reason_len(req: &Request) -> u32 {
     }
 }
 
+/// How long the I/O thread busy-polls for more work before sleeping, adapted like QEMU's
+/// event-loop polling (`poll-max-ns`, `poll-grow`, `poll-shrink`).
+///
+/// The measure is the *idle time*: from running out of work to the next work arriving,
+/// whether polling found it or a notification woke the thread. Idle time within the
+/// window is the sweet spot and changes nothing; beyond the window but within the maximum,
+/// polling a little longer would have caught it, so the window doubles; beyond the
+/// maximum, polling would have been wasted, so it halves, down to zero. An idle device
+/// therefore costs at most a few windows of CPU before it only sleeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PollWindow {
+    ns: u64,
+    max_ns: u64,
+}
+
+/// The window grows from zero to this; below it, it drops to zero.
+const POLL_GROW_START_NS: u64 = 4_000;
+
+impl PollWindow {
+    /// A window of at most `max` (zero: never poll), starting at `max`.
+    pub fn new(max: Duration) -> Self {
+        let max_ns = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
+        Self { ns: max_ns, max_ns }
+    }
+
+    /// How long to poll now.
+    pub fn window(&self) -> Duration {
+        Duration::from_nanos(self.ns)
+    }
+
+    /// Adapts to one idle period of length `idle`.
+    pub fn record(&mut self, idle: Duration) {
+        let idle = u64::try_from(idle.as_nanos()).unwrap_or(u64::MAX);
+        if idle <= self.ns || self.max_ns == 0 {
+            return;
+        }
+        if idle > self.max_ns {
+            self.ns /= 2;
+            if self.ns < POLL_GROW_START_NS {
+                self.ns = 0;
+            }
+        } else {
+            self.ns = self
+                .ns
+                .saturating_mul(2)
+                .max(POLL_GROW_START_NS)
+                .min(self.max_ns);
+        }
+    }
+}
+
+/// How often the I/O thread looks at its eventfds (for a kill, mainly) while polling keeps
+/// finding work and it therefore never sleeps.
+const EVENT_CHECK_PERIOD: Duration = Duration::from_millis(1);
+
 /// Epoll tokens of the I/O thread.
 const QUEUE_TOKEN: u64 = 0;
 const KILL_TOKEN: u64 = 1;
 const COMPLETION_TOKEN: u64 = 2;
 
-/// The I/O thread body: runs until `kill`, then finishes what is in flight.
-pub fn run(mut handler: BlockHandler, queue_evt: EventFd, kill: EventFd) {
-    if let Err(e) = event_loop(&mut handler, &queue_evt, &kill) {
+/// The I/O thread body: runs until `kill`, then finishes what is in flight. It polls for
+/// up to `poll_max` (adaptively) before sleeping; zero disables polling.
+pub fn run(mut handler: BlockHandler, queue_evt: EventFd, kill: EventFd, poll_max: Duration) {
+    let mut poll = Windows {
+        guest: PollWindow::new(poll_max),
+        engine: PollWindow::new(poll_max),
+    };
+    if let Err(e) = event_loop(&mut handler, &queue_evt, &kill, &mut poll) {
         log::warn!("virtio-blk: I/O thread failed: {e}");
     }
     handler.drain();
 }
 
-fn event_loop(handler: &mut BlockHandler, queue_evt: &EventFd, kill: &EventFd) -> io::Result<()> {
+/// One poll window per thing the thread can be waiting for, since they keep different
+/// times: with nothing in flight only the driver can bring work, and a polling driver
+/// answers a completion within a microsecond or two; with I/O in flight the disk may take
+/// far longer than is worth polling (`O_DIRECT`), and a shared window would then shrink
+/// to nothing and make the driver notify again.
+struct Windows {
+    guest: PollWindow,
+    engine: PollWindow,
+}
+
+impl Windows {
+    fn for_state(&mut self, handler: &BlockHandler) -> &mut PollWindow {
+        if handler.in_flight() > 0 {
+            &mut self.engine
+        } else {
+            &mut self.guest
+        }
+    }
+}
+
+/// Busy-polls `handler` for up to `window` with notifications suppressed. Returns whether
+/// it found work; if not, notifications are back on and the caller may sleep.
+fn poll_for_work(handler: &mut BlockHandler, window: Duration) -> bool {
+    if window.is_zero() || handler.is_broken() {
+        return handler.resume_notifications();
+    }
+    let start = Instant::now();
+    handler.suppress_notifications();
+    loop {
+        // Notifications stay off while there is work: the next poll follows the pass.
+        if handler.has_work() {
+            return true;
+        }
+        if start.elapsed() >= window {
+            return handler.resume_notifications();
+        }
+        std::hint::spin_loop();
+    }
+}
+
+fn event_loop(
+    handler: &mut BlockHandler,
+    queue_evt: &EventFd,
+    kill: &EventFd,
+    poll: &mut Windows,
+) -> io::Result<()> {
     let epoll = Epoll::new()?;
     let add = |fd, token| {
         epoll.ctl(
@@ -528,32 +712,47 @@ fn event_loop(handler: &mut BlockHandler, queue_evt: &EventFd, kill: &EventFd) -
     if let Some(fd) = handler.engine.notifier() {
         add(fd, COMPLETION_TOKEN)?;
     }
-    // The driver may have notified before we started watching.
     let mut events = [EpollEvent::default(); 3];
+    let mut last_look = Instant::now();
+    // The driver may have published requests before we started watching.
+    let mut work = true;
     loop {
-        let n = match epoll.wait(-1, &mut events) {
+        let mut more = false;
+        if work {
+            // Completions first: they make room for requests a full queue held back.
+            handler.process_completions();
+            handler.take_throttled();
+            more = handler.process_queue();
+        }
+        let idle = Instant::now();
+        let window = poll.for_state(handler);
+        // More than a queue's worth was waiting: no need to poll for it.
+        work = more || poll_for_work(handler, window.window());
+        if work && last_look.elapsed() < EVENT_CHECK_PERIOD {
+            continue;
+        }
+        // Sleep; or, with work in hand, only look, so a kill is seen between passes.
+        let timeout = if work { 0 } else { -1 };
+        let n = match epoll.wait(timeout, &mut events) {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
+        last_look = Instant::now();
+        if !work {
+            window.record(last_look - idle);
+        }
         let ready = |token| events[..n].iter().any(|e| e.data() == token);
         if ready(KILL_TOKEN) {
             return Ok(());
         }
-        if ready(COMPLETION_TOKEN) {
-            handler.process_completions();
-            if handler.take_throttled() {
-                queue_evt.write(1)?;
-            }
-        }
         if ready(QUEUE_TOKEN) {
+            // Read the counter before the pass, so a notification racing with it wakes
+            // us again rather than being lost.
             let _ = queue_evt.read();
-            if handler.process_queue() {
-                // More than a queue's worth was waiting: come back through epoll so a
-                // kill is still seen between batches.
-                queue_evt.write(1)?;
-            }
+            work = true;
         }
+        work |= ready(COMPLETION_TOKEN);
     }
 }
 
@@ -568,7 +767,9 @@ mod tests {
         VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
         VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
     };
-    use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use virtio_bindings::virtio_ring::{
+        VRING_AVAIL_F_NO_INTERRUPT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE, VRING_USED_F_NO_NOTIFY,
+    };
 
     const QSIZE: u16 = 16;
     const DISK_SECTORS: u64 = 64;
@@ -988,6 +1189,228 @@ mod tests {
         assert_eq!(byte(&rig.mem, DATA + 0x800 + 512), 0x33);
     }
 
+    #[test]
+    fn no_interrupt_flag_is_honoured() {
+        both_engines(|kind| {
+            let rig = Rig::new();
+            let vq = TestQueue::new(&rig.mem, QSIZE);
+            let mut h = rig.handler(&vq, kind, false);
+            // A polling driver: no interrupts, please.
+            vq.set_avail_flags(VRING_AVAIL_F_NO_INTERRUPT as u16);
+            rig.header(HDR, VIRTIO_BLK_T_IN, 1);
+            add_chain(&vq, 0, &[r(HDR, 16), w(DATA, 512), w(STATUS, 1)]);
+            run_all(&mut h);
+            assert_eq!(used(&vq), [(0, 513)], "completed all the same");
+            assert_eq!(rig.irq.count(), 0, "no interrupt with NO_INTERRUPT set");
+            // The driver wants them again.
+            vq.set_avail_flags(0);
+            rig.header(HDR, VIRTIO_BLK_T_IN, 2);
+            add_chain(&vq, 3, &[r(HDR, 16), w(DATA, 512), w(STATUS, 1)]);
+            run_all(&mut h);
+            assert_eq!(used(&vq).len(), 2);
+            assert_eq!(rig.irq.count(), 1);
+        });
+    }
+
+    #[test]
+    fn polling_sets_no_notify_and_clears_it_after() {
+        let rig = Rig::new();
+        let vq = TestQueue::new(&rig.mem, QSIZE);
+        let mut h = rig.handler(&vq, EngineKind::Sync, false);
+        assert_eq!(vq.used_flags(), 0);
+        h.suppress_notifications();
+        assert_eq!(vq.used_flags(), VRING_USED_F_NO_NOTIFY as u16);
+        assert!(!h.has_work());
+        assert!(!h.resume_notifications(), "nothing arrived");
+        assert_eq!(vq.used_flags(), 0);
+    }
+
+    #[test]
+    fn a_request_published_as_polling_ends_is_not_lost() {
+        let rig = Rig::new();
+        let vq = TestQueue::new(&rig.mem, QSIZE);
+        let mut h = rig.handler(&vq, EngineKind::Sync, false);
+        h.suppress_notifications();
+        assert!(!h.has_work());
+        // The driver publishes while the flag is still set, so it does not notify; the
+        // device gives up polling right after.
+        rig.header(HDR, VIRTIO_BLK_T_IN, 5);
+        add_chain(&vq, 0, &[r(HDR, 16), w(DATA, 512), w(STATUS, 1)]);
+        assert!(
+            h.resume_notifications(),
+            "the late request must be reported"
+        );
+        assert_eq!(vq.used_flags(), 0);
+        h.process_queue();
+        assert_eq!(used(&vq), [(0, 513)]);
+        assert_eq!(byte(&rig.mem, DATA), 5);
+        assert!(!h.resume_notifications());
+    }
+
+    #[test]
+    fn has_work_sees_requests_only_with_room_and_io_uring_completions() {
+        let rig = Rig::new();
+        let vq = TestQueue::new(&rig.mem, QSIZE);
+        rig.header(HDR, VIRTIO_BLK_T_FLUSH, 0);
+        add_chain(&vq, 0, &[r(HDR, 16), w(STATUS, 1)]);
+        for _ in 1..QSIZE {
+            publish(&vq, QSIZE, 0);
+        }
+        let mut h = BlockHandler::new(
+            rig.mem.clone(),
+            vq.create_queue().unwrap(),
+            rig.virq.clone(),
+            Box::new(HoldEngine::default()),
+            DiskParams {
+                capacity: DISK_SECTORS,
+                read_only: false,
+                direct: false,
+                serial: [0; 20],
+            },
+        );
+        assert!(h.has_work());
+        h.process_queue();
+        publish(&vq, QSIZE, 0);
+        assert!(
+            !h.has_work(),
+            "a full queue in flight: nothing can be taken"
+        );
+        h.drain();
+        assert!(h.has_work(), "room again");
+
+        // io_uring: a finished request is work before anyone reaps it.
+        let vq = TestQueue::create(&rig.mem, GuestAddress(0x8_0000), QSIZE);
+        let mut h = rig.handler(&vq, EngineKind::IoUring, false);
+        rig.header(HDR, VIRTIO_BLK_T_IN, 1);
+        add_chain(&vq, 0, &[r(HDR, 16), w(DATA, 512), w(STATUS, 1)]);
+        h.process_queue();
+        let start = Instant::now();
+        while vq.used_idx() == 0 {
+            assert!(start.elapsed() < Duration::from_secs(5), "never completed");
+            if h.has_work() {
+                h.process_completions();
+            }
+        }
+        assert!(!h.has_work());
+        assert_eq!(used(&vq), [(0, 513)]);
+    }
+
+    #[test]
+    fn the_poll_window_adapts() {
+        let us = Duration::from_micros;
+        let mut p = PollWindow::new(us(32));
+        assert_eq!(p.window(), us(32));
+        // Work within the window: the sweet spot.
+        p.record(us(3));
+        assert_eq!(p.window(), us(32));
+        // Idle longer than the maximum: halve, down to zero.
+        for want in [16, 8, 4, 0, 0] {
+            p.record(us(1000));
+            assert_eq!(p.window(), us(want));
+        }
+        // Work soon after sleeping: polling would have caught it, grow.
+        p.record(us(2));
+        assert_eq!(p.window(), Duration::from_nanos(POLL_GROW_START_NS));
+        p.record(us(6));
+        assert_eq!(p.window(), us(8));
+        p.record(us(20));
+        assert_eq!(p.window(), us(16));
+        p.record(us(30));
+        p.record(us(30));
+        assert_eq!(p.window(), us(32), "capped at the maximum");
+        // Zero never polls.
+        let mut off = PollWindow::new(Duration::ZERO);
+        off.record(us(2));
+        assert_eq!(off.window(), Duration::ZERO);
+    }
+
+    #[test]
+    fn waiting_for_the_disk_and_for_the_driver_adapt_separately() {
+        let rig = Rig::new();
+        let vq = TestQueue::new(&rig.mem, QSIZE);
+        let mut h = BlockHandler::new(
+            rig.mem.clone(),
+            vq.create_queue().unwrap(),
+            rig.virq.clone(),
+            Box::new(HoldEngine::default()),
+            DiskParams {
+                capacity: DISK_SECTORS,
+                read_only: false,
+                direct: false,
+                serial: [0; 20],
+            },
+        );
+        let max = Duration::from_micros(32);
+        let mut win = Windows {
+            guest: PollWindow::new(max),
+            engine: PollWindow::new(max),
+        };
+        // A slow disk: every wait with I/O in flight is long.
+        rig.header(HDR, VIRTIO_BLK_T_FLUSH, 0);
+        add_chain(&vq, 0, &[r(HDR, 16), w(STATUS, 1)]);
+        h.process_queue();
+        for _ in 0..8 {
+            win.for_state(&h).record(Duration::from_millis(1));
+        }
+        assert_eq!(win.engine.window(), Duration::ZERO);
+        h.drain();
+        // ...while the driver still answers within the window.
+        assert_eq!(win.for_state(&h).window(), max);
+    }
+
+    /// Waits up to 5 s for `cond`.
+    fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+        let start = Instant::now();
+        while !cond() {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "timed out: {what}"
+            );
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
+    #[test]
+    fn the_io_thread_takes_unnotified_requests_while_polling_then_sleeps() {
+        let rig = Rig::new();
+        let vq = TestQueue::new(&rig.mem, QSIZE);
+        let h = rig.handler(&vq, EngineKind::Sync, false);
+        let queue_evt = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
+        let kick = queue_evt.try_clone().unwrap();
+        // A long window, so the test does not race it; it still ends.
+        let window = Duration::from_millis(300);
+        let mut worker =
+            crate::devices::virtio::worker::Worker::spawn("ember-blk-test".into(), move |kill| {
+                run(h, queue_evt, kill, window)
+            })
+            .unwrap();
+        rig.header(HDR, VIRTIO_BLK_T_IN, 1);
+        add_chain(&vq, 0, &[r(HDR, 16), w(DATA, 512), w(STATUS, 1)]);
+        kick.write(1).unwrap();
+        wait_for("first request", || vq.used_idx() == 1);
+        // Polling now: the driver is told not to notify, and need not.
+        wait_for("NO_NOTIFY set", || {
+            vq.used_flags() == VRING_USED_F_NO_NOTIFY as u16
+        });
+        rig.mem
+            .write_obj(VIRTIO_BLK_T_IN, GuestAddress(HDR + 0x40))
+            .unwrap();
+        rig.mem.write_obj(2u64, GuestAddress(HDR + 0x48)).unwrap();
+        add_chain(&vq, 3, &[r(HDR + 0x40, 16), w(DATA, 512), w(STATUS, 1)]);
+        // Never notified: polling takes it, or the look after polling does.
+        wait_for("unnotified request", || vq.used_idx() == 2);
+        assert_eq!(byte(&rig.mem, DATA), 2);
+        // Out of work, the window runs out and notifications come back on.
+        wait_for("NO_NOTIFY cleared", || vq.used_flags() == 0);
+        // Sleeping now: a notified request still gets served.
+        rig.header(HDR, VIRTIO_BLK_T_IN, 3);
+        add_chain(&vq, 6, &[r(HDR, 16), w(DATA, 512), w(STATUS, 1)]);
+        kick.write(1).unwrap();
+        wait_for("notified request", || vq.used_idx() == 3);
+        worker.stop();
+        assert_eq!(byte(&rig.mem, DATA), 3);
+    }
+
     /// An engine that completes nothing until asked to wait.
     #[derive(Default)]
     struct HoldEngine {
@@ -1012,6 +1435,9 @@ mod tests {
         }
         fn notifier(&self) -> Option<std::os::fd::RawFd> {
             None
+        }
+        fn has_completions(&mut self) -> bool {
+            !self.done.is_empty()
         }
         fn name(&self) -> &'static str {
             "hold"
