@@ -1,9 +1,10 @@
 //! VMM-core benchmark: ember against QEMU microvm (KVM) on the same machine,
 //! in one run, interleaved so both see the same noise.
 //!
-//! `cargo bench --target x86_64-unknown-linux-musl --bench vmm` measures ember
-//! as shipped (statically linked, see scripts/build-release); plain
-//! `cargo bench --bench vmm` measures the dynamically linked glibc build.
+//! `cargo bench --bench vmm` measures the dynamically linked build; ember as
+//! shipped (statically linked, see scripts/build-release) with
+//! `CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static"
+//! cargo bench --target x86_64-unknown-linux-gnu --bench vmm`.
 //! EMBER_BENCH_RUNS=N changes the run count. The guest is ember's test guest
 //! told to end at once (`halt`): a null guest.
 //!
@@ -28,6 +29,11 @@ struct Run {
     maxrss_kib: u64,
 }
 
+/// Pause before each measured run. Destroying a VM costs a core 5-25 ms
+/// here, after ember's waiting process (or QEMU) has exited; on a 2-core host
+/// the previous run's teardown would otherwise compete with the next start.
+const SETTLE: std::time::Duration = std::time::Duration::from_millis(40);
+
 /// Spawns `cmd`, timing its first stdout line and its exit.
 // Reaped with wait4(2) rather than `Child::wait`, for its resource usage.
 #[allow(clippy::zombie_processes)]
@@ -35,6 +41,7 @@ fn measure(cmd: &mut Command) -> Run {
     cmd.stdout(Stdio::piped())
         .stderr(Stdio::null())
         .stdin(Stdio::null());
+    std::thread::sleep(SETTLE);
     let t0 = monotonic_ns();
     let mut child = cmd.spawn().expect("spawn");
     let mut out = child.stdout.take().unwrap();
@@ -62,6 +69,7 @@ fn measure(cmd: &mut Command) -> Run {
 /// VMM process peak RSS KiB, VMM overhead KiB = that - guest memory resident).
 fn ember_internals(ember: &Path, guest: &Path, dir: &Path) -> (f64, f64, f64) {
     let events = dir.join("ev.json");
+    std::thread::sleep(SETTLE);
     let t0 = monotonic_ns();
     let st = Command::new(ember)
         .args([
