@@ -111,7 +111,8 @@ pub struct BootRecord {
     pub exit_us: f64,
     /// Console bytes received.
     pub console_bytes: u64,
-    /// Peak RSS of the VMM process, KiB (wait4 `ru_maxrss`).
+    /// Peak RSS of the VMM process, KiB: wait4's `ru_maxrss`, or for ember the
+    /// VMM's own figure from its timeline, whichever is larger.
     pub max_rss_kib: u64,
     /// How it ended.
     pub outcome: Outcome,
@@ -205,11 +206,17 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
     let exit_us = reaped.at.duration_since(t0).as_secs_f64() * 1e6;
 
     let mut events = Vec::new();
+    let mut max_rss_kib = reaped.max_rss_kib;
     if let Some(path) = &events_path {
         if let Ok(text) = std::fs::read_to_string(path) {
             let _ = std::fs::remove_file(path);
             match serde_json::from_str::<EventFile>(&text) {
-                Ok(file) => events = align_events(&file, t0_ns, &lines),
+                Ok(file) => {
+                    // ember's VMM is a child of the process we reaped (see
+                    // `vstate::teardown`); its own peak is in its timeline.
+                    max_rss_kib = max_rss_kib.max(vmm_peak_rss_kib(&file).unwrap_or(0));
+                    events = align_events(&file, t0_ns, &lines);
+                }
                 // A VMM we killed may have left half a file: its events are lost.
                 Err(_) if !matches!(outcome, Outcome::Exited(_) | Outcome::Signaled(_)) => {}
                 Err(source) => {
@@ -227,10 +234,25 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
         first_output_us: first_output,
         exit_us,
         console_bytes,
-        max_rss_kib: reaped.max_rss_kib,
+        max_rss_kib,
         outcome,
         stderr,
     })
+}
+
+/// The VMM's peak RSS from its `memory` event (`vm_hwm_kib=N …`), if recorded.
+fn vmm_peak_rss_kib(file: &EventFile) -> Option<u64> {
+    file.events
+        .iter()
+        .filter(|e| e.kind == crate::events::kind::MEMORY)
+        .find_map(|e| {
+            e.text
+                .as_deref()?
+                .split_whitespace()
+                .find_map(|f| f.strip_prefix("vm_hwm_kib="))?
+                .parse()
+                .ok()
+        })
 }
 
 /// Reads the console until EOF, stamping each line as its newline arrives.
@@ -491,5 +513,31 @@ mod tests {
             align_events(&file(vec![ev(5.0, "x")], 0), 0, &[])[0].t_us,
             5.0
         );
+    }
+
+    #[test]
+    fn the_vmm_peak_rss_comes_from_its_memory_event() {
+        let ev = |kind: &str, text: Option<&str>| Event {
+            t_us: 1.0,
+            kind: kind.into(),
+            text: text.map(Into::into),
+            code: None,
+        };
+        let file = |events| EventFile {
+            version: 1,
+            producer: "test".into(),
+            t0_monotonic_ns: 0,
+            events,
+        };
+        let with = file(vec![
+            ev("kvm_open", None),
+            ev("memory", Some("vm_hwm_kib=2300 guest_resident_kib=140")),
+        ]);
+        assert_eq!(vmm_peak_rss_kib(&with), Some(2300));
+        assert_eq!(
+            vmm_peak_rss_kib(&file(vec![ev("memory", Some("x=1"))])),
+            None
+        );
+        assert_eq!(vmm_peak_rss_kib(&file(vec![])), None);
     }
 }
