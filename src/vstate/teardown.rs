@@ -23,13 +23,13 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 #[derive(Debug, thiserror::Error)]
 pub enum TeardownError {
     /// The report pipe couldn't be made.
-    #[error("cannot create a pipe: {0}")]
+    #[error("cannot create a pipe")]
     Pipe(#[source] std::io::Error),
     /// The VMM process couldn't be forked.
-    #[error("cannot fork the VMM process: {0}")]
+    #[error("cannot fork the VMM process")]
     Fork(#[source] std::io::Error),
     /// The VMM couldn't ask to die with the waiter.
-    #[error("cannot tie the VMM to its waiter: {0}")]
+    #[error("cannot tie the VMM to its waiter")]
     DeathSignal(#[source] std::io::Error),
 }
 
