@@ -655,14 +655,7 @@ fn prepare_disk(path: &Path, mib: u64) {
 
 /// Median and range of `v` (the lab's summary; empty input gives zeros).
 fn stats(v: Vec<f64>) -> Summary {
-    Summary::of(&v).unwrap_or(Summary {
-        n: 0,
-        mean: 0.0,
-        sd: 0.0,
-        median: 0.0,
-        min: 0.0,
-        max: 0.0,
-    })
+    Summary::of(&v).unwrap_or_default()
 }
 
 fn cell(v: Vec<f64>, digits: usize) -> (String, f64) {

@@ -133,14 +133,7 @@ fn linking(bin: &Path) -> &'static str {
 
 /// Median and range of `v` (the lab's summary; empty input gives zeros).
 fn stats(v: Vec<f64>) -> Summary {
-    Summary::of(&v).unwrap_or(Summary {
-        n: 0,
-        mean: 0.0,
-        sd: 0.0,
-        median: 0.0,
-        min: 0.0,
-        max: 0.0,
-    })
+    Summary::of(&v).unwrap_or_default()
 }
 
 fn row(name: &str, unit: &str, v: Vec<f64>) -> f64 {

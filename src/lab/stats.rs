@@ -8,7 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Mean ± sd, median and range of a sample.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     /// Number of values.
     pub n: usize,

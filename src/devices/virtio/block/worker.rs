@@ -813,6 +813,22 @@ mod tests {
             )
         }
 
+        /// A handler whose engine holds every request until told (`HoldEngine`).
+        fn hold_handler(&self, vq: &TestQueue) -> BlockHandler {
+            BlockHandler::new(
+                self.mem.clone(),
+                vq.create_queue().unwrap(),
+                self.virq.clone(),
+                Box::new(HoldEngine::default()),
+                DiskParams {
+                    capacity: DISK_SECTORS,
+                    read_only: false,
+                    direct: false,
+                    serial: [0; 20],
+                },
+            )
+        }
+
         fn header(&self, at: u64, kind: u32, sector: u64) {
             self.mem.write_obj(kind, GuestAddress(at)).unwrap();
             self.mem.write_obj(0u32, GuestAddress(at + 4)).unwrap();
@@ -1256,18 +1272,7 @@ mod tests {
         for _ in 1..QSIZE {
             publish(&vq, QSIZE, 0);
         }
-        let mut h = BlockHandler::new(
-            rig.mem.clone(),
-            vq.create_queue().unwrap(),
-            rig.virq.clone(),
-            Box::new(HoldEngine::default()),
-            DiskParams {
-                capacity: DISK_SECTORS,
-                read_only: false,
-                direct: false,
-                serial: [0; 20],
-            },
-        );
+        let mut h = rig.hold_handler(&vq);
         assert!(h.has_work());
         h.process_queue();
         publish(&vq, QSIZE, 0);
@@ -1328,18 +1333,7 @@ mod tests {
     fn waiting_for_the_disk_and_for_the_driver_adapt_separately() {
         let rig = Rig::new();
         let vq = TestQueue::new(&rig.mem, QSIZE);
-        let mut h = BlockHandler::new(
-            rig.mem.clone(),
-            vq.create_queue().unwrap(),
-            rig.virq.clone(),
-            Box::new(HoldEngine::default()),
-            DiskParams {
-                capacity: DISK_SECTORS,
-                read_only: false,
-                direct: false,
-                serial: [0; 20],
-            },
-        );
+        let mut h = rig.hold_handler(&vq);
         let max = Duration::from_micros(32);
         let mut win = Windows {
             guest: PollWindow::new(max),
@@ -1454,18 +1448,7 @@ mod tests {
         for _ in 1..QSIZE {
             publish(&vq, QSIZE, 0);
         }
-        let mut h = BlockHandler::new(
-            rig.mem.clone(),
-            vq.create_queue().unwrap(),
-            rig.virq.clone(),
-            Box::new(HoldEngine::default()),
-            DiskParams {
-                capacity: DISK_SECTORS,
-                read_only: false,
-                direct: false,
-                serial: [0; 20],
-            },
-        );
+        let mut h = rig.hold_handler(&vq);
         assert!(h.process_queue());
         assert_eq!(h.in_flight(), usize::from(QSIZE));
         for _ in 0..QSIZE {
