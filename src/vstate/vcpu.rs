@@ -215,46 +215,45 @@ impl Vcpu {
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
                 Err(source) => return Err(VcpuError::Run { id, source }),
             };
-            // Port I/O is finished after the match, once `exit` no longer
+            // Port I/O is served after the match, once `exit` no longer
             // borrows the vCPU: its access size is needed and kvm-ioctls
             // does not pass it on.
-            let pio = match exit {
-                VcpuExit::IoOut(port, data) => Some(Pio::out(port, data)),
-                VcpuExit::IoIn(port, data) => Some(Pio::input(port, data.len())),
+            let port_io = match exit {
+                VcpuExit::IoOut(..) | VcpuExit::IoIn(..) => true,
                 VcpuExit::MmioWrite(addr, data) => {
                     if !mmio.write(addr, data) && claim(vm, addr)? {
                         mem.write_slice(data, GuestAddress(addr))
                             .map_err(|_| VcpuError::LazyRam(addr))?;
                     }
-                    None
+                    false
                 }
                 VcpuExit::MmioRead(addr, data) => {
                     if !mmio.read(addr, data) && claim(vm, addr)? {
                         mem.read_slice(data, GuestAddress(addr))
                             .map_err(|_| VcpuError::LazyRam(addr))?;
                     }
-                    None
+                    false
                 }
                 // A triple fault: the CPU gives up.
                 VcpuExit::Shutdown => {
                     end.report(GuestEnd::TripleFault);
-                    None
+                    false
                 }
                 // With the in-kernel LAPIC, HLT only exits when the guest halted for good.
                 VcpuExit::Hlt => {
                     end.report(GuestEnd::PowerOff);
-                    None
+                    false
                 }
                 VcpuExit::SystemEvent(kind, _) => {
                     end.report(match kind {
                         kvm_bindings::KVM_SYSTEM_EVENT_RESET => GuestEnd::Reset,
                         _ => GuestEnd::PowerOff,
                     });
-                    None
+                    false
                 }
                 // An instruction KVM could not emulate may be one that touched RAM
                 // KVM does not know yet (e.g. a fetch): register it and retry.
-                VcpuExit::InternalError if vm.claim_all_ram().map_err(VcpuError::Memory)? => None,
+                VcpuExit::InternalError if vm.claim_all_ram().map_err(VcpuError::Memory)? => false,
                 VcpuExit::InternalError => {
                     let run = self.fd.get_kvm_run();
                     // SAFETY: KVM filled the `internal` member of the exit union because
@@ -273,7 +272,7 @@ impl Vcpu {
                         rip: self.rip(),
                     });
                 }
-                VcpuExit::Intr => None,
+                VcpuExit::Intr => false,
                 other => {
                     let exit = format!("{other:?}");
                     return Err(VcpuError::Unexpected {
@@ -283,73 +282,34 @@ impl Vcpu {
                     });
                 }
             };
-            if let Some(pio) = pio {
-                self.finish_pio(io, pio);
+            if port_io {
+                self.serve_port_io(io);
             }
         }
     }
 
-    /// Serves a port-I/O exit. String instructions (`rep outsb`, `rep insw`)
-    /// arrive as one exit of `count` accesses of `size` bytes each; every
-    /// access goes to the device on its own, as the guest made it.
-    fn finish_pio(&mut self, io: &Bus, pio: Pio) {
+    /// Serves the port-I/O exit KVM_RUN just returned. String instructions
+    /// (`rep outsb`, `rep insw`) arrive as one exit of `count` accesses of
+    /// `size` bytes each; every access goes to the device on its own, as the
+    /// guest made it.
+    fn serve_port_io(&mut self, io: &Bus) {
         let run = self.fd.get_kvm_run();
-        // SAFETY: the last exit was KVM_EXIT_IO (a `Pio` is only made for one),
-        // so KVM filled the `io` member of the exit union; it is plain integers.
+        // SAFETY: the last exit was KVM_EXIT_IO, so KVM filled the `io` member
+        // of the exit union; it is plain integers.
         let exit = unsafe { run.__bindgen_anon_1.io };
         let size = usize::from(exit.size);
-        match pio {
-            Pio::Out { port, len, data } => dispatch_out(io, port, size, &data[..len]),
-            Pio::In { port, len } => {
-                let mut data = [0u8; PIO_MAX];
-                dispatch_in(io, port, size, &mut data[..len]);
-                let base = (run as *mut kvm_bindings::kvm_run).cast::<u8>();
-                // SAFETY: KVM put this exit's `len` data bytes at `data_offset`
-                // inside the vCPU's kvm_run mapping (kvm-ioctls sliced the same
-                // bytes for `IoIn`), and no reference to them is alive now.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        data.as_ptr(),
-                        base.add(exit.data_offset as usize),
-                        len,
-                    );
-                }
-            }
-        }
-    }
-}
-
-/// The most data one port-I/O exit carries: KVM stages it in one page.
-const PIO_MAX: usize = 4096;
-
-/// A port-I/O exit, copied out of the kvm_run page.
-// It lives on the vCPU thread's stack for one exit; boxing the data would
-// allocate on every port access.
-#[allow(clippy::large_enum_variant)]
-enum Pio {
-    Out {
-        port: u16,
-        len: usize,
-        data: [u8; PIO_MAX],
-    },
-    In {
-        port: u16,
-        len: usize,
-    },
-}
-
-impl Pio {
-    fn out(port: u16, bytes: &[u8]) -> Pio {
-        let len = bytes.len().min(PIO_MAX);
-        let mut data = [0u8; PIO_MAX];
-        data[..len].copy_from_slice(&bytes[..len]);
-        Pio::Out { port, len, data }
-    }
-
-    fn input(port: u16, len: usize) -> Pio {
-        Pio::In {
-            port,
-            len: len.min(PIO_MAX),
+        let len = size * exit.count as usize;
+        let base = (run as *mut kvm_bindings::kvm_run).cast::<u8>();
+        // SAFETY: KVM staged this exit's `size * count` data bytes at
+        // `data_offset` inside the vCPU's kvm_run mapping, which lives as long
+        // as `self.fd` (kvm-ioctls slices the same bytes for `IoOut`/`IoIn`);
+        // no other reference to them is alive while `data` is.
+        let data =
+            unsafe { std::slice::from_raw_parts_mut(base.add(exit.data_offset as usize), len) };
+        if u32::from(exit.direction) == kvm_bindings::KVM_EXIT_IO_OUT {
+            dispatch_out(io, exit.port, size, data);
+        } else {
+            dispatch_in(io, exit.port, size, data);
         }
     }
 }
