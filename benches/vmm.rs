@@ -96,22 +96,11 @@ fn ember_internals(ember: &Path, guest: &Path, dir: &Path) -> (f64, f64, f64) {
         .find(|e| e.kind == "boot_mark" && e.code == Some(0x40))
         .expect("mark 0x40")
         .t_us;
-    let mem = ev
-        .events
-        .iter()
-        .find(|e| e.kind == "memory")
-        .and_then(|e| e.text.clone())
-        .unwrap_or_default();
-    let field = |k: &str| -> f64 {
-        mem.split_whitespace()
-            .find_map(|f| f.strip_prefix(k))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0)
-    };
+    let kib = |name| ev.memory_kib(name).unwrap_or(0) as f64;
     (
         (exec_to_main_us + first) / 1e3,
-        field("vm_hwm_kib="),
-        field("vm_hwm_kib=") - field("guest_resident_kib="),
+        kib("vm_hwm_kib"),
+        kib("vm_hwm_kib") - kib("guest_resident_kib"),
     )
 }
 

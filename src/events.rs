@@ -46,6 +46,22 @@ pub struct EventFile {
     pub events: Vec<Event>,
 }
 
+impl EventFile {
+    /// A figure of the `memory` event (`vm_hwm_kib=N guest_resident_kib=M`),
+    /// by name (`"vm_hwm_kib"`), if the VMM recorded it.
+    pub fn memory_kib(&self, name: &str) -> Option<u64> {
+        self.events
+            .iter()
+            .filter(|e| e.kind == kind::MEMORY)
+            .find_map(|e| {
+                e.text.as_deref()?.split_whitespace().find_map(|f| {
+                    let (k, v) = f.split_once('=')?;
+                    (k == name).then(|| v.parse().ok())?
+                })
+            })
+    }
+}
+
 /// Well-known event kinds, so writers and readers agree on spelling.
 pub mod kind {
     /// The VMM process began (forked from the one the user ran, which waits;
@@ -215,6 +231,34 @@ impl LineStamper {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_figures_are_read_by_name() {
+        let ev = |kind: &str, text: Option<&str>| Event {
+            t_us: 1.0,
+            kind: kind.into(),
+            text: text.map(Into::into),
+            code: None,
+        };
+        let file = |events| EventFile {
+            version: 1,
+            producer: "test".into(),
+            t0_monotonic_ns: 0,
+            events,
+        };
+        let with = file(vec![
+            ev("kvm_open", None),
+            ev("memory", Some("vm_hwm_kib=2300 guest_resident_kib=140")),
+        ]);
+        assert_eq!(with.memory_kib("vm_hwm_kib"), Some(2300));
+        assert_eq!(with.memory_kib("guest_resident_kib"), Some(140));
+        assert_eq!(with.memory_kib("vm_hwm"), None, "names match whole");
+        assert_eq!(
+            file(vec![ev("memory", Some("x=1"))]).memory_kib("vm_hwm_kib"),
+            None
+        );
+        assert_eq!(file(vec![]).memory_kib("vm_hwm_kib"), None);
+    }
 
     #[test]
     fn disabled_recorder_keeps_nothing() {

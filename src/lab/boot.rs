@@ -214,7 +214,7 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
                 Ok(file) => {
                     // ember's VMM is a child of the process we reaped (see
                     // `vstate::teardown`); its own peak is in its timeline.
-                    max_rss_kib = max_rss_kib.max(vmm_peak_rss_kib(&file).unwrap_or(0));
+                    max_rss_kib = max_rss_kib.max(file.memory_kib("vm_hwm_kib").unwrap_or(0));
                     events = align_events(&file, t0_ns, &lines);
                 }
                 // A VMM we killed may have left half a file: its events are lost.
@@ -238,21 +238,6 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
         outcome,
         stderr,
     })
-}
-
-/// The VMM's peak RSS from its `memory` event (`vm_hwm_kib=N …`), if recorded.
-fn vmm_peak_rss_kib(file: &EventFile) -> Option<u64> {
-    file.events
-        .iter()
-        .filter(|e| e.kind == crate::events::kind::MEMORY)
-        .find_map(|e| {
-            e.text
-                .as_deref()?
-                .split_whitespace()
-                .find_map(|f| f.strip_prefix("vm_hwm_kib="))?
-                .parse()
-                .ok()
-        })
 }
 
 /// Reads the console until EOF, stamping each line as its newline arrives.
@@ -513,31 +498,5 @@ mod tests {
             align_events(&file(vec![ev(5.0, "x")], 0), 0, &[])[0].t_us,
             5.0
         );
-    }
-
-    #[test]
-    fn the_vmm_peak_rss_comes_from_its_memory_event() {
-        let ev = |kind: &str, text: Option<&str>| Event {
-            t_us: 1.0,
-            kind: kind.into(),
-            text: text.map(Into::into),
-            code: None,
-        };
-        let file = |events| EventFile {
-            version: 1,
-            producer: "test".into(),
-            t0_monotonic_ns: 0,
-            events,
-        };
-        let with = file(vec![
-            ev("kvm_open", None),
-            ev("memory", Some("vm_hwm_kib=2300 guest_resident_kib=140")),
-        ]);
-        assert_eq!(vmm_peak_rss_kib(&with), Some(2300));
-        assert_eq!(
-            vmm_peak_rss_kib(&file(vec![ev("memory", Some("x=1"))])),
-            None
-        );
-        assert_eq!(vmm_peak_rss_kib(&file(vec![])), None);
     }
 }
