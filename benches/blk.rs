@@ -17,9 +17,9 @@
 //!
 //! The guest times itself with the TSC at the rate it believes; the rate is calibrated
 //! here against the host clock (`spin=` runs) and every guest figure is corrected by it.
-//! CPU per GiB is the subject's user+sys (wait4; for ember, its waiting process plus the
-//! VMM process it forks, which this bench adopts as a subreaper) minus the same VMM's CPU for a
-//! boot without I/O; "excl. vCPU" leaves out the vCPU threads (the guest busy-polls, so
+//! CPU per GiB is the subject's user+sys (wait4; for ember, plus the keeper process that
+//! tears its VM down after it exits, which this bench adopts as a subreaper) minus the same
+//! VMM's CPU for a boot without I/O; "excl. vCPU" leaves out the vCPU threads (the guest busy-polls, so
 //! they are always ~100% busy), sampled from /proc/PID/task every 20 ms.
 //!
 //! The same binary is its own host runner: `blk host-run PATH OP PATTERN BS QD SECS DIRECT`.
@@ -177,14 +177,6 @@ fn sample_threads(pid: u32, last: &mut HashMap<String, (bool, u64)>) -> Option<b
     Some(vcpu_cpu? == io_cpu?)
 }
 
-/// The single child process of `pid`, if it has exactly one.
-fn only_child(pid: u32) -> Option<u32> {
-    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).ok()?;
-    let mut it = children.split_whitespace();
-    let first = it.next()?.parse().ok()?;
-    it.next().is_none().then_some(first)
-}
-
 /// Runs `cmd` to completion, sampling per-thread CPU, reaping with wait4 for rusage.
 // Reaped with wait4(2) rather than `Child::wait`, for its resource usage.
 #[allow(clippy::zombie_processes)]
@@ -206,18 +198,8 @@ fn run_measured(cmd: &mut Command) -> Finished {
     // SAFETY: a zeroed rusage is a valid out-parameter for wait4.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     let (mut shared, mut placed) = (0u32, 0u32);
-    // `ember run` forks its VMM and exits before the VM is torn down (see
-    // `vstate::teardown`): its threads are sampled in the child, and the child,
-    // ours to reap once its parent is gone (we are a subreaper, see `main`),
-    // adds its CPU time.
-    let mut vmm = None;
     loop {
-        vmm = vmm.or_else(|| only_child(pid));
-        let sampled = [Some(pid), vmm].into_iter().flatten();
-        let placement: Vec<bool> = sampled
-            .filter_map(|p| sample_threads(p, &mut threads))
-            .collect();
-        if let Some(&same) = placement.first() {
+        if let Some(same) = sample_threads(pid, &mut threads) {
             placed += 1;
             shared += u32::from(same);
         }
@@ -234,13 +216,18 @@ fn run_measured(cmd: &mut Command) -> Finished {
     let wall_s = t0.elapsed().as_secs_f64();
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
     let mut cpu_s = tv(ru.ru_utime) + tv(ru.ru_stime);
-    if let Some(vmm) = vmm {
+    // ember exits before its VM is torn down (see `vstate::teardown`): the
+    // keeper process that tears it down is ours to reap once ember is gone
+    // (we are a subreaper, see `main`), and its CPU time is ember's too.
+    loop {
         // SAFETY: a zeroed rusage is a valid out-parameter for wait4.
-        let mut vru: libc::rusage = unsafe { std::mem::zeroed() };
-        // SAFETY: waiting for our (adopted) child with valid out-pointers.
-        if unsafe { libc::wait4(vmm as i32, &mut status, 0, &mut vru) } == vmm as i32 {
-            cpu_s += tv(vru.ru_utime) + tv(vru.ru_stime);
+        let mut kru: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: reaping our own (adopted) children with valid out-pointers;
+        // subjects run one at a time, so any child left is this one's.
+        if unsafe { libc::wait4(-1, &mut status, 0, &mut kru) } <= 0 {
+            break;
         }
+        cpu_s += tv(kru.ru_utime) + tv(kru.ru_stime);
     }
     let hz = clock_ticks();
     let excl: u64 = threads.values().filter(|(v, _)| !v).map(|(_, t)| t).sum();
@@ -802,8 +789,8 @@ fn main() {
         }
         return;
     }
-    // Orphaned descendants (ember's VMM, once its waiting parent exits) become
-    // our children, so their CPU time can be collected (`run_measured`).
+    // Orphaned descendants (the keeper ember leaves to tear its VM down)
+    // become our children, so their CPU time can be collected (`run_measured`).
     // SAFETY: PR_SET_CHILD_SUBREAPER takes an integer flag and no pointers.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) };
     let rounds = env_u64("EMBER_BLK_ROUNDS", 5).max(1);

@@ -8,9 +8,8 @@
 //! EMBER_BENCH_RUNS=N changes the run count. The guest is ember's test guest
 //! told to end at once (`halt`): a null guest.
 //!
-//! `ember run` is two processes (see `vstate::teardown`): the one started,
-//! which only waits, and the VMM it forks. Peak RSS from wait4 is the waiting
-//! process's; the VMM's comes from its own `memory` event.
+//! ember's peak RSS comes from its own `memory` event, which also says how
+//! much of it is guest memory.
 
 use ember::events::{EventFile, monotonic_ns};
 use ember::lab::stats::Summary;
@@ -30,7 +29,7 @@ struct Run {
 }
 
 /// Pause before each measured run. Destroying a VM costs a core 5-25 ms
-/// here, after ember's waiting process (or QEMU) has exited; on a 2-core host
+/// here, after ember (or QEMU) has exited; on a 2-core host
 /// the previous run's teardown would otherwise compete with the next start.
 const SETTLE: std::time::Duration = std::time::Duration::from_millis(40);
 
@@ -237,7 +236,11 @@ fn main() {
         "MiB",
         overhead,
     );
-    row("ember: waiting process peak RSS", "MiB", rss(&e));
+    row(
+        "ember: peak RSS from wait4 (guest memory included)",
+        "MiB",
+        rss(&e),
+    );
     if !q.is_empty() {
         let q_line = row(
             "QEMU microvm (KVM): exec → first console line",

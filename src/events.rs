@@ -64,9 +64,6 @@ impl EventFile {
 
 /// Well-known event kinds, so writers and readers agree on spelling.
 pub mod kind {
-    /// The VMM process began (forked from the one the user ran, which waits;
-    /// see `vstate::teardown`).
-    pub const VMM_START: &str = "vmm_start";
     /// /dev/kvm opened and the VM created.
     pub const KVM_OPEN: &str = "kvm_open";
     /// Guest memory mapped and registered.

@@ -146,10 +146,6 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
         pmem: args.pmem.clone(),
         balloon: args.balloon,
     };
-    // From here on this process is the VMM; the one the user started waits
-    // for its result (see `vstate::teardown`).
-    let reporter = crate::vstate::teardown::split()?;
-    recorder.mark(kind::VMM_START);
     let vmm = builder::build(cfg, recorder.clone())
         .map_err(|e| anyhow::anyhow!(builder::error_chain(&e)))?;
     if args.console == ConsoleMode::Serial && std::io::stdin().is_terminal() {
@@ -184,7 +180,8 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
         std::fs::write(path, json)
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
     }
-    reporter.exit(code)
+    // The VM's teardown is left to a process nobody waits for.
+    crate::vstate::teardown::exit(code)
 }
 
 /// Waits for the guest to end; `None` when `timeout` (seconds) passes first.

@@ -63,7 +63,6 @@ fn pvh_entry_prints_marks_and_returns_the_guest_status() {
     );
     let k = kinds(&ev);
     for want in [
-        "vmm_start",
         "kvm_open",
         "memory_ready",
         "kernel_loaded",
@@ -76,9 +75,7 @@ fn pvh_entry_prints_marks_and_returns_the_guest_status() {
     }
     let pos = |w: &str| k.iter().position(|x| *x == w).unwrap();
     assert!(
-        pos("vmm_start") < pos("kvm_open")
-            && pos("kvm_open") < pos("memory_ready")
-            && pos("memory_ready") < pos("first_guest_entry")
+        pos("kvm_open") < pos("memory_ready") && pos("memory_ready") < pos("first_guest_entry")
     );
     assert!(pos("first_guest_entry") < pos("boot_mark"));
     assert!(ev.events.windows(2).all(|w| w[0].t_us <= w[1].t_us));
@@ -373,56 +370,4 @@ fn all_virtio_devices_attach() {
     // Four windows, announced on the command line (and in the DSDT).
     assert_eq!(out.matches("virtio_mmio.device=4K@").count(), 4, "{out}");
     assert!(out.contains("blkverify: ok"), "{out}");
-}
-
-/// `ember run` is a waiting process and the VMM it forks: the VMM ends with
-/// its waiter, whoever kills it, and reports through it otherwise.
-#[test]
-fn killing_ember_kills_its_vmm() {
-    use std::io::BufRead;
-    use std::os::unix::process::ExitStatusExt;
-    if !require_kvm("killing_ember") {
-        return;
-    }
-    let mut child = ember()
-        .args([
-            "run",
-            "--mem",
-            "64M",
-            "--cmdline",
-            "print=up spin=60000",
-            "--kernel",
-        ])
-        .arg(guest())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("up") {
-        line.clear();
-        assert!(
-            out.read_line(&mut line).unwrap() > 0,
-            "the guest never printed"
-        );
-    }
-    let pid = child.id();
-    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
-    let vmm: u32 = children.trim().parse().expect("one child, the VMM");
-    let vmm_threads = std::fs::read_dir(format!("/proc/{vmm}/task"))
-        .unwrap()
-        .count();
-    assert!(vmm_threads >= 2, "the VMM runs the vCPU thread");
-    // SAFETY: sending SIGTERM to our own child.
-    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
-    let status = child.wait().unwrap();
-    assert_eq!(status.signal(), Some(libc::SIGTERM));
-    let gone = (0..200).any(|_| {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-        // A zombie until init reaps it counts as gone.
-        std::fs::read_to_string(format!("/proc/{vmm}/stat"))
-            .map_or(true, |s| s.split_whitespace().nth(2) == Some("Z"))
-    });
-    assert!(gone, "the VMM {vmm} outlived its waiter");
 }

@@ -212,8 +212,8 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
             let _ = std::fs::remove_file(path);
             match serde_json::from_str::<EventFile>(&text) {
                 Ok(file) => {
-                    // ember's VMM is a child of the process we reaped (see
-                    // `vstate::teardown`); its own peak is in its timeline.
+                    // ember measures its own peak at the end of its
+                    // timeline too; the larger of the two stands.
                     max_rss_kib = max_rss_kib.max(file.memory_kib("vm_hwm_kib").unwrap_or(0));
                     events = align_events(&file, t0_ns, &lines);
                 }
