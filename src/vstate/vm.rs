@@ -102,18 +102,27 @@ impl Vm {
         })
     }
 
-    /// Creates the in-kernel PIC/IOAPIC/LAPIC and PIT (before any vCPU).
+    /// Creates the in-kernel PIC/IOAPIC/LAPIC (before any vCPU).
     pub fn create_irqchip(&self) -> Result<(), VmError> {
-        let setup = |what| move |source| VmError::Setup { what, source };
-        self.fd
-            .create_irq_chip()
-            .map_err(setup("the in-kernel irqchip"))?;
+        self.fd.create_irq_chip().map_err(|source| VmError::Setup {
+            what: "the in-kernel irqchip",
+            source,
+        })
+    }
+
+    /// Creates the in-kernel PIT (after the irqchip, before the guest runs).
+    /// It starts a kernel thread, ~0.1 ms here, so [`crate::builder`] does
+    /// this while the vCPU threads create their vCPUs.
+    pub fn create_pit(&self) -> Result<(), VmError> {
         // The PIT's speaker port is a dummy: nothing can beep.
         let pit = kvm_pit_config {
             flags: KVM_PIT_SPEAKER_DUMMY,
             ..Default::default()
         };
-        self.fd.create_pit2(pit).map_err(setup("the in-kernel PIT"))
+        self.fd.create_pit2(pit).map_err(|source| VmError::Setup {
+            what: "the in-kernel PIT",
+            source,
+        })
     }
 
     /// The raw VM fd, for vCPU creation.
