@@ -6,7 +6,9 @@
 //! `CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static"
 //! cargo bench --target x86_64-unknown-linux-gnu --bench vmm`.
 //! EMBER_BENCH_RUNS=N changes the run count. The guest is ember's test guest
-//! told to end at once (`halt`): a null guest.
+//! told to end at once (`halt`): a null guest. Two floors put ember's start-up
+//! in proportion: how long this host takes to exec a static process that does
+//! nothing, and the KVM calls no VMM can skip before a guest runs.
 //!
 //! ember's peak RSS comes from its own `memory` event, which also says how
 //! much of it is guest memory.
@@ -103,6 +105,66 @@ fn ember_internals(ember: &Path, guest: &Path, dir: &Path) -> (f64, f64, f64) {
     )
 }
 
+/// The host's own floor under "exec → first guest instruction": the KVM
+/// calls any VMM makes before a guest runs (open /dev/kvm, create a VM, give
+/// it 512 MiB, create the in-kernel irqchip and one vCPU), timed in this
+/// process (ms).
+fn kvm_floor() -> f64 {
+    std::thread::sleep(SETTLE);
+    let t0 = monotonic_ns();
+    let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm");
+    let vm = kvm.create_vm().expect("create a VM");
+    const MEM: usize = 512 << 20;
+    // SAFETY: a fresh anonymous mapping, unmapped below after the VM that
+    // uses it is gone.
+    let host = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            MEM,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(host, libc::MAP_FAILED);
+    let region = kvm_bindings::kvm_userspace_memory_region {
+        slot: 0,
+        flags: 0,
+        guest_phys_addr: 0,
+        memory_size: MEM as u64,
+        userspace_addr: host as u64,
+    };
+    // SAFETY: the region is a live mapping of MEM bytes, kept until the VM is dropped.
+    unsafe { vm.set_user_memory_region(region) }.expect("memory slot");
+    vm.create_irq_chip().expect("irqchip");
+    let vcpu = vm.create_vcpu(0).expect("vCPU");
+    let ms = (monotonic_ns() - t0) as f64 / 1e6;
+    drop((vcpu, vm));
+    // SAFETY: unmapping the mapping made above; the VM using it is gone.
+    unsafe { libc::munmap(host, MEM) };
+    ms
+}
+
+/// Set, this bench only prints when its `main` began (see `exec_floor`).
+const NOOP_ENV: &str = "EMBER_BENCH_NOOP";
+
+/// The host's floor under any process's start: exec → `main` of a static
+/// binary that does nothing (this one, with [`NOOP_ENV`] set), in ms.
+fn exec_floor(this: &Path) -> f64 {
+    std::thread::sleep(SETTLE);
+    let t0 = monotonic_ns();
+    let out = Command::new(this)
+        .env(NOOP_ENV, "1")
+        .output()
+        .expect("no-op");
+    let main_ns: u64 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("a time");
+    (main_ns - t0) as f64 / 1e6
+}
+
 /// How `bin` is linked: "static" without a program interpreter.
 fn linking(bin: &Path) -> &'static str {
     let bytes = std::fs::read(bin).unwrap_or_default();
@@ -134,6 +196,10 @@ fn row(name: &str, unit: &str, v: Vec<f64>) -> f64 {
 }
 
 fn main() {
+    if std::env::var_os(NOOP_ENV).is_some() {
+        println!("{}", monotonic_ns());
+        return;
+    }
     // `cargo bench` passes --bench; anything else is ignored.
     let runs: usize = std::env::var("EMBER_BENCH_RUNS")
         .ok()
@@ -199,6 +265,8 @@ fn main() {
     }
     let (mut e, mut e64g, mut ver, mut q) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut first_insn, mut vmm_rss, mut overhead) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut exec_floors, mut kvm_floors) = (Vec::new(), Vec::new());
+    let this = std::env::current_exe().expect("the bench's own path");
     for i in 0..runs {
         eprint!("\rrun {}/{runs}", i + 1);
         e.push(measure(&mut ember_cmd("512M")));
@@ -207,6 +275,8 @@ fn main() {
         if let Some(qb) = &qemu {
             q.push(measure(&mut qemu_cmd(qb)));
         }
+        exec_floors.push(exec_floor(&this));
+        kvm_floors.push(kvm_floor());
         let (fi, rss, oh) = ember_internals(&ember, &guest, &dir);
         first_insn.push(fi);
         vmm_rss.push(rss / 1024.0);
@@ -225,7 +295,7 @@ fn main() {
     println!("ember binary: {} ({})\n", ember.display(), linking(&ember));
     println!("| measure | median | min – max |");
     println!("| --- | --- | --- |");
-    row("ember: exec → first guest instruction", "ms", first_insn);
+    let e_first = row("ember: exec → first guest instruction", "ms", first_insn);
     let e_line = row("ember: exec → first console line", "ms", line(&e));
     let e_exit = row("ember: exec → exit", "ms", ms(&e));
     let e64 = row("ember: exec → exit, 64 GiB guest", "ms", ms(&e64g));
@@ -257,6 +327,23 @@ fn main() {
     } else {
         println!("\nQEMU not found: no comparison");
     }
+    println!("\nthe host's floor under the first instruction:\n");
+    println!("| measure | median | min – max |");
+    println!("| --- | --- | --- |");
+    let fe = row(
+        "exec → `main` of a process that does nothing (this bench)",
+        "ms",
+        exec_floors,
+    );
+    let fk = row(
+        "KVM: open, create VM, 512 MiB slot, irqchip, one vCPU (in process)",
+        "ms",
+        kvm_floors,
+    );
+    println!(
+        "ember's own share of exec → first guest instruction: {:.2} ms of {e_first:.2} ms",
+        e_first - fe - fk
+    );
     println!(
         "64 GiB vs 512 MiB guest: {:.2}× ; ember run vs ember --version: {:.2}×",
         e64 / e_exit,
