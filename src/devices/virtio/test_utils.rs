@@ -1,6 +1,9 @@
 //! Helpers for device unit tests: a guest memory, a mock driver-side queue, and chains.
 
-use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
@@ -139,6 +142,27 @@ pub fn put_desc(vq: &TestQueue, index: u16, addr: u64, len: u32, flags: u16, nex
         .unwrap();
 }
 
+/// Writes `segs` as an indirect descriptor table at `table` and makes it available as one
+/// chain whose head, at descriptor-table index `head`, points at the table. Indirect
+/// tables can be far longer than the queue.
+pub fn add_indirect_chain(vq: &TestQueue, head: u16, table: u64, segs: &[Seg]) {
+    for (i, s) in segs.iter().enumerate() {
+        let last = i + 1 == segs.len();
+        let mut flags = if s.write { VRING_DESC_F_WRITE } else { 0 };
+        if !last {
+            flags |= VRING_DESC_F_NEXT;
+        }
+        let next = if last { 0 } else { i as u16 + 1 };
+        let d = Descriptor::new(s.addr, s.len, flags as u16, next);
+        vq.mem
+            .write_obj(d, GuestAddress(table + 16 * i as u64))
+            .unwrap();
+    }
+    let len = 16 * u32::try_from(segs.len()).unwrap();
+    put_desc(vq, head, table, len, VRING_DESC_F_INDIRECT as u16, 0);
+    publish(vq, vq.size, head);
+}
+
 /// Makes the chain starting at `head` available on a queue of `size` entries.
 pub fn publish(vq: &TestQueue, size: u16, head: u16) {
     let idx: u16 = vq.mem.read_obj(GuestAddress(vq.avail + 2)).unwrap();
@@ -205,4 +229,55 @@ impl Drop for TempFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
+}
+
+/// The unit tests' allocator: the system's, counting the allocations each thread makes so
+/// a test can check that a hot path allocates nothing ([`allocations`]). Per thread, so
+/// tests running in parallel do not disturb each other's counts.
+struct CountingAlloc;
+
+thread_local! {
+    /// Const-initialised and without a destructor, so reading it never allocates.
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+fn count_one() {
+    // `try_with` rather than `with`: never panic inside the allocator, even while a thread
+    // is being torn down.
+    let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+}
+
+// SAFETY: every call is passed straight to `System`, which upholds the contract; counting
+// touches only a thread-local integer.
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count_one();
+        // SAFETY: the caller's guarantees for `layout` are `System`'s preconditions.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count_one();
+        // SAFETY: as for `alloc`.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count_one();
+        // SAFETY: `ptr` came from this allocator, that is from `System`, with `layout`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as for `realloc`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: CountingAlloc = CountingAlloc;
+
+/// Heap allocations (and reallocations) made by this thread so far.
+pub fn allocations() -> u64 {
+    ALLOCATIONS.with(Cell::get)
 }

@@ -196,6 +196,10 @@ fn fallocate(fd: RawFd, mode: i32, offset: u64, len: u64) -> io::Result<usize> {
 }
 
 /// `preadv`/`pwritev` until every iovec is done, resuming after short transfers.
+///
+/// The caller's iovecs are used in place, never copied (a copy per request was a heap
+/// allocation): a transfer that stops inside an iovec is resumed with a one-element iovec
+/// for the rest of that buffer, then the caller's array from the next one on.
 fn transfer_all(
     fd: RawFd,
     mut offset: u64,
@@ -207,21 +211,34 @@ fn transfer_all(
         return Ok(0);
     }
     // SAFETY: the caller guarantees `iovecs` points at `count` initialised iovecs that stay
-    // valid for the whole operation.
-    let mut iov: Vec<libc::iovec> = unsafe { std::slice::from_raw_parts(iovecs, count) }.to_vec();
+    // valid, and unchanged, for the whole operation.
+    let iov: &[libc::iovec] = unsafe { std::slice::from_raw_parts(iovecs, count) };
+    // The first iovec not yet fully transferred, and how much of it already was.
     let mut start = 0usize;
+    let mut skip = 0usize;
     let mut total = 0usize;
     while start < iov.len() {
-        let cnt = (iov.len() - start).min(libc::UIO_MAXIOV as usize) as libc::c_int;
+        let rest_of_one;
+        let (ptr, cnt) = if skip > 0 {
+            rest_of_one = libc::iovec {
+                iov_base: iov[start].iov_base.cast::<u8>().wrapping_add(skip).cast(),
+                iov_len: iov[start].iov_len - skip,
+            };
+            (&raw const rest_of_one, 1)
+        } else {
+            let cnt = (iov.len() - start).min(libc::UIO_MAXIOV as usize);
+            (iov[start..].as_ptr(), cnt as libc::c_int)
+        };
         let off =
             i64::try_from(offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        // SAFETY: the iovecs describe guest memory (or bounce buffers) the caller keeps
+        // SAFETY: `ptr` points at `cnt` iovecs (the caller's, or `rest_of_one`, which is
+        // alive here) describing guest memory or bounce buffers that the caller keeps
         // mapped and does not otherwise touch until the operation completes.
         let n = unsafe {
             if write {
-                libc::pwritev(fd, iov[start..].as_ptr(), cnt, off)
+                libc::pwritev(fd, ptr, cnt, off)
             } else {
-                libc::preadv(fd, iov[start..].as_ptr(), cnt, off)
+                libc::preadv(fd, ptr, cnt, off)
             }
         };
         if n < 0 {
@@ -234,24 +251,17 @@ fn transfer_all(
         if n == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
-        let mut n = n as usize;
+        let n = n as usize;
         total += n;
         offset += n as u64;
-        // Skip fully transferred iovecs, trim the partial one.
-        while n > 0 && start < iov.len() {
-            if n >= iov[start].iov_len {
-                n -= iov[start].iov_len;
-                start += 1;
-            } else {
-                // SAFETY: advancing within the same iovec's buffer.
-                iov[start].iov_base = unsafe { iov[start].iov_base.cast::<u8>().add(n) }.cast();
-                iov[start].iov_len -= n;
-                n = 0;
-            }
-        }
-        while start < iov.len() && iov[start].iov_len == 0 {
+        // Skip the iovecs now fully transferred (and empty ones); note how far into the
+        // next one the transfer got.
+        let mut done = skip + n;
+        while start < iov.len() && done >= iov[start].iov_len {
+            done -= iov[start].iov_len;
             start += 1;
         }
+        skip = done;
     }
     Ok(total)
 }

@@ -29,7 +29,9 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::io::{AlignedBuf, Completion, Engine, Op};
-use super::request::{self, DISCARD_SEGMENT_LEN, ParseError, Request, RequestType, Segment};
+use super::request::{
+    self, DISCARD_SEGMENT_LEN, ParseError, Request, RequestType, Segment, Segments,
+};
 use super::{MAX_DISCARD_SECTORS, SECTOR_SHIFT, SECTOR_SIZE};
 use crate::devices::virtio::{GuestMemory, VirtioInterrupt, needs_interrupt};
 
@@ -52,29 +54,51 @@ const MAX_BOUNCE_BYTES: u32 = 32 << 20;
 /// Guest buffers handed to `O_DIRECT` must be aligned to the logical block size.
 const DIRECT_IO_ALIGN: usize = SECTOR_SIZE as usize;
 
-/// A request the engine is working on. Owns everything the kernel may still touch.
+/// One entry of the in-flight table; its index is the engine token.
+///
+/// The buffers outlive the requests: a new request clears and refills them, so once each
+/// slot has served its largest request, a steady stream of requests allocates nothing
+/// (musl's allocator made per-request `Vec`s cost up to 40 % of 4 KiB QD32 reads). The
+/// table itself never grows past the queue size, which `BlockHandler::new` reserves.
+#[derive(Default)]
+struct Slot {
+    /// The request using the slot; `None` while free.
+    busy: Option<InFlight>,
+    /// The request's iovecs. The kernel reads them until the request completes, so they
+    /// are only touched while the slot is free. (It reads the `Vec`'s heap buffer, which
+    /// stays put even if the table were to move the `Slot`.)
+    iovecs: Vec<libc::iovec>,
+    /// For a bounced read: the guest segments the data is copied to on completion.
+    copy_back: Vec<Segment>,
+}
+
+// SAFETY: the iovecs point into guest memory (mapped for as long as the handler holds its
+// `GuestMemory`) or into the slot's own bounce buffer; neither is tied to a thread, and only
+// the thread that owns the handler touches them.
+unsafe impl Send for Slot {}
+
+/// A request the engine is working on. Owns everything the kernel may still touch,
+/// together with its slot's iovecs.
 struct InFlight {
     head: u16,
     status: GuestAddress,
     expect: usize,
     used_len: u32,
     discard: bool,
-    // Read by the kernel until completion: must not be dropped before then.
-    _iovecs: Vec<libc::iovec>,
     bounce: Option<Bounce>,
 }
 
-// SAFETY: the iovecs point into guest memory (mapped for as long as the handler holds its
-// `GuestMemory`) or into the slot's own bounce buffer; neither is tied to a thread, and only
-// the thread that owns the handler touches them.
-unsafe impl Send for InFlight {}
-
-/// An aligned copy of an unaligned guest data area (`O_DIRECT` only).
+/// An aligned copy of an unaligned guest data area (`O_DIRECT` only). Allocated per
+/// request: Linux aligns its buffers, so this is a rare path, and keeping up to
+/// [`MAX_BOUNCE_BYTES`] per slot around would cost far more than it saves.
 struct Bounce {
     buf: AlignedBuf,
-    /// For reads: where the data goes once it has arrived.
-    copy_back: Option<Vec<Segment>>,
+    /// A read: copy the data to the slot's `copy_back` segments once it has arrived.
+    copy_back: bool,
 }
+
+/// Why a request completes without reaching the engine: its status and, for the log, why.
+type Done = (u32, &'static str);
 
 /// The request-processing half of the I/O thread, free of epoll so tests can drive it.
 pub struct BlockHandler {
@@ -83,8 +107,10 @@ pub struct BlockHandler {
     irq: VirtioInterrupt,
     engine: Box<dyn Engine>,
     disk: DiskParams,
-    slots: Vec<Option<InFlight>>,
+    slots: Vec<Slot>,
     free: Vec<usize>,
+    /// The data area of the request being parsed, reused for every request.
+    data: Segments,
     pending_irq: bool,
     broken: bool,
     /// The last wake-up stopped early because a queue's worth was already in flight.
@@ -104,19 +130,23 @@ impl BlockHandler {
         engine: Box<dyn Engine>,
         disk: DiskParams,
     ) -> Self {
+        // At most a queue's worth is ever in flight (`process_queue`), so reserving that
+        // much up front means neither table reallocates while requests are served.
+        let size = usize::from(queue.size());
         Self {
             mem,
             queue,
             irq,
             engine,
             disk,
-            slots: Vec::new(),
-            free: Vec::new(),
+            slots: Vec::with_capacity(size),
+            free: Vec::with_capacity(size),
+            data: Segments::new(),
             pending_irq: false,
             broken: false,
             throttled: false,
             notify_off: false,
-            completions: Vec::new(),
+            completions: Vec::with_capacity(size),
         }
     }
 
@@ -138,38 +168,46 @@ impl BlockHandler {
             self.throttled = true;
             return false;
         }
-        let parsed: Vec<Result<Request, ParseError>> = match self.queue.iter(&self.mem) {
-            Ok(iter) => iter
-                .take(budget)
-                .map(|chain| request::parse(&self.mem, chain))
-                .collect(),
-            Err(e) => {
-                log::warn!("virtio-blk: unusable available ring ({e}); device needs reset");
-                self.broken = true;
-                self.irq.set_needs_reset();
-                return false;
-            }
-        };
-        let more = parsed.len() == budget;
-        if parsed.is_empty() {
-            // Nothing new: spare the engine a submit (a syscall for io_uring).
-            self.flush_irq();
-            return false;
-        }
         // A synchronous engine has finished each request when `push` returns: hand each
         // back at once, so a polling driver can reuse it while we do the next.
         let inline = self.engine.notifier().is_none();
-        for p in parsed {
-            self.start(p);
+        // Out of `self` for the pass, so `start` can borrow the handler mutably.
+        let mut data = std::mem::take(&mut self.data);
+        let mut taken = 0;
+        while taken < budget {
+            // One chain at a time, each parsed into the same `data` and started before
+            // the next is read. (A fresh iterator each time, because starting a request
+            // may touch the used ring; the price is one more load of the available index.)
+            let chain = match self.queue.iter(&self.mem) {
+                Ok(mut iter) => iter.next(),
+                Err(e) => {
+                    log::warn!("virtio-blk: unusable available ring ({e}); device needs reset");
+                    self.broken = true;
+                    self.irq.set_needs_reset();
+                    break;
+                }
+            };
+            let Some(chain) = chain else {
+                break;
+            };
+            taken += 1;
+            let parsed = request::parse(&self.mem, chain, &mut data);
+            self.start(parsed, &data);
             if inline {
                 self.complete_finished();
             }
+        }
+        self.data = data;
+        if taken == 0 {
+            // Nothing new: spare the engine a submit (a syscall for io_uring).
+            self.flush_irq();
+            return false;
         }
         if let Err(e) = self.engine.submit() {
             log::warn!("virtio-blk: {} submit failed: {e}", self.engine.name());
         }
         self.process_completions();
-        more
+        taken == budget
     }
 
     /// Completes whatever the engine has finished and raises the interrupt once.
@@ -259,7 +297,7 @@ impl BlockHandler {
         self.flush_irq();
     }
 
-    fn start(&mut self, parsed: Result<Request, ParseError>) {
+    fn start(&mut self, parsed: Result<Request, ParseError>, data: &[Segment]) {
         let req = match parsed {
             Ok(req) => req,
             Err(ParseError::Invalid {
@@ -278,7 +316,7 @@ impl BlockHandler {
                 return;
             }
         };
-        if let Err((status, reason)) = self.submit(&req) {
+        if let Err((status, reason)) = self.submit(&req, data) {
             if status != VIRTIO_BLK_S_OK {
                 log::warn!(
                     "virtio-blk: request {} ({:?}): {reason}",
@@ -296,7 +334,7 @@ impl BlockHandler {
     }
 
     /// Hands `req` to the engine; `Err((status, why))` means it completes right away.
-    fn submit(&mut self, req: &Request) -> Result<(), (u32, &'static str)> {
+    fn submit(&mut self, req: &Request, data: &[Segment]) -> Result<(), Done> {
         let ioerr = |reason| (VIRTIO_BLK_S_IOERR, reason);
         match req.kind {
             RequestType::In | RequestType::Out => {
@@ -312,11 +350,14 @@ impl BlockHandler {
                 if req.data_len == 0 {
                     return Err((VIRTIO_BLK_S_OK, ""));
                 }
-                self.submit_rw(req, offset, write)
+                self.submit_rw(req, data, offset, write)
             }
-            RequestType::Flush => self.push(req, Op::Flush, 0, false, Vec::new(), None),
+            RequestType::Flush => {
+                let index = self.claim_slot();
+                self.push(index, req, Op::Flush, 0, false, None)
+            }
             RequestType::GetId => {
-                self.write_segments(&req.data, &self.disk.serial);
+                write_segments(&self.mem, data, &self.disk.serial);
                 Err((VIRTIO_BLK_S_OK, ""))
             }
             RequestType::Discard | RequestType::WriteZeroes => {
@@ -327,7 +368,7 @@ impl BlockHandler {
                     return Err(ioerr("expected exactly one discard/write-zeroes segment"));
                 }
                 let mut seg = [0u8; DISCARD_SEGMENT_LEN];
-                self.read_segments(&req.data, &mut seg)
+                read_segments(&self.mem, data, &mut seg)
                     .ok_or(ioerr("unreadable discard segment"))?;
                 let sector = u64::from_le_bytes(seg[..8].try_into().unwrap_or_default());
                 let sectors = u32::from_le_bytes(seg[8..12].try_into().unwrap_or_default());
@@ -351,7 +392,8 @@ impl BlockHandler {
                 } else {
                     Op::WriteZeroes { offset, len }
                 };
-                self.push(req, op, 0, discard, Vec::new(), None)
+                let index = self.claim_slot();
+                self.push(index, req, op, 0, discard, None)
             }
             RequestType::Unsupported(t) => {
                 log::warn!("virtio-blk: unsupported request type {t}");
@@ -361,7 +403,7 @@ impl BlockHandler {
     }
 
     /// Byte offset of `sector`, if `sectors` sectors from there fit on the disk.
-    fn check_range(&self, sector: u64, sectors: u64) -> Result<u64, (u32, &'static str)> {
+    fn check_range(&self, sector: u64, sectors: u64) -> Result<u64, Done> {
         match sector.checked_add(sectors) {
             Some(end) if end <= self.disk.capacity => Ok(sector << SECTOR_SHIFT),
             _ => Err((
@@ -374,121 +416,152 @@ impl BlockHandler {
     fn submit_rw(
         &mut self,
         req: &Request,
+        data: &[Segment],
         offset: u64,
         write: bool,
-    ) -> Result<(), (u32, &'static str)> {
-        let mut iovecs = Vec::with_capacity(req.data.len());
-        for seg in &req.data {
-            let slice = self
-                .mem
-                .get_slice(seg.addr, seg.len as usize)
-                .map_err(|_| (VIRTIO_BLK_S_IOERR, "data buffer crosses a memory region"))?;
-            iovecs.push(libc::iovec {
-                iov_base: slice.ptr_guard_mut().as_ptr().cast(),
-                iov_len: slice.len(),
-            });
-        }
-        let mut bounce = None;
-        let misaligned = |v: &libc::iovec| {
-            v.iov_base as usize % DIRECT_IO_ALIGN != 0 || v.iov_len % DIRECT_IO_ALIGN != 0
+    ) -> Result<(), Done> {
+        let index = self.claim_slot();
+        let bounce = match self.fill_iovecs(index, req, data, write) {
+            Ok(bounce) => bounce,
+            Err(done) => {
+                self.free.push(index);
+                return Err(done);
+            }
         };
-        if self.disk.direct && iovecs.iter().any(misaligned) {
-            if req.data_len > MAX_BOUNCE_BYTES {
-                return Err((
-                    VIRTIO_BLK_S_IOERR,
-                    "unaligned direct request too large to bounce",
-                ));
-            }
-            let mut buf = AlignedBuf::new(req.data_len as usize)
-                .map_err(|_| (VIRTIO_BLK_S_IOERR, "no memory for a bounce buffer"))?;
-            if write {
-                self.read_segments(&req.data, buf.as_mut_slice())
-                    .ok_or((VIRTIO_BLK_S_IOERR, "unreadable data buffer"))?;
-            }
-            iovecs = vec![libc::iovec {
-                iov_base: buf.as_ptr().cast(),
-                iov_len: req.data_len as usize,
-            }];
-            bounce = Some(Bounce {
-                buf,
-                copy_back: (!write).then(|| req.data.clone()),
-            });
-        }
+        let iovecs = &self.slots[index].iovecs;
+        let (iovecs, count) = (iovecs.as_ptr(), iovecs.len());
         let op = if write {
             Op::Write {
                 offset,
-                iovecs: iovecs.as_ptr(),
-                count: iovecs.len(),
+                iovecs,
+                count,
             }
         } else {
             Op::Read {
                 offset,
-                iovecs: iovecs.as_ptr(),
-                count: iovecs.len(),
+                iovecs,
+                count,
             }
         };
-        self.push(req, op, req.data_len as usize, false, iovecs, bounce)
+        self.push(index, req, op, req.data_len as usize, false, bounce)
     }
 
+    /// Points the iovecs of the free slot `index` at the data area, or at an aligned copy
+    /// of it when `O_DIRECT` needs one (returned, to live as long as the request).
+    fn fill_iovecs(
+        &mut self,
+        index: usize,
+        req: &Request,
+        data: &[Segment],
+        write: bool,
+    ) -> Result<Option<Bounce>, Done> {
+        let slot = &mut self.slots[index];
+        // Whatever the slot's last request left must not leak into this one.
+        slot.iovecs.clear();
+        slot.copy_back.clear();
+        for seg in data {
+            let slice = self
+                .mem
+                .get_slice(seg.addr, seg.len as usize)
+                .map_err(|_| (VIRTIO_BLK_S_IOERR, "data buffer crosses a memory region"))?;
+            slot.iovecs.push(libc::iovec {
+                iov_base: slice.ptr_guard_mut().as_ptr().cast(),
+                iov_len: slice.len(),
+            });
+        }
+        let misaligned = |v: &libc::iovec| {
+            v.iov_base as usize % DIRECT_IO_ALIGN != 0 || v.iov_len % DIRECT_IO_ALIGN != 0
+        };
+        if !self.disk.direct || !slot.iovecs.iter().any(misaligned) {
+            return Ok(None);
+        }
+        if req.data_len > MAX_BOUNCE_BYTES {
+            return Err((
+                VIRTIO_BLK_S_IOERR,
+                "unaligned direct request too large to bounce",
+            ));
+        }
+        let mut buf = AlignedBuf::new(req.data_len as usize)
+            .map_err(|_| (VIRTIO_BLK_S_IOERR, "no memory for a bounce buffer"))?;
+        if write {
+            read_segments(&self.mem, data, buf.as_mut_slice())
+                .ok_or((VIRTIO_BLK_S_IOERR, "unreadable data buffer"))?;
+        } else {
+            slot.copy_back.extend_from_slice(data);
+        }
+        slot.iovecs.clear();
+        slot.iovecs.push(libc::iovec {
+            iov_base: buf.as_ptr().cast(),
+            iov_len: req.data_len as usize,
+        });
+        Ok(Some(Bounce {
+            buf,
+            copy_back: !write,
+        }))
+    }
+
+    /// A free slot: the most recently freed one (its buffers are the warmest), else a new
+    /// one. Until `push` fills it, it counts as in flight but is nobody's.
+    fn claim_slot(&mut self) -> usize {
+        self.free.pop().unwrap_or_else(|| {
+            self.slots.push(Slot::default());
+            self.slots.len() - 1
+        })
+    }
+
+    /// Records `req` in the claimed slot `index` and hands `op` to the engine.
     fn push(
         &mut self,
+        index: usize,
         req: &Request,
         op: Op,
         expect: usize,
         discard: bool,
-        iovecs: Vec<libc::iovec>,
         bounce: Option<Bounce>,
-    ) -> Result<(), (u32, &'static str)> {
+    ) -> Result<(), Done> {
         let used_len = match req.kind {
             RequestType::In => req.data_len + 1,
             _ => 1,
         };
-        let slot = InFlight {
+        self.slots[index].busy = Some(InFlight {
             head: req.head,
             status: req.status,
             expect,
             used_len,
             discard,
-            _iovecs: iovecs,
             bounce,
-        };
-        let token = match self.free.pop() {
-            Some(i) => {
-                self.slots[i] = Some(slot);
-                i
-            }
-            None => {
-                self.slots.push(Some(slot));
-                self.slots.len() - 1
-            }
-        };
-        if let Err(e) = self.engine.push(op, token as u64) {
+        });
+        if let Err(e) = self.engine.push(op, index as u64) {
             log::warn!("virtio-blk: {} rejected a request: {e}", self.engine.name());
-            self.slots[token] = None;
-            self.free.push(token);
+            self.slots[index].busy = None;
+            self.free.push(index);
             return Err((VIRTIO_BLK_S_IOERR, "engine rejected the request"));
         }
         Ok(())
     }
 
     fn finish(&mut self, token: u64, result: io::Result<usize>) {
-        let Some(slot) = usize::try_from(token)
+        let Some((index, inflight)) = usize::try_from(token)
             .ok()
-            .and_then(|i| self.slots.get_mut(i))
-            .and_then(Option::take)
+            .and_then(|i| Some((i, self.slots.get_mut(i)?.busy.take()?)))
         else {
             log::warn!("virtio-blk: completion for unknown token {token}");
             return;
         };
-        self.free.push(token as usize);
+        self.free.push(index);
         let status = match result {
-            Ok(n) if n == slot.expect => VIRTIO_BLK_S_OK,
+            Ok(n) if n == inflight.expect => VIRTIO_BLK_S_OK,
             Ok(n) => {
-                log::warn!("virtio-blk: short transfer ({n} of {} bytes)", slot.expect);
+                log::warn!(
+                    "virtio-blk: short transfer ({n} of {} bytes)",
+                    inflight.expect
+                );
                 VIRTIO_BLK_S_IOERR
             }
             // Discard is advisory: a file system without hole punching just keeps the data.
-            Err(e) if slot.discard && e.raw_os_error() == Some(libc::EOPNOTSUPP) => VIRTIO_BLK_S_OK,
+            Err(e) if inflight.discard && e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                VIRTIO_BLK_S_OK
+            }
             Err(e) => {
                 log::warn!("virtio-blk: I/O error: {e}");
                 VIRTIO_BLK_S_IOERR
@@ -497,13 +570,17 @@ impl BlockHandler {
         if status == VIRTIO_BLK_S_OK
             && let Some(Bounce {
                 mut buf,
-                copy_back: Some(segs),
-            }) = slot.bounce
+                copy_back: true,
+            }) = inflight.bounce
         {
-            let len = slot.expect;
-            self.write_segments(&segs, &buf.as_mut_slice()[..len]);
+            let len = inflight.expect;
+            write_segments(
+                &self.mem,
+                &self.slots[index].copy_back,
+                &buf.as_mut_slice()[..len],
+            );
         }
-        self.complete(slot.head, slot.status, status, slot.used_len);
+        self.complete(inflight.head, inflight.status, status, inflight.used_len);
     }
 
     /// Writes the status byte and returns the chain to the driver.
@@ -532,43 +609,37 @@ impl BlockHandler {
             self.irq.signal_used_queue();
         }
     }
+}
 
-    /// Copies `src` into the guest segments, in order; returns the bytes written.
-    fn write_segments(&self, segs: &[Segment], src: &[u8]) -> usize {
-        let mut done = 0;
-        for seg in segs {
-            let n = (seg.len as usize).min(src.len() - done);
-            if n == 0 {
-                break;
-            }
-            if self
-                .mem
-                .write_slice(&src[done..done + n], seg.addr)
-                .is_err()
-            {
-                break;
-            }
-            done += n;
+/// Copies `src` into the guest segments, in order; returns the bytes written.
+fn write_segments(mem: &GuestMemory, segs: &[Segment], src: &[u8]) -> usize {
+    let mut done = 0;
+    for seg in segs {
+        let n = (seg.len as usize).min(src.len() - done);
+        if n == 0 {
+            break;
         }
-        done
+        if mem.write_slice(&src[done..done + n], seg.addr).is_err() {
+            break;
+        }
+        done += n;
     }
+    done
+}
 
-    /// Fills `dst` from the guest segments, in order; `None` if they are too short or
-    /// unreadable.
-    fn read_segments(&self, segs: &[Segment], dst: &mut [u8]) -> Option<()> {
-        let mut done = 0;
-        for seg in segs {
-            let n = (seg.len as usize).min(dst.len() - done);
-            if n == 0 {
-                break;
-            }
-            self.mem
-                .read_slice(&mut dst[done..done + n], seg.addr)
-                .ok()?;
-            done += n;
+/// Fills `dst` from the guest segments, in order; `None` if they are too short or
+/// unreadable.
+fn read_segments(mem: &GuestMemory, segs: &[Segment], dst: &mut [u8]) -> Option<()> {
+    let mut done = 0;
+    for seg in segs {
+        let n = (seg.len as usize).min(dst.len() - done);
+        if n == 0 {
+            break;
         }
-        (done == dst.len()).then_some(())
+        mem.read_slice(&mut dst[done..done + n], seg.addr).ok()?;
+        done += n;
     }
+    (done == dst.len()).then_some(())
 }
 
 /// Used length of a request that completed without I/O: GET_ID reports the serial bytes
@@ -761,6 +832,7 @@ mod tests {
     use super::*;
     use crate::devices::CountingInterrupt;
     use crate::devices::virtio::block::io::{self as bio, EngineKind};
+    use crate::devices::virtio::block::request::MAX_SEGMENTS;
     use crate::devices::virtio::test_utils::*;
     use std::sync::Arc;
     use virtio_bindings::virtio_blk::{
@@ -809,6 +881,28 @@ mod tests {
                     read_only: ro,
                     direct: false,
                     serial,
+                },
+            )
+        }
+
+        /// A handler over the file opened with `O_DIRECT`.
+        fn direct_handler(&self, vq: &TestQueue, kind: EngineKind) -> BlockHandler {
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&self.file.path)
+                .unwrap();
+            BlockHandler::new(
+                self.mem.clone(),
+                vq.create_queue().unwrap(),
+                self.virq.clone(),
+                bio::open(kind, file).unwrap(),
+                DiskParams {
+                    capacity: DISK_SECTORS,
+                    read_only: false,
+                    direct: true,
+                    serial: [0; 20],
                 },
             )
         }
@@ -1161,24 +1255,7 @@ mod tests {
     fn direct_io_bounces_unaligned_guest_buffers() {
         let rig = Rig::new();
         let vq = TestQueue::new(&rig.mem, QSIZE);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(&rig.file.path)
-            .unwrap();
-        let mut h = BlockHandler::new(
-            rig.mem.clone(),
-            vq.create_queue().unwrap(),
-            rig.virq.clone(),
-            bio::open(EngineKind::IoUring, file).unwrap(),
-            DiskParams {
-                capacity: DISK_SECTORS,
-                read_only: false,
-                direct: true,
-                serial: [0; 20],
-            },
-        );
+        let mut h = rig.direct_handler(&vq, EngineKind::IoUring);
         // Write from an odd address, then read back into another odd address.
         rig.header(HDR, VIRTIO_BLK_T_OUT, 4);
         rig.mem
@@ -1203,6 +1280,211 @@ mod tests {
         assert_eq!(rig.status(), 0);
         assert_eq!(byte(&rig.mem, DATA + 0x801), 0x33);
         assert_eq!(byte(&rig.mem, DATA + 0x800 + 512), 0x33);
+    }
+
+    #[test]
+    fn a_chain_at_the_segment_cap_is_served_and_one_past_it_fails_alone() {
+        both_engines(|kind| {
+            let rig = Rig::new();
+            let vq = TestQueue::new(&rig.mem, QSIZE);
+            let mut h = rig.handler(&vq, kind, false);
+            // Only an indirect table can carry this many descriptors.
+            let table = DATA_START + 0x2_0000;
+            let mut h_chain = |head, sector, data: &[Seg]| {
+                rig.header(HDR, VIRTIO_BLK_T_IN, sector);
+                let mut segs = vec![r(HDR, 16)];
+                segs.extend_from_slice(data);
+                segs.push(w(STATUS, 1));
+                add_indirect_chain(&vq, head, table, &segs);
+                run_all(&mut h);
+            };
+            // At the cap: one sector in 2-byte pieces.
+            let pieces: Vec<Seg> = (0..MAX_SEGMENTS as u64)
+                .map(|i| w(DATA + 2 * i, 2))
+                .collect();
+            assert_eq!(pieces.len() * 2, 512);
+            h_chain(0, 3, &pieces);
+            assert_eq!(rig.status(), VIRTIO_BLK_S_OK as u8);
+            let mut got = [0u8; 512];
+            rig.mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+            assert!(got.iter().all(|&b| b == 3));
+            assert_eq!(used(&vq), [(0, 513)]);
+
+            // One past: still whole sectors, so only the count is wrong.
+            rig.mem
+                .write_slice(&[0xee; 1024], GuestAddress(DATA))
+                .unwrap();
+            let mut pieces = pieces;
+            pieces.push(w(DATA + 512, 512));
+            h_chain(1, 5, &pieces);
+            assert_eq!(rig.status(), VIRTIO_BLK_S_IOERR as u8);
+            assert_eq!(used(&vq)[1], (1, 1));
+            let mut got = [0u8; 1024];
+            rig.mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+            assert!(got.iter().all(|&b| b == 0xee), "nothing read");
+            assert!(!rig.virq.needs_reset());
+
+            // The device goes on.
+            rig.header(HDR, VIRTIO_BLK_T_IN, 7);
+            add_chain(&vq, 2, &[r(HDR, 16), w(DATA, 512), w(STATUS, 1)]);
+            run_all(&mut h);
+            assert_eq!(rig.status(), VIRTIO_BLK_S_OK as u8);
+            assert_eq!(byte(&rig.mem, DATA), 7);
+            assert_eq!(used(&vq).len(), 3);
+        });
+    }
+
+    #[test]
+    fn slot_buffers_carry_nothing_over_to_the_next_request() {
+        both_engines(|kind| {
+            let rig = Rig::new();
+            let vq = TestQueue::new(&rig.mem, QSIZE);
+            let mut h = rig.handler(&vq, kind, false);
+            // Two sectors into two buffers, then one sector into one: the second request
+            // gets the same slot and must use one iovec, not the first's two.
+            rig.header(HDR, VIRTIO_BLK_T_IN, 3);
+            add_chain(
+                &vq,
+                0,
+                &[r(HDR, 16), w(DATA, 256), w(DATA + 0x400, 768), w(STATUS, 1)],
+            );
+            run_all(&mut h);
+            assert_eq!(rig.status(), VIRTIO_BLK_S_OK as u8);
+            assert_eq!(byte(&rig.mem, DATA + 0x400 + 767), 4);
+            rig.mem
+                .write_slice(&[0xee; 0x800], GuestAddress(DATA))
+                .unwrap();
+            rig.header(HDR, VIRTIO_BLK_T_IN, 9);
+            add_chain(&vq, 4, &[r(HDR, 16), w(DATA + 0x1000, 512), w(STATUS, 1)]);
+            run_all(&mut h);
+            assert_eq!(rig.status(), VIRTIO_BLK_S_OK as u8);
+            assert_eq!(h.slots.len(), 1, "the slot was reused");
+            assert_eq!(byte(&rig.mem, DATA + 0x1000), 9);
+            assert_eq!(byte(&rig.mem, DATA + 0x1000 + 511), 9);
+            let mut old = [0u8; 0x800];
+            rig.mem.read_slice(&mut old, GuestAddress(DATA)).unwrap();
+            assert!(old.iter().all(|&b| b == 0xee), "old buffers untouched");
+            assert_eq!(used(&vq), [(0, 1025), (4, 513)]);
+        });
+
+        // O_DIRECT: a bounced read leaves copy-back segments in its slot; an aligned read
+        // in the same slot must not copy anything to them.
+        let rig = Rig::new();
+        let vq = TestQueue::new(&rig.mem, QSIZE);
+        let mut h = rig.direct_handler(&vq, EngineKind::IoUring);
+        rig.header(HDR, VIRTIO_BLK_T_IN, 4);
+        add_chain(&vq, 0, &[r(HDR, 16), w(DATA + 1, 512), w(STATUS, 1)]);
+        run_all(&mut h);
+        assert_eq!(rig.status(), VIRTIO_BLK_S_OK as u8);
+        assert_eq!(byte(&rig.mem, DATA + 512), 4);
+        rig.mem
+            .write_slice(&[0xee; 0x400], GuestAddress(DATA))
+            .unwrap();
+        rig.header(HDR, VIRTIO_BLK_T_IN, 6);
+        add_chain(&vq, 3, &[r(HDR, 16), w(DATA + 0x1000, 512), w(STATUS, 1)]);
+        run_all(&mut h);
+        assert_eq!(rig.status(), VIRTIO_BLK_S_OK as u8);
+        assert_eq!(h.slots.len(), 1, "the slot was reused");
+        assert_eq!(byte(&rig.mem, DATA + 0x1000), 6);
+        let mut old = [0u8; 0x400];
+        rig.mem.read_slice(&mut old, GuestAddress(DATA)).unwrap();
+        assert!(old.iter().all(|&b| b == 0xee), "no stale copy-back");
+    }
+
+    #[test]
+    fn steady_state_requests_allocate_nothing() {
+        both_engines(|kind| {
+            let rig = Rig::new();
+            let vq = TestQueue::new(&rig.mem, QSIZE);
+            let mut h = rig.handler(&vq, kind, false);
+            // Eight requests in flight at once, each in three descriptors or more.
+            let reads: Vec<u16> = (0..8).map(|i| i * 2).collect();
+            for (i, &head) in reads.iter().enumerate() {
+                let i = i as u64;
+                let hdr = HDR + 16 * i;
+                let buf = DATA + 0x200 * i;
+                rig.header(hdr, VIRTIO_BLK_T_IN, i);
+                let data = [w(buf, 100), w(buf + 100, 412)];
+                let table = DATA_START + 0x2_0000 + 0x100 * i;
+                add_indirect_chain(
+                    &vq,
+                    head,
+                    table,
+                    &[r(hdr, 16), data[0], data[1], w(STATUS + i, 1)],
+                );
+            }
+            // Mixed work for the measured rounds: writes, a flush, a discard and GET_ID.
+            let mixed: Vec<u16> = (0..8).map(|i| i * 2 + 1).collect();
+            let mixed_hdr = HDR + 0x200;
+            for (i, &head) in mixed.iter().enumerate() {
+                let i = i as u64;
+                let hdr = mixed_hdr + 16 * i;
+                let buf = DATA + 0x200 * i;
+                let table = DATA_START + 0x3_0000 + 0x100 * i;
+                let status = w(STATUS + 16 + i, 1);
+                let segs = match i {
+                    0 => {
+                        rig.mem
+                            .write_obj(VIRTIO_BLK_T_FLUSH, GuestAddress(hdr))
+                            .unwrap();
+                        vec![r(hdr, 16), status]
+                    }
+                    1 => {
+                        rig.mem
+                            .write_obj(VIRTIO_BLK_T_GET_ID, GuestAddress(hdr))
+                            .unwrap();
+                        vec![r(hdr, 16), w(buf, 20), status]
+                    }
+                    2 => {
+                        let seg = DATA_START + 0x4_0000;
+                        rig.mem
+                            .write_obj(VIRTIO_BLK_T_DISCARD, GuestAddress(hdr))
+                            .unwrap();
+                        rig.mem.write_obj(32u64, GuestAddress(seg)).unwrap();
+                        rig.mem.write_obj(8u32, GuestAddress(seg + 8)).unwrap();
+                        rig.mem.write_obj(0u32, GuestAddress(seg + 12)).unwrap();
+                        vec![r(hdr, 16), r(seg, 16), status]
+                    }
+                    _ => {
+                        rig.mem
+                            .write_obj(VIRTIO_BLK_T_OUT, GuestAddress(hdr))
+                            .unwrap();
+                        rig.mem.write_obj(40 + i, GuestAddress(hdr + 8)).unwrap();
+                        vec![r(hdr, 16), r(buf, 300), r(buf + 300, 212), status]
+                    }
+                };
+                add_indirect_chain(&vq, head, table, &segs);
+            }
+            // Warm-up: the helpers published every request once; then the reads twice over,
+            // so that every slot has held a two-iovec request, whichever slot a request
+            // lands in later.
+            run_all(&mut h);
+            for &head in reads.iter().chain(&reads) {
+                publish(&vq, QSIZE, head);
+            }
+            run_all(&mut h);
+            assert_eq!(vq.used_idx(), 32);
+            let mut allocated = 0;
+            for round in 0..20 {
+                let heads = if round % 2 == 0 { &reads } else { &mixed };
+                for &head in heads {
+                    publish(&vq, QSIZE, head);
+                }
+                let before = allocations();
+                run_all(&mut h);
+                allocated += allocations() - before;
+            }
+            assert_eq!(vq.used_idx(), 32 + 20 * 8);
+            assert!(!rig.virq.needs_reset());
+            for i in 0..8 {
+                assert_eq!(byte(&rig.mem, STATUS + i), 0, "read {i}");
+                assert_eq!(byte(&rig.mem, STATUS + 16 + i), 0, "mixed {i}");
+            }
+            assert_eq!(
+                allocated, 0,
+                "{kind:?}: heap allocations while serving requests"
+            );
+        });
     }
 
     #[test]
