@@ -2,9 +2,8 @@
 //! in one run, interleaved so both see the same noise.
 //!
 //! `cargo bench --bench vmm` measures the dynamically linked build; ember as
-//! shipped (statically linked, see scripts/build-release) with
-//! `CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static"
-//! cargo bench --target x86_64-unknown-linux-gnu --bench vmm`.
+//! shipped (statically linked against musl, see scripts/build-release) with
+//! `cargo bench --target x86_64-unknown-linux-musl --bench vmm`.
 //! EMBER_BENCH_RUNS=N changes the run count. The guest is ember's test guest
 //! told to end at once (`halt`): a null guest. Two floors put ember's start-up
 //! in proportion: how long this host takes to exec a static process that does
