@@ -44,6 +44,17 @@ fn reap_orphans(limit: Duration) -> Vec<Result<i32, i32>> {
     }
 }
 
+/// Starts `ember run` on the test guest with `cmdline`, stdout piped.
+fn spawn(cmdline: &str) -> std::process::Child {
+    ember()
+        .args(["run", "--mem", "64M", "--cmdline", cmdline, "--kernel"])
+        .arg(guest())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
 #[test]
 fn the_vm_outlives_ember_only_in_a_keeper_that_dies_with_it() {
     if !require_kvm("the_vm_outlives_ember_only_in_a_keeper_that_dies_with_it") {
