@@ -66,20 +66,7 @@ fn the_vm_outlives_ember_only_in_a_keeper_that_dies_with_it() {
     // A guest that ends: ember reports its status, its output reaches
     // end-of-file (nothing left holds the pipe), and exactly one process
     // remains to be reaped: the keeper, gone soon after ember.
-    let mut child = ember()
-        .args([
-            "run",
-            "--mem",
-            "64M",
-            "--cmdline",
-            "print=hi exit=7",
-            "--kernel",
-        ])
-        .arg(guest())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn("print=hi exit=7");
     let mut out = String::new();
     child
         .stdout
@@ -97,20 +84,7 @@ fn the_vm_outlives_ember_only_in_a_keeper_that_dies_with_it() {
 
     // Killing ember stops the VM with it: its vCPUs are its own threads, and
     // nothing is left behind.
-    let mut child = ember()
-        .args([
-            "run",
-            "--mem",
-            "64M",
-            "--cmdline",
-            "print=up spin=60000",
-            "--kernel",
-        ])
-        .arg(guest())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn("print=up spin=60000");
     let mut out = BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     while !line.contains("up") {
