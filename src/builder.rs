@@ -291,12 +291,36 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     let vm = Arc::new(Vm::new(&kvm)?);
     recorder.mark(kind::KVM_OPEN);
     let mem = memory::create(cfg.mem_size)?;
+    let ram = layout::ram_ranges(cfg.mem_size);
+    // pmem files are mapped into guest-physical space above RAM, each at a 2 MiB
+    // boundary (what the guest's nd_pmem driver needs for DAX), and given to
+    // KVM with the RAM, before the irqchip.
+    let mut pmem_regions = Vec::new();
+    let mut pmem_addrs = Vec::new();
+    let mut pmem_next = layout::PMEM_START_MIN
+        .max(ram.last().map_or(0, |r| r.0 + r.1))
+        .next_multiple_of(PMEM_ALIGN);
+    for path in &cfg.pmem {
+        let region =
+            PmemRegion::map(path).map_err(|e| BuildError::Pmem(path.clone(), error_chain(&e)))?;
+        pmem_addrs.push(pmem_next);
+        pmem_next = (pmem_next + region.len()).next_multiple_of(PMEM_ALIGN);
+        pmem_regions.push(region);
+    }
+    let pmem_slots: Vec<_> = (pmem_addrs.iter())
+        .zip(&pmem_regions)
+        .map(|(&addr, r)| (addr, r.len(), r.host_addr()))
+        .collect();
     let kvm_side = {
         let (vm, mem, recorder) = (vm.clone(), mem.clone(), recorder.clone());
         std::thread::Builder::new()
             .name("ember-memory".into())
             .spawn(move || -> Result<(), BuildError> {
                 vm.register_memory(&mem)?;
+                for (addr, len, host) in pmem_slots {
+                    // The mappings live in `Vmm::pmem` as long as the VM.
+                    vm.add_region(addr, len, host)?;
+                }
                 vm.create_irqchip()?;
                 recorder.mark(kind::MEMORY_READY);
                 for ready in readies {
@@ -310,7 +334,6 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     };
 
     // 4. Kernel and initramfs, read once, straight into guest memory.
-    let ram = layout::ram_ranges(cfg.mem_size);
     let (entry, hdr, kernel_end) = load_kernel(&mem, &cfg.kernel)?;
     recorder.mark(kind::KERNEL_LOADED);
     let initrd = match &cfg.initrd {
@@ -374,20 +397,10 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     if cfg.rng {
         place("rng", transport_for(Rng::new()))?;
     }
-    // pmem files are mapped into guest-physical space above RAM, each at a 2 MiB
-    // boundary (what the guest's nd_pmem driver needs for DAX).
-    let mut pmem_regions = Vec::new();
-    let mut pmem_next = layout::PMEM_START_MIN
-        .max(ram.last().map_or(0, |r| r.0 + r.1))
-        .next_multiple_of(PMEM_ALIGN);
-    for path in &cfg.pmem {
-        let pmem_err = |e: String| BuildError::Pmem(path.clone(), e);
-        let region = PmemRegion::map(path).map_err(|e| pmem_err(error_chain(&e)))?;
-        vm.add_region(pmem_next, region.len(), region.host_addr())?;
-        let dev = Pmem::new(&region, pmem_next).map_err(|e| pmem_err(e.to_string()))?;
+    for ((path, region), &addr) in cfg.pmem.iter().zip(&pmem_regions).zip(&pmem_addrs) {
+        let dev =
+            Pmem::new(region, addr).map_err(|e| BuildError::Pmem(path.clone(), e.to_string()))?;
         place("pmem", transport_for(dev))?;
-        pmem_next = (pmem_next + region.len()).next_multiple_of(PMEM_ALIGN);
-        pmem_regions.push(region);
     }
     let balloon = if cfg.balloon {
         let dev = Balloon::new(0)?;
