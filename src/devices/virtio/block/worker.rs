@@ -907,6 +907,18 @@ mod tests {
             )
         }
 
+        /// A queue whose every entry is the same flush chain (head 0), published
+        /// `QSIZE` times over, as a hostile driver could: a queue's worth of work.
+        fn queue_full_of_one_flush(&self) -> TestQueue<'_> {
+            let vq = TestQueue::new(&self.mem, QSIZE);
+            self.header(HDR, VIRTIO_BLK_T_FLUSH, 0);
+            add_chain(&vq, 0, &[r(HDR, 16), w(STATUS, 1)]);
+            for _ in 1..QSIZE {
+                publish(&vq, QSIZE, 0);
+            }
+            vq
+        }
+
         /// A handler whose engine holds every request until told (`HoldEngine`).
         fn hold_handler(&self, vq: &TestQueue) -> BlockHandler {
             BlockHandler::new(
@@ -1208,12 +1220,7 @@ mod tests {
     #[test]
     fn one_wakeup_takes_at_most_a_queue_worth() {
         let rig = Rig::new();
-        let vq = TestQueue::new(&rig.mem, QSIZE);
-        rig.header(HDR, VIRTIO_BLK_T_FLUSH, 0);
-        add_chain(&vq, 0, &[r(HDR, 16), w(STATUS, 1)]);
-        for _ in 1..QSIZE {
-            publish(&vq, QSIZE, 0);
-        }
+        let vq = rig.queue_full_of_one_flush();
         let mut h = rig.handler(&vq, EngineKind::Sync, false);
         assert!(h.process_queue(), "a full ring may have more");
         h.drain();
@@ -1550,12 +1557,7 @@ mod tests {
     #[test]
     fn has_work_sees_requests_only_with_room_and_io_uring_completions() {
         let rig = Rig::new();
-        let vq = TestQueue::new(&rig.mem, QSIZE);
-        rig.header(HDR, VIRTIO_BLK_T_FLUSH, 0);
-        add_chain(&vq, 0, &[r(HDR, 16), w(STATUS, 1)]);
-        for _ in 1..QSIZE {
-            publish(&vq, QSIZE, 0);
-        }
+        let vq = rig.queue_full_of_one_flush();
         let mut h = rig.hold_handler(&vq);
         assert!(h.has_work());
         h.process_queue();
@@ -1725,13 +1727,7 @@ mod tests {
     #[test]
     fn in_flight_work_is_capped_at_the_queue_size() {
         let rig = Rig::new();
-        let vq = TestQueue::new(&rig.mem, QSIZE);
-        rig.header(HDR, VIRTIO_BLK_T_FLUSH, 0);
-        add_chain(&vq, 0, &[r(HDR, 16), w(STATUS, 1)]);
-        // The same head published over and over, as a hostile driver could.
-        for _ in 1..QSIZE {
-            publish(&vq, QSIZE, 0);
-        }
+        let vq = rig.queue_full_of_one_flush();
         let mut h = rig.hold_handler(&vq);
         assert!(h.process_queue());
         assert_eq!(h.in_flight(), usize::from(QSIZE));
