@@ -296,23 +296,21 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     // boundary (what the guest's nd_pmem driver needs for DAX), and given to
     // KVM with the RAM, before the irqchip.
     let mut pmem_regions = Vec::new();
-    let mut pmem_addrs = Vec::new();
+    // (guest address, length, host address) of each.
+    let mut pmem_slots = Vec::new();
     let mut pmem_next = layout::PMEM_START_MIN
         .max(ram.last().map_or(0, |r| r.0 + r.1))
         .next_multiple_of(PMEM_ALIGN);
     for path in &cfg.pmem {
         let region =
             PmemRegion::map(path).map_err(|e| BuildError::Pmem(path.clone(), error_chain(&e)))?;
-        pmem_addrs.push(pmem_next);
+        pmem_slots.push((pmem_next, region.len(), region.host_addr()));
         pmem_next = (pmem_next + region.len()).next_multiple_of(PMEM_ALIGN);
         pmem_regions.push(region);
     }
-    let pmem_slots: Vec<_> = (pmem_addrs.iter())
-        .zip(&pmem_regions)
-        .map(|(&addr, r)| (addr, r.len(), r.host_addr()))
-        .collect();
     let kvm_side = {
         let (vm, mem, recorder) = (vm.clone(), mem.clone(), recorder.clone());
+        let pmem_slots = pmem_slots.clone();
         std::thread::Builder::new()
             .name("ember-memory".into())
             .spawn(move || -> Result<(), BuildError> {
@@ -397,7 +395,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     if cfg.rng {
         place("rng", transport_for(Rng::new()))?;
     }
-    for ((path, region), &addr) in cfg.pmem.iter().zip(&pmem_regions).zip(&pmem_addrs) {
+    for ((path, region), &(addr, ..)) in cfg.pmem.iter().zip(&pmem_regions).zip(&pmem_slots) {
         let dev =
             Pmem::new(region, addr).map_err(|e| BuildError::Pmem(path.clone(), e.to_string()))?;
         place("pmem", transport_for(dev))?;
