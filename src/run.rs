@@ -181,7 +181,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<i32> {
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
     }
     // The VM's teardown is left to a process nobody waits for.
-    crate::vstate::teardown::exit(code, Some(vmm.vm.fd().as_raw_fd()))
+    crate::vstate::teardown::exit(code, vmm.vm.fd().as_raw_fd())
 }
 
 /// Waits for the guest to end; `None` when `timeout` (seconds) passes first.

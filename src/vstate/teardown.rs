@@ -21,15 +21,12 @@
 use std::io::Write;
 use std::os::fd::RawFd;
 
-/// Ends ember with status `code`. With `vm`, the VM's descriptor, the VM's
-/// teardown is left to a keeper; without one (nothing was built) ember just
-/// exits.
-pub fn exit(code: i32, vm: Option<RawFd>) -> ! {
+/// Ends ember with status `code`, leaving the teardown of the VM whose
+/// descriptor is `vm` to a keeper.
+pub fn exit(code: i32, vm: RawFd) -> ! {
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
-    if let Some(vm) = vm {
-        keep_for_teardown(vm);
-    }
+    keep_for_teardown(vm);
     // SAFETY: _exit skips destructors and atexit handlers; the threads
     // still running must not see the process's state torn down under them.
     unsafe { libc::_exit(code) }
