@@ -4,6 +4,7 @@
 # QEMU/TCG; plus appliance build cost, cold and cached, against supermin.
 #
 # Usage: bench/appliance.sh [RUNS]      (default 5; needs `ember setup` done)
+#        BENCH_ONLY=doctor bench/appliance.sh [RUNS]   (only the boot doctor's part)
 # Prints medians and min–max in milliseconds, and ratios to ember.
 set -euo pipefail
 
@@ -23,6 +24,10 @@ VER=$(cat "$CACHE/kernel/current" 2>/dev/null) || {
 }
 VMLINUX=$CACHE/kernel/$VER/vmlinux
 
+die() {
+    echo "appliance.sh: $*" >&2
+    exit 1
+}
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
 # stats NAME < values  → prints "NAME median min max" and records the median.
@@ -72,6 +77,7 @@ chmod +x "$WORK/bb/init"
 QEMU_COMMON=(qemu-system-x86_64 -M q35 -accel tcg -cpu max -m 256M -nodefaults -no-user-config
     -nographic -display none -no-reboot -serial null)
 
+if [[ ${BENCH_ONLY:-} != doctor ]]; then
 timeit "ember run --backend qemu -- true" "$EMBER" run --backend qemu -- true
 timeit "same kernel + busybox initramfs (poweroff)" \
     "${QEMU_COMMON[@]}" -kernel "$VMLINUX" -initrd "$WORK/busybox.cpio" \
@@ -129,3 +135,99 @@ if command -v supermin >/dev/null; then
     du -sk "$WORK/appliance.d/root" | awk '{printf "  supermin root    %8d KiB (on disk)\n", $1}'
     echo "ratio supermin build / ember cold build: $(ratio "supermin --build -f ext2 (dash + libc6)" "ember appliance build, cold (sh)")"
 fi
+fi # BENCH_ONLY
+
+# --- The boot doctor on the appliance, and following its advice ------------
+# `ember analyze --advise --verify` on the appliance's own boot: its kernel,
+# initramfs and command line as `ember run` boots them before following the
+# advice (q35 with SeaBIOS), the channel pointed at /dev/null so ember-init
+# loads its modules and powers off. Then the appliance before (`--bios
+# seabios`) and after (the defaults, which follow the advice) is timed
+# interleaved with the busybox initramfs, with QEMU's default firmware
+# (SeaBIOS) and with qboot. Every step that fails says so and stops the script.
+echo
+echo "--- boot doctor on the appliance ---"
+APP=$("$EMBER" run --backend qemu --prepare-only -- true) || die "ember run --backend qemu --prepare-only -- true failed"
+APP_INITRD=$(echo "$APP" | sed -E 's/.*"initrd":"([^"]*)".*/\1/')
+APP_KERNEL=$(echo "$APP" | sed -E 's/.*"kernel":"([^"]*)".*/\1/')
+[[ -f $APP_INITRD && -f $APP_KERNEL ]] || die "cannot read the appliance from: $APP"
+APP_ARGS="EMBER_CHANNEL=/dev/null EMBER_MODULES=core,pci"
+BB_CMDLINE="console=ttyS0 quiet panic=-1 cryptomgr.notests"
+APP_CMDLINE="$BB_CMDLINE $APP_ARGS"
+"$EMBER" analyze --backend qemu --machine q35 --accel tcg --kernel "$APP_KERNEL" \
+    --initrd "$APP_INITRD" --cmdline "$APP_CMDLINE" --userspace '^reboot: Power down|^ember-init: ' \
+    -n 2 -w 0 --timeout 600 --advise --verify --verify-pairs "$RUNS" --json >"$WORK/doctor.json" ||
+    die "ember analyze --advise --verify failed (its stderr is above)"
+cp "$WORK/doctor.json" "${DOCTOR_JSON:-/tmp/ember-appliance-doctor.json}"
+python3 - "$WORK/doctor.json" <<'PY' || die "cannot read the doctor's JSON"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(f"appliance boot (spawn to exit): {d['total']['mean']:.0f} ms ±{d['total']['sd']:.0f}")
+print(f"{'advice':40} {'change':44} {'predicted':>10} {'measured (95% CI)':>26}  verdict")
+for a in d["advice"]["advice"]:
+    v = a.get("verified")
+    m = "-"
+    if v and v.get("saving_ms"):
+        s = v["saving_ms"]
+        m = f"{s['estimate']:.0f} ({s['low']:.0f} … {s['high']:.0f})"
+    ch = a["change"]
+    desc = {"cmdline_add": lambda c: "cmdline += " + c["option"], "cpus": lambda c: f"--cpus {c['cpus']}",
+            "mem": lambda c: f"--mem {c['mib']}", "bios": lambda c: "--bios " + c["path"],
+            "kconfig_off": lambda c: c["symbol"] + "=n", "guest": lambda c: c["what"][:44]}[ch["kind"]](ch)
+    print(f"{a['id'][:40]:40} {desc[:44]:44} {a['predicted_ms']:>8.1f}ms {m:>26}  {v['verdict'] if v else 'manual'}")
+c = d["advice"].get("combined")
+if c:
+    s = c["verified"].get("saving_ms") or {}
+    print(f"all automatic changes together: predicted {c['predicted_ms']:.1f} ms, measured "
+          f"{s.get('estimate', float('nan')):.1f} ms ({s.get('low', float('nan')):.0f} … {s.get('high', float('nan')):.0f})")
+PY
+# What the appliance's defaults follow of the advice: qboot.
+PREDICTED=$(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sum(a['predicted_ms'] for a in d['advice']['advice'] if a['id']=='qboot'))" "$WORK/doctor.json") ||
+    die "no prediction in the doctor's JSON"
+
+# --- Guest work, independent of the host's load ------------------------------
+# QEMU's -icount shift=0,sleep=off: the guest's clock advances 1 ns per guest
+# instruction (and jumps over idle time), so the kernel's timestamp of its
+# power-down line counts the work each initramfs makes the guest do, the same
+# on a loaded machine as on a quiet one (it leaves out the firmware, which runs
+# before the kernel's clock, and the cost of device emulation).
+echo
+echo "--- guest work: the kernel's clock at power-down under -icount (1 ns per instruction) ---"
+icount_ms() {
+    local out
+    out=$(qemu-system-x86_64 -M q35 -accel tcg -cpu max -m 256M -nodefaults -no-user-config \
+        -nographic -display none -no-reboot -serial stdio -icount shift=0,sleep=off \
+        -bios /usr/share/qemu/qboot.rom -kernel "$VMLINUX" "$@" </dev/null 2>&1) ||
+        die "QEMU -icount failed: $*"
+    echo "$out" | tr -d '\r' | sed -nE 's/.*\[ *([0-9.]+)\] reboot: Power down.*/\1/p' | tail -1 |
+        awk '{printf "%.1f", $1 * 1000}'
+}
+G_BB=$(icount_ms -initrd "$WORK/busybox.cpio" -append "$BB_CMDLINE")
+G_APP=$(icount_ms -initrd "$APP_INITRD" -append "$APP_CMDLINE" -device virtio-serial-pci)
+[[ -n $G_BB && -n $G_APP ]] || die "no power-down line under -icount (busybox: '$G_BB', appliance: '$G_APP')"
+printf '%-44s %10s ms\n' "busybox initramfs" "$G_BB" "appliance (modules, channel device)" "$G_APP"
+awk -v a="$G_APP" -v b="$G_BB" 'BEGIN{printf "ratio appliance / busybox (guest work): %.3fx\n", a/b}'
+
+echo
+echo "--- the appliance before and after following the advice, interleaved ($RUNS rounds) ---"
+BB_QEMU="${QEMU_COMMON[*]} -kernel $VMLINUX -initrd $WORK/busybox.cpio -append '$BB_CMDLINE'"
+python3 bench/interleave.py "$RUNS" "$WORK/interleaved.json" \
+    "appliance before (SeaBIOS)=$EMBER run --backend qemu --bios seabios -- true" \
+    "appliance after (doctor's advice: qboot)=$EMBER run --backend qemu -- true" \
+    "busybox initramfs (QEMU's default: SeaBIOS)=$BB_QEMU" \
+    "busybox initramfs + qboot=$BB_QEMU -bios /usr/share/qemu/qboot.rom" ||
+    die "interleaved runs failed (above)"
+python3 - "$WORK/interleaved.json" "$PREDICTED" <<'PY' || die "cannot summarise the interleaved runs"
+import json, statistics as st, sys
+d, predicted = json.load(open(sys.argv[1])), float(sys.argv[2])
+before, after = d["appliance before (SeaBIOS)"], d["appliance after (doctor's advice: qboot)"]
+bb, bbq = d["busybox initramfs (QEMU's default: SeaBIOS)"], d["busybox initramfs + qboot"]
+for kind in ("wall", "cpu"):
+    saving = [b - a for b, a in zip(before[kind], after[kind])]
+    m = st.median(saving)
+    print(f"{kind}: saving per round (before − after) median {m:.0f} ms ({min(saving):.0f}–{max(saving):.0f}); "
+          f"predicted {predicted:.0f} ms: predicted/measured {predicted / m if m else float('nan'):.2f}")
+    a = st.median(after[kind])
+    print(f"{kind}: ratio appliance after / busybox (SeaBIOS) {a / st.median(bb[kind]):.3f}x, "
+          f"/ busybox + qboot {a / st.median(bbq[kind]):.3f}x")
+PY

@@ -33,7 +33,7 @@ time_to_marker() {
 
 ember=(); qemu=()
 for r in $(seq "$ROUNDS"); do
-  e=$(time_to_marker "$EMBER" run --kernel "$K/vmlinux" --initrd "$INITRD" --mem 64M --cmdline "$CMDLINE")
+  e=$(time_to_marker "$EMBER" boot --kernel "$K/vmlinux" --initrd "$INITRD" --mem 64M --cmdline "$CMDLINE")
   q=$(time_to_marker qemu-system-x86_64 -M microvm,x-option-roms=off,rtc=off -accel kvm -cpu qemu64 -m 64M -smp 1 \
         -nodefaults -no-user-config -nographic -serial stdio -no-reboot -kernel "$K/vmlinux" -initrd "$INITRD" -append "$CMDLINE")
   echo "round $r: ember ${e} ms, qemu microvm ${q} ms" >&2

@@ -260,7 +260,7 @@ impl Setup {
                     if self.direct { ",direct" } else { "" }
                 );
                 c.args([
-                    "run",
+                    "boot",
                     "--mem",
                     &format!("{GUEST_MEM_MIB}M"),
                     "--disk",
@@ -804,7 +804,7 @@ fn main() {
     let setup = Setup {
         ember: PathBuf::from(env!("CARGO_BIN_EXE_ember")),
         qemu,
-        guest: ember::testing::test_guest().expect("build the test guest"),
+        guest: ember_testing::test_guest().expect("build the test guest"),
         disk: dir.join(format!("ember-blkbench-{}.img", std::process::id())),
         direct,
         secs,

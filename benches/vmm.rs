@@ -12,8 +12,8 @@
 //! ember's peak RSS comes from its own `memory` event, which also says how
 //! much of it is guest memory.
 
-use ember::events::{EventFile, monotonic_ns};
 use ember::lab::stats::Summary;
+use ember_vmm::events::{EventFile, monotonic_ns};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -73,7 +73,7 @@ fn ember_internals(ember: &Path, guest: &Path, dir: &Path) -> (f64, f64, f64) {
     let t0 = monotonic_ns();
     let st = Command::new(ember)
         .args([
-            "run",
+            "boot",
             "--mem",
             "512M",
             "--cmdline",
@@ -205,7 +205,7 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(20);
     let ember = PathBuf::from(env!("CARGO_BIN_EXE_ember"));
-    let guest = ember::testing::test_guest().expect("test guest");
+    let guest = ember_testing::test_guest().expect("test guest");
     let dir = std::env::temp_dir().join(format!("ember-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let qemu = ember::backend::find_binary("qemu-system-x86_64");
@@ -213,7 +213,7 @@ fn main() {
     let ember_cmd = |mem: &str| {
         let mut c = Command::new(&ember);
         c.args([
-            "run",
+            "boot",
             "--mem",
             mem,
             "--cmdline",
@@ -344,7 +344,7 @@ fn main() {
         e_first - fe - fk
     );
     println!(
-        "64 GiB vs 512 MiB guest: {:.2}× ; ember run vs ember --version: {:.2}×",
+        "64 GiB vs 512 MiB guest: {:.2}× ; ember boot vs ember --version: {:.2}×",
         e64 / e_exit,
         e_exit / v
     );

@@ -10,7 +10,7 @@ fn main() {
         std::process::exit(2);
     };
     let msg = args.next().unwrap_or_else(|| "EMBER-INIT-OK".into());
-    let written = ember::testing::tiny_initramfs(&format!("{msg}\n"))
+    let written = ember::initramfs::with_init(&ember_testing::tiny_init_elf(&format!("{msg}\n")))
         .map_err(|e| e.to_string())
         .and_then(|bytes| std::fs::write(&out, bytes).map_err(|e| e.to_string()));
     if let Err(e) = written {

@@ -153,6 +153,16 @@ impl<W: Write> NewcWriter<W> {
     }
 }
 
+/// An initramfs holding just `/init` (the given executable) and
+/// `/dev/console`, so the init's output shows before devtmpfs exists.
+pub fn with_init(init: &[u8]) -> Result<Vec<u8>, InitramfsError> {
+    let mut w = NewcWriter::new(Vec::new());
+    w.dir("/dev", 0o755)?;
+    w.char_dev("/dev/console", 0o600, 5, 1)?;
+    w.file("/init", 0o755, init)?;
+    Ok(w.finish()?.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

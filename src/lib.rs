@@ -1,17 +1,16 @@
 //! ember: a small microVM monitor for Linux/KVM, and the tools that show where
 //! every millisecond of a boot goes.
 //!
-//! The boot path, top to bottom, is in [`builder`]; `ARCHITECTURE.md` walks it
-//! in numbered steps.
+//! This crate is the command line and the tools around the VMM: `ember boot`
+//! ([`boot`]), the appliance (`ember run -- CMD`, [`appliance`]), the boot lab
+//! ([`lab`]) and the VMMs it drives ([`backend`]). The VMM itself is the
+//! `ember-vmm` crate, used only through its public API.
 
+pub mod api;
 pub mod appliance;
-pub mod arch;
 pub mod backend;
-pub mod builder;
-pub mod devices;
-pub mod events;
+pub mod boot;
+pub mod exit;
 pub mod initramfs;
 pub mod lab;
-pub mod run;
-pub mod testing;
-pub mod vstate;
+pub mod terminal;

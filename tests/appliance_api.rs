@@ -56,12 +56,12 @@ fn appliance_for_sh_holds_its_loader_and_libc_and_is_cached() {
     );
 
     let cache = scratch("cache");
-    let first = build_cached(&tree, "test-kernel", &cache).unwrap();
+    let first = build_cached(&tree, "test-kernel", &cache, u64::MAX).unwrap();
     assert!(!first.cached);
     let bytes = std::fs::read(&first.path).unwrap();
     assert!(bytes.starts_with(b"070701"));
     assert!(bytes.windows(4).any(|w| w == b"init"));
-    let again = build_cached(&tree, "test-kernel", &cache).unwrap();
+    let again = build_cached(&tree, "test-kernel", &cache, u64::MAX).unwrap();
     assert!(again.cached);
     assert_eq!(first.path, again.path);
 }

@@ -6,9 +6,9 @@
 mod common;
 
 use common::require_kvm;
-use ember::arch::x86_64::{cpuid, msr};
+use ember_vmm::arch::x86_64::{cpuid, msr};
 use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, Msrs, kvm_cpuid_entry2};
-use kvm_ioctls::Kvm;
+use kvm_ioctls::{Cap, Kvm};
 
 fn leaf(c: &kvm_bindings::CpuId, function: u32, index: u32) -> Option<kvm_cpuid_entry2> {
     c.as_slice()
@@ -30,7 +30,12 @@ fn kvm_accepts_the_cpuid_of_every_vcpu() {
         for id in 0..vcpus {
             let vcpu = vm.create_vcpu(u64::from(id)).unwrap();
             let tsc_khz = vcpu.get_tsc_khz().ok();
-            let table = cpuid::configure_cpuid(&supported, id, vcpus, tsc_khz).unwrap();
+            let tsc_deadline = kvm.check_extension(Cap::TscDeadlineTimer);
+            let timers = cpuid::Timers {
+                tsc_khz,
+                tsc_deadline,
+            };
+            let table = cpuid::configure_cpuid(&supported, id, vcpus, timers).unwrap();
             vcpu.set_cpuid2(&table)
                 .unwrap_or_else(|e| panic!("KVM_SET_CPUID2 refused vCPU {id}/{vcpus}: {e}"));
 
@@ -38,6 +43,7 @@ fn kvm_accepts_the_cpuid_of_every_vcpu() {
             let seen = vcpu.get_cpuid2(KVM_MAX_CPUID_ENTRIES).unwrap();
             let l1 = leaf(&seen, 1, 0).expect("leaf 1");
             assert_ne!(l1.ecx & (1 << 31), 0, "hypervisor bit");
+            assert_eq!(l1.ecx & (1 << 24) != 0, tsc_deadline, "TSC-deadline timer");
             apic_ids.push(l1.ebx >> 24);
             assert_eq!(leaf(&seen, 0xb, 0).map(|e| e.edx), Some(id), "x2APIC id");
             let hv = leaf(&seen, 0x4000_0000, 0).expect("hypervisor leaf");

@@ -2,8 +2,8 @@
 //! order a VMM would, no structure may clobber another. Each writer's own
 //! format is unit-tested beside it; this checks they share guest memory.
 
-use ember::arch::x86_64::acpi::{self, VirtioMmioAcpi};
-use ember::arch::x86_64::{boot, layout, mptable, regs};
+use ember_vmm::arch::x86_64::acpi::{self, VirtioMmioAcpi};
+use ember_vmm::arch::x86_64::{boot, layout, mptable, regs};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 const MEM_SIZE: u64 = 256 << 20;

@@ -57,6 +57,32 @@ fn base(vmm: &str) -> Vec<&str> {
 }
 
 #[test]
+fn without_kernel_the_lab_boots_the_one_setup_chose() {
+    let d = scratch("setup-kernel");
+    let vmm = fake_vmm(&d, "vmm", &linux_like("0.01"));
+    let kernel = fake_vmm(&d, "vmlinuz", "");
+    let with_cache = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_ember"))
+            .args(args)
+            .env("EMBER_CACHE", d.join("cache"))
+            .env("EMBER_INIT", "/bin/true")
+            .output()
+            .unwrap()
+    };
+    let out = with_cache(&["setup", "--kernel", kernel.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for sub in ["bench", "analyze"] {
+        let mut args = vec![sub];
+        args.extend(&base(vmm.to_str().unwrap())[..6]);
+        args.extend(["-n", "1", "-w", "0", "--json"]);
+        let out = with_cache(&args);
+        assert!(out.status.success(), "{sub}: {}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["header"]["kernel"], kernel.to_str().unwrap(), "{sub}");
+    }
+}
+
+#[test]
 fn bench_json_reports_every_milestone() {
     let d = scratch("json");
     let vmm = fake_vmm(&d, "vmm", &linux_like("0.05"));
@@ -186,7 +212,7 @@ fn bad_input_gives_one_clear_line() {
     assert!(text(&out.stderr).contains("-n/--runs must be at least 1"));
 
     let out = ember(&["bench", "--backend", "bochs", "--kernel", "/bin/sh"]);
-    assert!(text(&out.stderr).contains("unknown backend `bochs`"));
+    assert!(text(&out.stderr).contains("invalid value 'bochs' for '--backend <BACKEND>'"));
 
     let out = ember(&[
         "bench",

@@ -1,5 +1,5 @@
 //! End to end through `--backend ember`: the boot lab driving `ember run` on
-//! the test guest (built by `ember::testing::test_guest`), a few boots each.
+//! the test guest (built by `ember_testing::test_guest`), a few boots each.
 
 use std::process::{Command, Output};
 
@@ -9,7 +9,7 @@ const CMDLINE: &str =
     "console=ttyS0 mark=0x42 print=ember-lab:_begin_work spin=5 print=ember-lab:_end_work";
 
 fn ember(sub: &str, args: &[&str]) -> Output {
-    let guest = ember::testing::test_guest().expect("the test guest builds");
+    let guest = ember_testing::test_guest().expect("the test guest builds");
     Command::new(env!("CARGO_BIN_EXE_ember"))
         .arg(sub)
         .args(["--backend", "ember", "--cmdline", CMDLINE, "--kernel"])

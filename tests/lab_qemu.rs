@@ -1,27 +1,13 @@
 //! End to end on real boots: Debian's cloud kernel under QEMU/TCG with the
 //! lab's busybox initramfs. A few boots each, so the suite stays quick.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// Debian's cloud kernel (the bzImage) as `ember setup` unpacked it.
-fn kernel() -> String {
-    use ember::appliance::kernel::{KernelCache, cache_dir};
-    let cache = KernelCache::new(&cache_dir().expect("a cache directory"));
-    let k = cache
-        .current()
-        .expect("these end-to-end tests need Debian's cloud kernel: run `ember setup` first");
-    let version = k.version.expect("ember setup records the kernel's version");
-    let image = cache
-        .unpack_dir(&version)
-        .join("boot")
-        .join(format!("vmlinuz-{version}"));
-    assert!(image.is_file(), "{} is missing", image.display());
-    image.display().to_string()
-}
-
 fn ember(args: &[&str]) -> Output {
-    let kernel = kernel();
+    let kernel = common::debian_bzimage();
     // The subcommand, then the guest, then the test's own options.
     Command::new(env!("CARGO_BIN_EXE_ember"))
         .arg(args[0])

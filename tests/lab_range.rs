@@ -81,8 +81,10 @@ fn range_marks_the_regression_and_resumes() {
     git(&repo, &["init", "-q"]);
     commit(&repo, "0.02", "base", false);
     commit(&repo, "0.02", "docs only", false);
-    commit(&repo, "0.30", "add a slow probe", false);
-    commit(&repo, "0.30", "half-finished refactor", true);
+    // 40x slower: one boot slowed by half a second on a loaded machine must
+    // not hide the regression at alpha 0.001 (it did at 15x).
+    commit(&repo, "0.80", "add a slow probe", false);
+    commit(&repo, "0.80", "half-finished refactor", true);
     commit(&repo, "0.02", "remove the slow probe", false);
 
     let out = run(&repo, &cache, "HEAD");
@@ -129,7 +131,7 @@ fn range_marks_the_regression_and_resumes() {
 
 #[test]
 fn kernel_artifacts_are_booted_as_the_guest_kernel() {
-    let guest = ember::testing::test_guest().expect("the test guest builds");
+    let guest = ember_testing::test_guest().expect("the test guest builds");
     let root: PathBuf =
         std::env::temp_dir().join(format!("ember-lab-range-kernel-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);

@@ -80,7 +80,7 @@ fn linux_mounts_a_dax_pmem_root_and_an_ext4_disk() {
     };
     for tool in ["mkfs.ext4", "debugfs"] {
         if !have(tool) {
-            ember::testing::skip(test, &format!("{tool} not found (scripts/install-deps)"));
+            ember_testing::skip(test, &format!("{tool} not found (scripts/install-deps)"));
             return;
         }
     }
@@ -121,7 +121,7 @@ fn linux_mounts_a_dax_pmem_root_and_an_ext4_disk() {
     let started = std::time::Instant::now();
     let o = output(
         ember()
-            .arg("run")
+            .arg("boot")
             .arg("--kernel")
             .arg(dir.join("vmlinux"))
             .arg("--pmem")
@@ -160,7 +160,7 @@ fn linux_mounts_a_dax_pmem_root_and_an_ext4_disk() {
     after("EMBER-DISK-DONE");
     assert_eq!(
         o.status.code(),
-        Some(ember::run::EXIT_GUEST_RESET),
+        Some(ember::exit::EXIT_GUEST_RESET),
         "{test}: {}",
         stderr(&o)
     );

@@ -28,7 +28,7 @@ fn boot_linux(test: &str, kernel_file: impl FnOnce(&PathBuf, &Scratch) -> PathBu
     tiny_initramfs(&initrd, &format!("{MARKER}\n"));
     let kernel = kernel_file(&dir, &scratch);
     let mut cmd = ember();
-    cmd.arg("run")
+    cmd.arg("boot")
         .arg("--kernel")
         .arg(&kernel)
         .arg("--initrd")
@@ -71,7 +71,7 @@ fn boot_linux(test: &str, kernel_file: impl FnOnce(&PathBuf, &Scratch) -> PathBu
     }
     assert_eq!(
         o.status.code(),
-        Some(ember::run::EXIT_GUEST_RESET),
+        Some(ember::exit::EXIT_GUEST_RESET),
         "{test}: {}",
         stderr(&o)
     );
@@ -88,7 +88,7 @@ fn linux_boots_through_the_64bit_entry() {
         "linux_64bit",
         |dir, scratch| {
             let plain = scratch.path("vmlinux-nopvh");
-            ember::testing::without_pvh_note(&dir.join("vmlinux"), &plain).unwrap();
+            ember_testing::without_pvh_note(&dir.join("vmlinux"), &plain).unwrap();
             plain
         },
         false,

@@ -4,7 +4,7 @@
 //! shows: the serial console, isa-debug-exit's status ((N << 1) | 1), and an
 //! isa-debugcon on port 0x80 that records the boot marks.
 
-use ember::testing::{GUEST_EXIT_ERROR, as_bzimage, test_guest};
+use ember_testing::{GUEST_EXIT_ERROR, as_bzimage, test_guest};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

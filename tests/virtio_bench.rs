@@ -7,10 +7,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use ember::devices::CountingInterrupt;
-use ember::devices::virtio::VirtioInterrupt;
-use ember::devices::virtio::block::io::{self, EngineKind};
-use ember::devices::virtio::block::worker::{BlockHandler, DiskParams};
+use ember_vmm::devices::CountingInterrupt;
+use ember_vmm::devices::virtio::VirtioInterrupt;
+use ember_vmm::devices::virtio::block::{BlockHandler, DiskParams, EngineKind};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
@@ -73,18 +72,20 @@ fn run(engine: EngineKind, kind: u32, path: &std::path::Path, direct: bool) -> V
         std::os::unix::fs::OpenOptionsExt::custom_flags(&mut opts, libc::O_DIRECT);
     }
     let file = opts.open(path).unwrap();
-    let mut h = BlockHandler::new(
+    let mut h = BlockHandler::open(
         mem.clone(),
         q,
         VirtioInterrupt::new(Arc::new(CountingInterrupt::default())),
-        io::open(engine, file).unwrap(),
+        engine,
+        file,
         DiskParams {
             capacity: DISK_BYTES as u64 / 512,
             read_only: false,
             direct,
             serial: [0; 20],
         },
-    );
+    )
+    .unwrap();
     let mut avail_idx = 0u16;
     let mut per_request_us = Vec::with_capacity(BATCHES);
     let chains = f64::from(QSIZE / 3);

@@ -62,7 +62,7 @@ fn linux_drives_virtio_blk_and_the_console_channel() {
         return;
     }
     let Some(dir) = std::env::var_os("EMBER_PVM_KERNEL") else {
-        ember::testing::skip(
+        ember_testing::skip(
             test,
             "EMBER_PVM_KERNEL is not set (scripts/test builds the kernel and sets it)",
         );
@@ -97,7 +97,7 @@ fn linux_drives_virtio_blk_and_the_console_channel() {
 
     let o = output(
         ember()
-            .arg("run")
+            .arg("boot")
             .arg("--kernel")
             .arg(std::path::Path::new(&dir).join("vmlinux"))
             .arg("--initrd")

@@ -5,11 +5,11 @@
 mod common;
 
 use common::{Scratch, ember, output, require_kvm, stderr, stdout};
-use ember::events::EventFile;
+use ember_vmm::events::EventFile;
 use std::path::{Path, PathBuf};
 
 fn guest() -> PathBuf {
-    ember::testing::test_guest().expect("build the test guest")
+    ember_testing::test_guest().expect("build the test guest")
 }
 
 /// Runs the guest with `cmdline`; returns (exit status, stdout, stderr, events).
@@ -18,7 +18,7 @@ fn boot(kernel: &Path, cmdline: &str, extra: &[&str]) -> (i32, String, String, E
     let events = dir.path("events.json");
     let o = output(
         ember()
-            .args(["run", "--kernel"])
+            .args(["boot", "--kernel"])
             .arg(kernel)
             .args(["--mem", "128M", "--cmdline", cmdline, "--events"])
             .arg(&events)
@@ -49,7 +49,10 @@ fn pvh_entry_prints_marks_and_returns_the_guest_status() {
         return;
     }
     let (code, out, err, ev) = boot(&guest(), "print=hello_world mark=0x42 timer exit=7", &[]);
-    assert_eq!(code, 7, "stderr: {err}");
+    // The guest's debug-exit 7 comes out as 128 + 7 (README: exit statuses).
+    assert_eq!(code, 128 + 7, "stderr: {err}");
+    // The logger puts the boot timer's line on stderr.
+    assert!(err.contains("ember: info: guest boot time = "), "{err}");
     assert!(out.contains("entry=pvh"), "{out}");
     assert!(out.contains("hello world\n"), "{out}");
     assert_eq!(
@@ -58,7 +61,7 @@ fn pvh_entry_prints_marks_and_returns_the_guest_status() {
             0x40,
             0x41,
             0x42,
-            ember::devices::legacy::BOOT_TIMER_MAGIC_CODE
+            ember_vmm::devices::legacy::BOOT_TIMER_MAGIC_CODE
         ]
     );
     let k = kinds(&ev);
@@ -95,7 +98,7 @@ fn linux64_entry_without_pvh_note() {
     }
     let dir = Scratch::new("nopvh");
     let plain = dir.path("guest-nopvh.elf");
-    ember::testing::without_pvh_note(&guest(), &plain).unwrap();
+    ember_testing::without_pvh_note(&guest(), &plain).unwrap();
     let (code, out, err, _) = boot(&plain, "print=sixty-four exit=0", &[]);
     assert_eq!(code, 0, "stderr: {err}");
     assert!(out.contains("entry=linux64"), "{out}");
@@ -109,7 +112,7 @@ fn bzimage_entry() {
     }
     let dir = Scratch::new("bz");
     let bz = dir.path("guest.bzImage");
-    ember::testing::as_bzimage(&guest(), &bz).unwrap();
+    ember_testing::as_bzimage(&guest(), &bz).unwrap();
     let (code, out, err, _) = boot(&bz, "print=from_a_bzimage exit=0", &[]);
     assert_eq!(code, 0, "stderr: {err}");
     assert!(out.contains("from a bzimage"), "{out}");
@@ -126,10 +129,34 @@ fn each_ending_has_its_own_status() {
     assert_eq!(code, 0, "ACPI power-off: {err}");
     assert!(kinds(&ev).contains(&"guest_shutdown"));
     let (code, _, _, ev) = boot(&g, "reset", &[]);
-    assert_eq!(code, ember::run::EXIT_GUEST_RESET);
+    assert_eq!(code, ember::exit::EXIT_GUEST_RESET);
     assert!(kinds(&ev).contains(&"guest_reset"));
     let (code, _, _, _) = boot(&g, "exit=42", &[]);
-    assert_eq!(code, 42);
+    assert_eq!(code, 128 + 42);
+    // Guest statuses that were ember's own before the mapping: 1 (ember failed), 3 (crash).
+    for (n, want) in [(1, 129), (3, 131), (0, 0)] {
+        let (code, _, err, _) = boot(&g, &format!("exit={n}"), &[]);
+        assert_eq!(code, want, "exit={n}: {err}");
+    }
+}
+
+#[test]
+fn an_unwritable_events_file_is_reported_and_the_guest_status_kept() {
+    if !require_kvm("events_unwritable") {
+        return;
+    }
+    let o = output(ember().arg("boot").arg("--kernel").arg(guest()).args([
+        "--events",
+        "/nonexistent-dir/events.json",
+        "--cmdline",
+        "print=hi exit=0",
+    ]));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("cannot write the events to /nonexistent-dir/events.json"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
@@ -139,7 +166,7 @@ fn timeout_kills_a_guest_that_never_ends() {
     }
     let started = std::time::Instant::now();
     let (code, _, err, _) = boot(&guest(), "spin=60000", &["--timeout", "0.5"]);
-    assert_eq!(code, ember::run::EXIT_TIMEOUT, "{err}");
+    assert_eq!(code, ember::exit::EXIT_TIMEOUT, "{err}");
     assert!(err.contains("did not finish"), "{err}");
     assert!(started.elapsed().as_secs() < 20);
 }
@@ -149,7 +176,7 @@ fn several_vcpus_and_large_lazy_memory() {
     if !require_kvm("vcpus_memory") {
         return;
     }
-    let o = output(ember().arg("run").arg("--kernel").arg(guest()).args([
+    let o = output(ember().arg("boot").arg("--kernel").arg(guest()).args([
         "--cpus",
         "4",
         "--mem",
@@ -157,7 +184,7 @@ fn several_vcpus_and_large_lazy_memory() {
         "--cmdline",
         "touch=32 exit=3",
     ]));
-    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(128 + 3), "{}", stderr(&o));
     assert!(stdout(&o).contains("touch: mib=32"), "{}", stdout(&o));
 }
 
@@ -166,7 +193,7 @@ fn console_none_prints_nothing() {
     if !require_kvm("console_none") {
         return;
     }
-    let o = output(ember().arg("run").arg("--kernel").arg(guest()).args([
+    let o = output(ember().arg("boot").arg("--kernel").arg(guest()).args([
         "--console",
         "none",
         "--cmdline",
@@ -232,7 +259,6 @@ fn bad_input_is_a_clear_error() {
             vec!["--kernel", gs, "--timeout", "1e30"],
             "--timeout must be",
         ),
-        (vec![], "give a kernel"),
         (
             vec!["--kernel", gs, "--disk", "/nonexistent/disk.img"],
             "cannot attach disk",
@@ -247,7 +273,7 @@ fn bad_input_is_a_clear_error() {
         ),
     ];
     for (args, want) in cases {
-        let o = output(ember().arg("run").args(&args));
+        let o = output(ember().arg("boot").args(&args));
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: expected `{want}` in: {err}");
@@ -272,19 +298,19 @@ fn triple_fault_is_reported_as_a_crash() {
     // ud2; then spin (never reached).
     std::fs::write(
         &kernel,
-        ember::testing::static_elf(0x10_0000, &[0x0f, 0x0b, 0xeb, 0xfe]),
+        ember_testing::static_elf(0x10_0000, &[0x0f, 0x0b, 0xeb, 0xfe]),
     )
     .unwrap();
     let o = output(
         ember()
-            .arg("run")
+            .arg("boot")
             .arg("--kernel")
             .arg(&kernel)
             .args(["--timeout", "60"]),
     );
     assert_eq!(
         o.status.code(),
-        Some(ember::run::EXIT_GUEST_CRASHED),
+        Some(ember::exit::EXIT_GUEST_CRASHED),
         "{}",
         stderr(&o)
     );
@@ -370,4 +396,61 @@ fn all_virtio_devices_attach() {
     // Four windows, announced on the command line (and in the DSDT).
     assert_eq!(out.matches("virtio_mmio.device=4K@").count(), 4, "{out}");
     assert!(out.contains("blkverify: ok"), "{out}");
+}
+
+/// Two VMs on one read-write image: the second is refused with a one-line error while
+/// the first runs; read-only users share; once the first is gone the image is free.
+#[test]
+fn a_disk_image_in_use_read_write_is_refused_to_a_second_vm() {
+    if !require_kvm("image_lock") {
+        return;
+    }
+    use std::io::{BufRead, BufReader};
+    let dir = Scratch::new("lock");
+    let disk = dir.path("disk.img");
+    std::fs::File::create(&disk)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let d = disk.to_str().unwrap();
+    let mut first = ember()
+        .arg("boot")
+        .arg("--kernel")
+        .arg(guest())
+        .args(["--disk", d, "--cmdline", "print=up spin=60000"])
+        .args(["--timeout", "60"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(first.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("up") {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the guest never printed"
+        );
+    }
+    let second = |spec: &str| {
+        output(ember().arg("boot").arg("--kernel").arg(guest()).args([
+            "--disk",
+            spec,
+            "--cmdline",
+            "exit=0",
+        ]))
+    };
+    let o = second(d);
+    // Read-only against a writer is refused too (it would see writes in flight).
+    let ro = second(&format!("{d},ro"));
+    let _ = first.kill();
+    let _ = first.wait();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("in use by another VM"), "{err}");
+    assert_eq!(ro.status.code(), Some(1), "{}", stderr(&ro));
+    // After the writer is gone, the image is free again.
+    let o = second(d);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
 }

@@ -14,7 +14,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 fn guest() -> std::path::PathBuf {
-    ember::testing::test_guest().expect("build the test guest")
+    ember_testing::test_guest().expect("build the test guest")
 }
 
 /// How each process ember left behind ended, once all have: `Ok(code)` or
@@ -44,10 +44,10 @@ fn reap_orphans(limit: Duration) -> Vec<Result<i32, i32>> {
     }
 }
 
-/// Starts `ember run` on the test guest with `cmdline`, stdout piped.
+/// Starts `ember boot` on the test guest with `cmdline`, stdout piped.
 fn spawn(cmdline: &str) -> std::process::Child {
     ember()
-        .args(["run", "--mem", "64M", "--cmdline", cmdline, "--kernel"])
+        .args(["boot", "--mem", "64M", "--cmdline", cmdline, "--kernel"])
         .arg(guest())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -75,7 +75,7 @@ fn the_vm_outlives_ember_only_in_a_keeper_that_dies_with_it() {
         .read_to_string(&mut out)
         .unwrap();
     assert!(out.contains("hi"), "{out}");
-    assert_eq!(child.wait().unwrap().code(), Some(7));
+    assert_eq!(child.wait().unwrap().code(), Some(128 + 7));
     let left = reap_orphans(Duration::from_secs(30));
     assert_eq!(left.len(), 1, "one keeper, not {left:?}");
     // Killed with ember, or (had ember gone before the keeper armed its

@@ -7,10 +7,9 @@ mod common;
 
 use std::sync::{Arc, OnceLock};
 
-use ember::devices::CountingInterrupt;
-use ember::devices::virtio::VirtioInterrupt;
-use ember::devices::virtio::block::io::{self, EngineKind};
-use ember::devices::virtio::block::worker::{BlockHandler, DiskParams};
+use ember_vmm::devices::CountingInterrupt;
+use ember_vmm::devices::virtio::VirtioInterrupt;
+use ember_vmm::devices::virtio::block::{BlockHandler, DiskParams, EngineKind};
 use libfuzzer_sys::fuzz_target;
 
 /// A 64 KiB scratch disk shared by all runs.
@@ -31,18 +30,20 @@ fuzz_target!(|data: &[u8]| {
         .open(disk())
         .unwrap();
     let irq = VirtioInterrupt::new(Arc::new(CountingInterrupt::default()));
-    let mut handler = BlockHandler::new(
+    let mut handler = BlockHandler::open(
         mem,
         common::queue(),
         irq,
-        io::open(EngineKind::Sync, file).unwrap(),
+        EngineKind::Sync,
+        file,
         DiskParams {
             capacity: 0x1_0000 >> 9,
             read_only: data.first().is_some_and(|b| b & 1 == 1),
             direct: false,
             serial: *b"fuzz-serial-00000000",
         },
-    );
+    )
+    .unwrap();
     // Two wake-ups: the second sees whatever the first left (or a broken queue).
     handler.process_queue();
     handler.process_queue();

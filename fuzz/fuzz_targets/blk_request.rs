@@ -4,7 +4,7 @@
 #[path = "common.rs"]
 mod common;
 
-use ember::devices::virtio::block::request;
+use ember_vmm::devices::virtio::block::request;
 use libfuzzer_sys::fuzz_target;
 use virtio_queue::QueueOwnedT;
 

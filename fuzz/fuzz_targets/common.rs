@@ -30,3 +30,16 @@ pub fn queue() -> Queue {
     q.set_ready(true);
     q
 }
+
+/// Queue `n` of a multi-queue device: each queue's rings in their own 1 KiB of the
+/// fuzzer-controlled memory (descriptors, then available, then used ring).
+pub fn queue_n(n: u64) -> Queue {
+    let base = n * 0x400;
+    let mut q = Queue::new(QUEUE_SIZE).unwrap();
+    q.set_size(QUEUE_SIZE);
+    q.set_desc_table_address(Some(base as u32), Some(0));
+    q.set_avail_ring_address(Some((base + 0x100) as u32), Some(0));
+    q.set_used_ring_address(Some((base + 0x200) as u32), Some(0));
+    q.set_ready(true);
+    q
+}

@@ -8,9 +8,9 @@ mod common;
 
 use std::sync::Arc;
 
-use ember::devices::CountingInterrupt;
-use ember::devices::bus::BusDevice;
-use ember::devices::virtio::{MmioTransport, Rng};
+use ember_vmm::devices::CountingInterrupt;
+use ember_vmm::devices::virtio::{MmioTransport, Rng};
+use ember_vmm::vstate::bus::BusDevice;
 use libfuzzer_sys::fuzz_target;
 
 /// The register window plus a little past the config space.

@@ -13,6 +13,7 @@
 //! ```
 //! or, with `--rootfs DIR`, DIR's whole tree instead of the host files.
 
+use super::cache;
 use super::modules::GroupedModule;
 use crate::initramfs::{InitramfsError, NewcWriter};
 use std::collections::BTreeMap;
@@ -117,7 +118,16 @@ impl Tree {
     /// The skeleton every appliance has, plus init and the modules.
     pub fn skeleton(init: Vec<u8>, modules: &[GroupedModule]) -> Self {
         let mut t = Tree::default();
-        for d in ["dev", "proc", "sys", "tmp", "root", ".ember", MODULE_DIR] {
+        for d in [
+            "dev",
+            "proc",
+            "sys",
+            "tmp",
+            "root",
+            ".ember",
+            ".ember/root",
+            MODULE_DIR,
+        ] {
             t.entries.insert(d.into(), Entry::Dir);
         }
         t.entries.insert("dev/console".into(), Entry::CharDev(5, 1));
@@ -199,6 +209,85 @@ impl Tree {
         Ok(cur)
     }
 
+    /// Adds the directories above tree key `at` (`usr/bin/x`: `usr`,
+    /// `usr/bin`) that are not there yet.
+    fn add_parents(&mut self, at: &str) {
+        for (slash, _) in at.match_indices('/') {
+            self.entries
+                .entry(at[..slash].to_owned())
+                .or_insert(Entry::Dir);
+        }
+    }
+
+    /// Adds a symlink at guest path `at` (absolute) pointing to `target`,
+    /// creating the directories above it; an existing entry wins (the
+    /// command's own files come before a base layer's).
+    pub fn add_symlink(&mut self, at: &Path, target: &str) {
+        let at = key(&normalize(at));
+        self.add_parents(&at);
+        self.entries
+            .entry(at)
+            .or_insert_with(|| Entry::Symlink(target.to_owned()));
+    }
+
+    /// Adds directory `at` (absolute) and those above it.
+    pub fn add_dir(&mut self, at: &Path) {
+        let at = key(&normalize(at));
+        self.add_parents(&at);
+        self.entries.entry(at).or_insert(Entry::Dir);
+    }
+
+    /// Adds a file holding `data` with permission bits `mode` at guest path
+    /// `at` (absolute), creating the directories above it; an existing entry
+    /// wins, as with [`Tree::add_symlink`].
+    pub fn add_data(&mut self, at: &Path, data: Vec<u8>, mode: u32) {
+        let at = key(&normalize(at));
+        self.add_parents(&at);
+        self.entries
+            .entry(at)
+            .or_insert_with(|| Entry::Data(data, mode));
+    }
+
+    /// Adds host file or directory `host` at guest path `guest` (absolute),
+    /// creating the directories above it. Symlinks are followed: what the
+    /// guest gets is their targets' contents (a directory of symlinks stages
+    /// files from anywhere). Devices, sockets and FIFOs are skipped.
+    pub fn add_at(&mut self, host: &Path, guest: &Path) -> Result<(), BuildError> {
+        let at = key(&normalize(guest));
+        self.add_parents(&at);
+        let mut stack = vec![(host.to_path_buf(), at)];
+        let mut depth_guard = 0usize;
+        while let Some((src, dst)) = stack.pop() {
+            let read = |source| BuildError::Read {
+                path: src.clone(),
+                source,
+            };
+            let meta = fs::metadata(&src).map_err(read)?;
+            if meta.is_dir() {
+                // Symlinks to directories could loop: bound the walk.
+                depth_guard += 1;
+                if depth_guard > 100_000 {
+                    return Err(BuildError::SymlinkLoop(src));
+                }
+                self.entries.insert(dst.clone(), Entry::Dir);
+                for e in fs::read_dir(&src).map_err(read)? {
+                    let e = e.map_err(read)?;
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    stack.push((e.path(), format!("{dst}/{name}")));
+                }
+            } else if meta.is_file() {
+                self.entries.insert(
+                    dst,
+                    Entry::File {
+                        source: src.clone(),
+                        mode: meta.permissions().mode() & 0o7777,
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Adds the whole tree under host directory `root` at `/` (devices,
     /// sockets and FIFOs are skipped; existing entries such as /init win).
     pub fn add_rootfs(&mut self, root: &Path) -> Result<(), BuildError> {
@@ -242,7 +331,7 @@ impl Tree {
     /// A hash of the tree's inputs: names, kinds, and each host file's size,
     /// mtime and inode (not contents: stat is cheap, reading is not).
     pub fn cache_key(&self, kernel_version: &str) -> String {
-        let mut h = Fnv::new();
+        let mut h = cache::KeyHasher::new();
         h.put(&FORMAT_VERSION.to_le_bytes());
         h.put(kernel_version.as_bytes());
         for (path, entry) in &self.entries {
@@ -274,18 +363,31 @@ impl Tree {
                 }
             }
         }
-        format!("{:032x}", h.0)
+        h.hex()
     }
 
-    /// Writes the newc archive to `out` (via a temp file + rename, so a
-    /// crash never leaves a half-written appliance in the cache).
+    /// Writes the newc archive to `out`, 0600 (it may hold a `--rootfs`'s
+    /// private files), via a temp file that is fsynced and renamed, so a
+    /// crash never leaves a half-written appliance under the real name.
     pub fn write(&self, out: &Path) -> Result<u64, BuildError> {
-        let tmp = out.with_extension(format!("tmp{}", std::process::id()));
+        let (file, tmp) = cache::temp_beside(out).map_err(|source| BuildError::Write {
+            path: out.to_path_buf(),
+            source,
+        })?;
+        // Whatever fails below, the temp file goes.
+        struct Cleanup<'a>(&'a Path, bool);
+        impl Drop for Cleanup<'_> {
+            fn drop(&mut self) {
+                if !self.1 {
+                    let _ = fs::remove_file(self.0);
+                }
+            }
+        }
+        let mut cleanup = Cleanup(&tmp, false);
         let werr = |source| BuildError::Write {
             path: tmp.clone(),
             source,
         };
-        let file = fs::File::create(&tmp).map_err(werr)?;
         let mut w = NewcWriter::new(BufWriter::with_capacity(1 << 20, file));
         let arch = |source| BuildError::Archive {
             path: out.to_path_buf(),
@@ -315,32 +417,12 @@ impl Tree {
         }
         let (buf, size) = w.finish().map_err(arch)?;
         let file = buf.into_inner().map_err(|e| werr(e.into_error()))?;
-        file.sync_data().ok();
-        fs::rename(&tmp, out).map_err(|source| BuildError::Write {
+        cache::commit(file, &tmp, out).map_err(|source| BuildError::Write {
             path: out.to_path_buf(),
             source,
         })?;
+        cleanup.1 = true;
         Ok(size)
-    }
-}
-
-/// 128-bit FNV-1a: tiny, dependency-free, and plenty for a cache key.
-struct Fnv(u128);
-
-impl Fnv {
-    const OFFSET: u128 = 0x6c62_272e_07bb_0142_62b8_2175_6295_c58d;
-    const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013b;
-
-    fn new() -> Self {
-        Fnv(Self::OFFSET)
-    }
-
-    fn put(&mut self, bytes: &[u8]) {
-        // Length-prefix each field so ("ab","c") and ("a","bc") differ.
-        for b in (bytes.len() as u64).to_le_bytes().iter().chain(bytes) {
-            self.0 ^= *b as u128;
-            self.0 = self.0.wrapping_mul(Self::PRIME);
-        }
     }
 }
 
@@ -353,22 +435,29 @@ pub struct Appliance {
     pub cached: bool,
 }
 
-/// Returns the cached appliance for `tree`, building it first if needed.
+/// Returns the cached appliance for `tree`, building it first if needed (or
+/// if the cached one is incomplete), then evicts the least recently used
+/// appliances past `max_bytes`.
 pub fn build_cached(
     tree: &Tree,
     kernel_version: &str,
     cache_dir: &Path,
+    max_bytes: u64,
 ) -> Result<Appliance, BuildError> {
     let dir = cache_dir.join("appliances");
     let path = dir.join(format!("{}.cpio", tree.cache_key(kernel_version)));
-    if path.is_file() {
+    if path.is_file() && cache::cpio_complete(&path) {
+        cache::touch(&path);
         return Ok(Appliance { path, cached: true });
     }
-    fs::create_dir_all(&dir).map_err(|source| BuildError::Write {
-        path: dir.clone(),
-        source,
-    })?;
+    for d in [cache_dir, &dir] {
+        cache::private_dir(d).map_err(|source| BuildError::Write {
+            path: d.to_path_buf(),
+            source,
+        })?;
+    }
     tree.write(&path)?;
+    cache::evict(&dir, "cpio", max_bytes, &path);
     Ok(Appliance {
         path,
         cached: false,
@@ -449,17 +538,56 @@ mod tests {
     }
 
     #[test]
+    fn files_land_at_their_guest_paths_with_parents() {
+        let dir = crate::appliance::test_dir("builder-add-at");
+        fs::create_dir_all(dir.join("stage/sub")).unwrap();
+        fs::write(dir.join("real"), b"data").unwrap();
+        fs::write(dir.join("stage/sub/f"), b"f").unwrap();
+        let _ = fs::remove_file(dir.join("stage/link"));
+        std::os::unix::fs::symlink(dir.join("real"), dir.join("stage/link")).unwrap();
+        let mut t = Tree::default();
+        t.add_at(&dir.join("real"), Path::new("/a/b/file")).unwrap();
+        t.add_at(&dir.join("stage"), Path::new("/s")).unwrap();
+        let e = t.entries();
+        assert_eq!(e.get("a"), Some(&Entry::Dir));
+        assert_eq!(e.get("a/b"), Some(&Entry::Dir));
+        assert!(
+            matches!(e.get("a/b/file"), Some(Entry::File { source, .. }) if source == &dir.join("real"))
+        );
+        assert_eq!(e.get("s/sub"), Some(&Entry::Dir));
+        assert!(matches!(e.get("s/sub/f"), Some(Entry::File { .. })));
+        // A symlink is carried as its target's contents.
+        assert!(
+            matches!(e.get("s/link"), Some(Entry::File { source, .. }) if source == &dir.join("stage/link"))
+        );
+        assert!(t.add_at(&dir.join("missing"), Path::new("/m")).is_err());
+    }
+
+    #[test]
     fn cache_hits_and_invalidation() {
         let dir = crate::appliance::test_dir("builder-cache");
         let input = dir.join("input");
         fs::write(&input, b"v1").unwrap();
         let mut t = Tree::skeleton(b"INIT".to_vec(), &[]);
         t.add_host_path(&input).unwrap();
-        let a = build_cached(&t, "6.1", &dir).unwrap();
+        let a = build_cached(&t, "6.1", &dir, u64::MAX).unwrap();
         assert!(!a.cached);
-        let b = build_cached(&t, "6.1", &dir).unwrap();
+        let b = build_cached(&t, "6.1", &dir, u64::MAX).unwrap();
         assert!(b.cached);
         assert_eq!(a.path, b.path);
+        // Private: the input may be a --rootfs's 0600 file.
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(fs::metadata(&a.path).unwrap().mode() & 0o777, 0o600);
+        assert_eq!(
+            fs::metadata(dir.join("appliances")).unwrap().mode() & 0o777,
+            0o700
+        );
+        // A truncated appliance (a full disk, a crash) is rebuilt whole.
+        let whole = fs::read(&a.path).unwrap();
+        fs::write(&a.path, &whole[..whole.len() / 2]).unwrap();
+        let c = build_cached(&t, "6.1", &dir, u64::MAX).unwrap();
+        assert!(!c.cached);
+        assert_eq!(fs::read(&c.path).unwrap(), whole);
         // Another kernel version or a changed input file is another appliance.
         assert_ne!(t.cache_key("6.2"), t.cache_key("6.1"));
         let before = t.cache_key("6.1");
@@ -473,9 +601,23 @@ mod tests {
     }
 
     #[test]
+    fn old_appliances_are_evicted_past_the_bound() {
+        let dir = crate::appliance::test_dir("builder-evict");
+        let one = Tree::skeleton(b"ONE".to_vec(), &[]);
+        let two = Tree::skeleton(b"TWO".to_vec(), &[]);
+        let a = build_cached(&one, "6.1", &dir, u64::MAX).unwrap();
+        let size = fs::metadata(&a.path).unwrap().len();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        // Room for one: building the second evicts the first, never itself.
+        let b = build_cached(&two, "6.1", &dir, size).unwrap();
+        assert!(!a.path.exists());
+        assert!(b.path.exists());
+    }
+
+    #[test]
     fn unwritable_cache_is_a_clear_error() {
         let t = Tree::skeleton(b"INIT".to_vec(), &[]);
-        let e = build_cached(&t, "x", Path::new("/proc/ember-cannot-write")).unwrap_err();
+        let e = build_cached(&t, "x", Path::new("/proc/ember-cannot-write"), u64::MAX).unwrap_err();
         assert!(e.to_string().contains("writable"), "{e}");
     }
 

@@ -96,13 +96,8 @@ pub fn find_command(
         .split(':')
         .filter(|d| d.starts_with('/'))
         .map(|d| Path::new(d).join(cmd))
-        .find(|p| is_executable(&host(p)))
+        .find(|p| crate::backend::is_executable(&host(p)))
         .ok_or_else(|| ClosureError::NotFound(cmd.to_owned()))
-}
-
-fn is_executable(p: &Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 /// Everything `exe` needs, `exe` first: interpreters, the ELF loader and all

@@ -33,3 +33,7 @@ pub const EXEC: u8 = 0x13;
 pub const STDIN: u8 = 0x14;
 /// The command's stdin ends (empty payload).
 pub const STDIN_EOF: u8 = 0x15;
+/// Before EXEC: a block device (path) holding the command's root, an ext4
+/// file system init mounts (DAX where the device allows) and runs the
+/// command chrooted in. A restored appliance gets its files this way.
+pub const ROOT: u8 = 0x16;

@@ -5,10 +5,11 @@
 
 use super::protocol::{self, Decoder, Kind};
 use crate::backend::{Backend, BackendError, GuestSpec};
+use ember_vmm::builder::error_chain;
 use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -52,6 +53,24 @@ pub struct Job {
     pub timeout: Option<Duration>,
     /// Copy the guest console to our stderr.
     pub verbose: bool,
+    /// The block device holding the command's root (`ROOT`), if not the
+    /// initramfs.
+    pub root: Option<String>,
+    /// The guest is a restored appliance: it sent READY before its snapshot,
+    /// so the job goes out as soon as the channel connects.
+    pub restored: bool,
+    /// Snapshot the appliance here (through this control socket) when it is
+    /// READY, before the job goes out.
+    pub snapshot_at_ready: Option<SnapshotAt>,
+}
+
+/// Where [`Job::snapshot_at_ready`] writes.
+#[derive(Debug, Clone)]
+pub struct SnapshotAt {
+    /// The VMM's control socket.
+    pub api: PathBuf,
+    /// The snapshot directory (see [`super::warm::save`]).
+    pub dir: PathBuf,
 }
 
 /// How a run ended.
@@ -67,18 +86,78 @@ pub enum Outcome {
     TimedOut,
 }
 
+/// How long a VMM that writes an events file may take to end by itself once
+/// the command has exited (the guest powers off right after its EXIT frame;
+/// a killed VMM writes no timeline). Other runs kill it at once.
+const EVENTS_GRACE: Duration = Duration::from_secs(5);
+
 /// Kills and reaps the VMM and removes the socket, whatever happens.
 struct VmmGuard {
     child: Child,
     socket: PathBuf,
+    /// Wait this long for the VMM to exit by itself before killing it.
+    grace: Duration,
 }
 
 impl Drop for VmmGuard {
     fn drop(&mut self) {
+        let until = Instant::now() + self.grace;
+        while Instant::now() < until && matches!(self.child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.socket);
+        forget_socket();
     }
+}
+
+/// The live channel socket's path (a leaked NUL-terminated string), for the
+/// signal handler: a SIGTERM or Ctrl-C while the guest boots would otherwise
+/// end ember without running [`VmmGuard`]'s drop and leave the socket in
+/// the temp directory.
+static SOCKET: std::sync::atomic::AtomicPtr<libc::c_char> =
+    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
+
+extern "C" fn unlink_and_die(sig: libc::c_int) {
+    let p = SOCKET.swap(std::ptr::null_mut(), std::sync::atomic::Ordering::SeqCst);
+    // SAFETY: unlink, signal and raise are async-signal-safe; `p` is null or
+    // a leaked CString that is never freed.
+    unsafe {
+        if !p.is_null() {
+            libc::unlink(p);
+        }
+        libc::signal(sig, libc::SIG_DFL);
+        libc::raise(sig);
+    }
+}
+
+/// Registers `path` for removal on SIGTERM, SIGINT, SIGHUP and SIGQUIT (the
+/// signal then ends ember as it would have: the VMM dies with it through
+/// PR_SET_PDEATHSIG).
+fn remember_socket(path: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return;
+    };
+    // Leaked on purpose: the handler may read it at any time. One short
+    // string per run.
+    arm(c.into_raw());
+}
+
+/// Publishes `path` to the handler and installs it (no allocation: the
+/// test calls it in a forked child).
+fn arm(path: *mut libc::c_char) {
+    SOCKET.store(path, std::sync::atomic::Ordering::SeqCst);
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT] {
+        // SAFETY: the handler only makes async-signal-safe calls.
+        unsafe { libc::signal(sig, unlink_and_die as *const () as libc::sighandler_t) };
+    }
+}
+
+/// The socket is gone: the handler has nothing more to remove.
+fn forget_socket() {
+    SOCKET.store(std::ptr::null_mut(), std::sync::atomic::Ordering::SeqCst);
 }
 
 /// A shared ring of the last bytes a stream produced.
@@ -135,6 +214,7 @@ pub fn run(
     let listener = UnixListener::bind(&socket)
         .map_err(|e| HostError::Io(format!("cannot listen on {}", socket.display()), e))?;
     spec.channel = Some(socket.clone());
+    remember_socket(&socket);
 
     let mut cmd = backend.command(&spec).map_err(HostError::Backend)?;
     cmd.stdin(Stdio::null())
@@ -151,12 +231,17 @@ pub fn run(
     }
     let child = cmd.spawn().map_err(|e| {
         let _ = std::fs::remove_file(&socket);
+        forget_socket();
         HostError::Io(
             format!("cannot run {}", cmd.get_program().to_string_lossy()),
             e,
         )
     })?;
-    let mut guard = VmmGuard { child, socket };
+    let mut guard = VmmGuard {
+        child,
+        socket,
+        grace: Duration::ZERO,
+    };
     let tail: Tail = Arc::default();
     if let Some(o) = guard.child.stdout.take() {
         drain(o, tail.clone(), job.verbose);
@@ -173,12 +258,23 @@ pub fn run(
     };
 
     let stream = match accept(&listener, &mut guard, deadline)? {
-        Some(s) => s,
+        Some(s) => {
+            // The path was only the rendezvous: once connected, it goes.
+            let _ = std::fs::remove_file(&guard.socket);
+            forget_socket();
+            s
+        }
         None if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(Outcome::TimedOut),
         None => return Ok(no_report(&mut guard)),
     };
     match converse(stream, job, deadline, out, err)? {
-        Some(outcome) => Ok(outcome),
+        Some(outcome) => {
+            // The guest is powering off: let ember finish its timeline.
+            if spec.events.is_some() && matches!(outcome, Outcome::Exited(_)) {
+                guard.grace = EVENTS_GRACE;
+            }
+            Ok(outcome)
+        }
         None => Ok(no_report(&mut guard)),
     }
 }
@@ -226,6 +322,13 @@ fn converse(
     };
     let mut dec = Decoder::new();
     let mut buf = vec![0u8; 64 * 1024];
+    // The job (and the stdin thread it starts) goes out on the first READY only: a guest
+    // repeating READY must not start a host thread per frame.
+    let mut job_sent = false;
+    if job.restored {
+        job_sent = true;
+        send_job(&stream, job).map_err(io_err("writing the channel"))?;
+    }
     loop {
         if let Some(d) = deadline {
             let left = d.saturating_duration_since(Instant::now());
@@ -254,7 +357,23 @@ fn converse(
         dec.feed(&buf[..n]);
         while let Some(frame) = dec.next_frame().map_err(HostError::Protocol)? {
             match frame.kind {
-                Kind::Ready => send_job(&stream, job).map_err(io_err("writing the channel"))?,
+                Kind::Ready if job_sent => {
+                    ember_vmm::guest_warn!("appliance: the guest sent READY again; ignored");
+                }
+                Kind::Ready => {
+                    job_sent = true;
+                    if let Some(at) = &job.snapshot_at_ready {
+                        // A failed snapshot costs only the next run's speed.
+                        match super::warm::save(&at.api, &at.dir) {
+                            Ok(()) if job.verbose => {
+                                eprintln!("ember: appliance snapshot {}", at.dir.display())
+                            }
+                            Ok(()) => {}
+                            Err(e) => eprintln!("ember: warning: {}", error_chain(&e)),
+                        }
+                    }
+                    send_job(&stream, job).map_err(io_err("writing the channel"))?;
+                }
                 Kind::Stdout => {
                     // A closed stdout (e.g. `| head`) must not stop the run.
                     let _ = out.write_all(&frame.payload).and_then(|_| out.flush());
@@ -289,6 +408,9 @@ fn send_job(stream: &UnixStream, job: &Job) -> io::Result<()> {
     if let Some(cwd) = &job.cwd {
         protocol::encode(&mut frames, Kind::Cwd, cwd.as_bytes());
     }
+    if let Some(root) = &job.root {
+        protocol::encode(&mut frames, Kind::Root, root.as_bytes());
+    }
     protocol::encode(&mut frames, Kind::Exec, job.exec.as_bytes());
     if !job.forward_stdin {
         protocol::encode(&mut frames, Kind::StdinEof, &[]);
@@ -313,4 +435,111 @@ fn send_job(stream: &UnixStream, job: &Job) -> io::Result<()> {
         });
     }
     Ok(())
+}
+
+/// For the fuzz target `appliance_frames` (fuzz/, built by scripts/fuzz with `--cfg
+/// fuzzing`): runs the host's side of the protocol on `from_guest` as everything the guest
+/// sent, then end of stream. Returns how the run would have ended.
+#[cfg(fuzzing)]
+pub fn fuzz_converse(from_guest: &[u8]) -> Result<Option<Outcome>, HostError> {
+    let (host, mut guest) =
+        UnixStream::pair().map_err(|e| HostError::Io("socketpair".into(), e))?;
+    // The reply (the job) must have room: a second thread drains it.
+    let reader = guest
+        .try_clone()
+        .map_err(|e| HostError::Io("socket".into(), e))?;
+    let drain = std::thread::spawn(move || io::copy(&mut &reader, &mut io::sink()));
+    guest
+        .write_all(from_guest)
+        .and_then(|()| guest.shutdown(std::net::Shutdown::Write))
+        .map_err(|e| HostError::Io("socket".into(), e))?;
+    let job = Job {
+        argv: vec!["true".into()],
+        exec: "/bin/true".into(),
+        env: vec!["A=b".into()],
+        cwd: Some("/".into()),
+        forward_stdin: false,
+        timeout: None,
+        verbose: false,
+        root: None,
+        restored: false,
+        snapshot_at_ready: None,
+    };
+    let outcome = converse(host, &job, None, &mut io::sink(), &mut io::sink());
+    let _ = drain.join();
+    outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SIGTERM while the guest boots (before it connects) removes the
+    /// channel socket and still ends the process by that signal.
+    #[test]
+    fn sigterm_removes_the_channel_socket() {
+        let socket = socket_path();
+        let _ = std::fs::remove_file(&socket);
+        let listener = UnixListener::bind(&socket).unwrap();
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(socket.as_os_str().as_bytes()).unwrap();
+        // SAFETY: the child only makes async-signal-safe calls (signal,
+        // raise via the handler, _exit) before it ends.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            arm(c.as_ptr() as *mut libc::c_char);
+            // SAFETY: see above.
+            unsafe {
+                libc::raise(libc::SIGTERM);
+                libc::_exit(0);
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        drop(listener);
+        let gone = !socket.exists();
+        let _ = std::fs::remove_file(&socket);
+        assert!(libc::WIFSIGNALED(status), "status {status:#x}");
+        assert_eq!(libc::WTERMSIG(status), libc::SIGTERM);
+        assert!(gone, "{} left behind", socket.display());
+    }
+
+    /// A guest that repeats READY gets the job (and, with stdin forwarded, a stdin thread)
+    /// once, not once per frame.
+    #[test]
+    fn a_repeated_ready_sends_the_job_once() {
+        let (host, mut guest) = UnixStream::pair().unwrap();
+        let mut frames = Vec::new();
+        for _ in 0..5 {
+            protocol::encode(&mut frames, Kind::Ready, &[]);
+        }
+        protocol::encode(&mut frames, Kind::Exit, &3i32.to_le_bytes());
+        guest.write_all(&frames).unwrap();
+        let job = Job {
+            argv: vec!["true".into()],
+            exec: "/bin/true".into(),
+            env: vec![],
+            cwd: None,
+            forward_stdin: false,
+            timeout: None,
+            verbose: false,
+            root: None,
+            restored: false,
+            snapshot_at_ready: None,
+        };
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let outcome = converse(host, &job, None, &mut out, &mut err).unwrap();
+        assert_eq!(outcome, Some(Outcome::Exited(3)));
+        let mut sent = Vec::new();
+        guest.read_to_end(&mut sent).unwrap();
+        let mut dec = Decoder::new();
+        dec.feed(&sent);
+        let mut execs = 0;
+        while let Some(f) = dec.next_frame().unwrap() {
+            execs += usize::from(f.kind == Kind::Exec);
+        }
+        assert_eq!(execs, 1);
+    }
 }

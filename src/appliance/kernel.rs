@@ -14,6 +14,7 @@
 //! the fetched one is known to work; `ember setup` also falls back to it
 //! when it cannot download.
 
+use ember_vmm::arch::x86_64::boot::{SETUP_CODE_OFFSET, read_setup_header};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -21,15 +22,9 @@ use thiserror::Error;
 
 /// Debian's meta package that depends on the current cloud kernel.
 pub const META_PACKAGE: &str = "linux-image-cloud-amd64";
-/// `vmlinuz` bytes that start the setup header ("HdrS" at 0x202).
-const HDRS_OFFSET: usize = 0x202;
-const HDRS_MAGIC: &[u8; 4] = b"HdrS";
-/// Setup header fields (Documentation/arch/x86/boot.rst).
-const SETUP_SECTS_OFFSET: usize = 0x1f1;
-const KERNEL_VERSION_OFFSET: usize = 0x20e;
-const PAYLOAD_OFFSET_OFFSET: usize = 0x248;
-const PAYLOAD_LENGTH_OFFSET: usize = 0x24c;
 const SECTOR: usize = 512;
+/// `setup_sects` 0 means this many (boot.rst: the historical default).
+const DEFAULT_SETUP_SECTS: usize = 4;
 /// The kernel's LZ4 "legacy" frame magic, and its fixed chunk size.
 const LZ4_LEGACY_MAGIC: u32 = 0x184c_2102;
 const LZ4_LEGACY_CHUNK: usize = 8 << 20;
@@ -191,9 +186,7 @@ impl KernelCache {
 
     /// Records `version` as installed (atomically).
     pub fn set_current(&self, version: &str) -> Result<(), KernelError> {
-        let tmp = self.root.join(".current.tmp");
-        fs::write(&tmp, version).map_err(io_err("cannot write", &tmp))?;
-        fs::rename(&tmp, self.current_file()).map_err(io_err("cannot write", &tmp))
+        write_atomic(&self.current_file(), version.as_bytes())
     }
 }
 
@@ -254,6 +247,25 @@ fn boot_kernel() -> Option<Kernel> {
     found.pop()
 }
 
+/// Whether `kernel`'s build configuration sets `symbol` (`y` or `m`), from
+/// the `config-<ver>` beside it (the unpacked package's `boot/`, or
+/// `/boot`); `None` when no configuration is found.
+pub fn config_has(kernel: &Kernel, symbol: &str) -> Option<bool> {
+    let version = kernel.version.as_ref()?;
+    let name = format!("config-{version}");
+    let beside = kernel.image.parent().map(|d| d.join("boot").join(&name));
+    let text = beside
+        .into_iter()
+        .chain([Path::new("/boot").join(&name)])
+        .find_map(|p| fs::read_to_string(p).ok())?;
+    let set = text.lines().any(|l| {
+        l.strip_prefix(symbol)
+            .and_then(|rest| rest.strip_prefix('='))
+            .is_some_and(|v| v == "y" || v == "m")
+    });
+    Some(set)
+}
+
 /// The release string of a bzImage (its setup header's kernel_version) or of
 /// a vmlinux whose name is `vmlinux-<ver>`.
 pub fn image_version(path: &Path) -> Option<String> {
@@ -271,16 +283,12 @@ pub fn image_version(path: &Path) -> Option<String> {
 }
 
 fn bzimage_version(head: &[u8]) -> Option<String> {
-    if head.get(HDRS_OFFSET..HDRS_OFFSET + 4)? != HDRS_MAGIC {
+    // A pointer relative to the setup code; 0 when the kernel names none.
+    let ptr = usize::from(read_setup_header(head)?.kernel_version);
+    if ptr == 0 {
         return None;
     }
-    let ptr = u16::from_le_bytes(
-        head.get(KERNEL_VERSION_OFFSET..KERNEL_VERSION_OFFSET + 2)?
-            .try_into()
-            .ok()?,
-    ) as usize;
-    // The pointer is relative to 0x200 (the setup code's start).
-    let s = head.get(ptr + 0x200..)?;
+    let s = head.get(ptr + SETUP_CODE_OFFSET..)?;
     let end = s.iter().position(|&b| b == 0 || b == b' ')?;
     String::from_utf8(s[..end].to_vec()).ok()
 }
@@ -295,15 +303,12 @@ pub fn extract_vmlinux(bzimage: &[u8], name: &Path) -> Result<Vec<u8>, KernelErr
         return Ok(bzimage.to_vec());
     }
     let not_bz = || KernelError::NotBzImage(name.to_path_buf());
-    if bzimage.get(HDRS_OFFSET..HDRS_OFFSET + 4) != Some(HDRS_MAGIC) {
-        return Err(not_bz());
-    }
-    let setup_sects = match *bzimage.get(SETUP_SECTS_OFFSET).ok_or_else(not_bz)? {
-        0 => 4, // the historical default
-        n => n as usize,
+    let hdr = read_setup_header(bzimage).ok_or_else(not_bz)?;
+    let setup_sects = match hdr.setup_sects {
+        0 => DEFAULT_SETUP_SECTS,
+        n => usize::from(n),
     };
-    let offset = le32(bzimage, PAYLOAD_OFFSET_OFFSET).ok_or_else(not_bz)? as usize;
-    let length = le32(bzimage, PAYLOAD_LENGTH_OFFSET).ok_or_else(not_bz)? as usize;
+    let (offset, length) = (hdr.payload_offset as usize, hdr.payload_length as usize);
     let start = (setup_sects + 1) * SECTOR + offset;
     let payload = bzimage.get(start..start + length).ok_or_else(not_bz)?;
     let elf = decompress_lz4_legacy(payload)?;
@@ -353,11 +358,9 @@ pub fn decompress_lz4_legacy(data: &[u8]) -> Result<Vec<u8>, KernelError> {
     Ok(out)
 }
 
-/// Writes `path` atomically (temp file + rename).
+/// Writes `path` atomically and 0600 (see [`super::cache`]).
 pub fn write_atomic(path: &Path, data: &[u8]) -> Result<(), KernelError> {
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    fs::write(&tmp, data).map_err(io_err("cannot write", &tmp))?;
-    fs::rename(&tmp, path).map_err(io_err("cannot write", path))
+    super::cache::write_atomic(path, data).map_err(io_err("cannot write", path))
 }
 
 /// Prints one progress line (setup is interactive; keep it terse).
@@ -369,7 +372,8 @@ fn progress(msg: &str) {
 /// cache (or register `--kernel`). Fast and silent-ish when already done.
 pub fn setup(cache_dir: &Path, explicit: Option<&Path>) -> Result<Kernel, KernelError> {
     let cache = KernelCache::new(cache_dir);
-    fs::create_dir_all(&cache.root).map_err(io_err("cannot create", &cache.root))?;
+    super::cache::private_dir(cache_dir).map_err(io_err("cannot create", cache_dir))?;
+    super::cache::private_dir(&cache.root).map_err(io_err("cannot create", &cache.root))?;
     if let Some(path) = explicit {
         if !path.is_file() {
             return Err(io_err("cannot read", path)(
@@ -518,19 +522,40 @@ fn run_tool(cmd: &mut Command) -> Result<String, KernelError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ember_vmm::arch::x86_64::boot::{HDRS_MAGIC, setup_header, write_setup_header};
 
     /// A fake bzImage around `payload`.
     fn bzimage(payload: &[u8]) -> Vec<u8> {
-        let setup_sects = 1usize;
-        let mut b = vec![0u8; (setup_sects + 1) * SECTOR];
-        b[SETUP_SECTS_OFFSET] = setup_sects as u8;
-        b[HDRS_OFFSET..HDRS_OFFSET + 4].copy_from_slice(HDRS_MAGIC);
-        b[PAYLOAD_OFFSET_OFFSET..PAYLOAD_OFFSET_OFFSET + 4].copy_from_slice(&16u32.to_le_bytes());
-        b[PAYLOAD_LENGTH_OFFSET..PAYLOAD_LENGTH_OFFSET + 4]
-            .copy_from_slice(&(payload.len() as u32).to_le_bytes());
+        let hdr = setup_header {
+            setup_sects: 1,
+            header: HDRS_MAGIC,
+            kernel_version: VERSION_AT as u16,
+            payload_offset: 16,
+            payload_length: payload.len() as u32,
+            ..Default::default()
+        };
+        let mut b = vec![0u8; 2 * SECTOR];
+        write_setup_header(&mut b, &hdr).unwrap();
+        let at = VERSION_AT + SETUP_CODE_OFFSET;
+        b[at..at + 12].copy_from_slice(b"6.1.0-test \0");
         b.extend_from_slice(&[0xcc; 16]);
         b.extend_from_slice(payload);
         b
+    }
+
+    /// Where the fake bzImage's release string is, from the setup code.
+    const VERSION_AT: usize = 0x100;
+
+    #[test]
+    fn the_release_string_comes_from_the_setup_header() {
+        assert_eq!(
+            bzimage_version(&bzimage(b"")).as_deref(),
+            Some("6.1.0-test")
+        );
+        let mut no_version = bzimage(b"");
+        no_version[0x20e..0x210].fill(0);
+        assert_eq!(bzimage_version(&no_version), None);
+        assert_eq!(bzimage_version(b"short"), None);
     }
 
     fn lz4_legacy(data: &[u8], chunk: usize) -> Vec<u8> {
@@ -591,7 +616,7 @@ mod tests {
                 "no Debian kernel under {} (run `ember setup`)",
                 dir.display()
             );
-            crate::testing::skip("extracts_the_real_debian_kernel", &why);
+            ember_testing::skip("extracts_the_real_debian_kernel", &why);
             return;
         };
         let bz = fs::read(&vmlinuz).unwrap();
@@ -606,6 +631,33 @@ mod tests {
                 .unwrap()
                 .strip_prefix("vmlinuz-")
         );
+    }
+
+    #[test]
+    fn config_symbols_are_read_beside_the_kernel() {
+        let dir = crate::appliance::test_dir("kernel-config");
+        fs::create_dir_all(dir.join("boot")).unwrap();
+        fs::write(
+            dir.join("boot/config-9.9.9-test"),
+            "CONFIG_VIRTIO_MMIO=m\n# CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES is not set\n\
+             CONFIG_VIRTIO_MMIO_CMDLINE=y\n",
+        )
+        .unwrap();
+        let k = Kernel {
+            image: dir.join("vmlinux"),
+            version: Some("9.9.9-test".into()),
+            modules: None,
+        };
+        assert_eq!(config_has(&k, "CONFIG_VIRTIO_MMIO"), Some(true));
+        assert_eq!(
+            config_has(&k, "CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES"),
+            Some(false)
+        );
+        let unknown = Kernel {
+            version: Some("0.0.0-none".into()),
+            ..k
+        };
+        assert_eq!(config_has(&unknown, "CONFIG_VIRTIO_MMIO"), None);
     }
 
     #[test]

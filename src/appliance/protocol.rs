@@ -16,7 +16,9 @@
 //! 1. guest → host `READY` once its channel tty is raw (so nothing the host
 //!    sends is echoed back);
 //! 2. host → guest `ARG`… (argv, argv[0] first), `ENV`… (`NAME=value`),
-//!    optionally `CWD`, then `EXEC` (the path to execute) which starts it;
+//!    optionally `CWD` and `ROOT` (a block device with the command's root
+//!    file system: init mounts it and runs the command chrooted there), then
+//!    `EXEC` (the path to execute) which starts it;
 //! 3. both ways concurrently: host → guest `STDIN`… then `STDIN_EOF`;
 //!    guest → host `STDOUT`/`STDERR` as the command writes;
 //! 4. guest → host `EXIT` (i32 le: exit code, or 128 + signal), or `ERROR`
@@ -56,6 +58,8 @@ pub enum Kind {
     Stdin,
     /// End of stdin.
     StdinEof,
+    /// The block device holding the command's root file system.
+    Root,
 }
 
 impl Kind {
@@ -74,6 +78,7 @@ impl Kind {
             Kind::Exec => t::EXEC,
             Kind::Stdin => t::STDIN,
             Kind::StdinEof => t::STDIN_EOF,
+            Kind::Root => t::ROOT,
         }
     }
 
@@ -92,6 +97,7 @@ impl Kind {
             t::EXEC => Kind::Exec,
             t::STDIN => Kind::Stdin,
             t::STDIN_EOF => Kind::StdinEof,
+            t::ROOT => Kind::Root,
             _ => return None,
         })
     }
@@ -145,9 +151,17 @@ pub fn write_frame(w: &mut impl Write, kind: Kind, payload: &[u8]) -> io::Result
 }
 
 /// Incremental decoder: feed it bytes as they arrive, in pieces of any size.
+///
+/// It holds at most one partial frame ([`HEADER_LEN`] + [`MAX_PAYLOAD`] bytes) plus the
+/// last piece fed, and decodes in time linear in the bytes fed: taking a frame moves a
+/// cursor, and what is left is moved to the front once per [`Decoder::feed`] (taking
+/// each frame off the front instead made a guest's 64 KiB of empty frames cost 400 MB
+/// of copying).
 #[derive(Debug, Default)]
 pub struct Decoder {
     buf: Vec<u8>,
+    /// Where the next frame starts in `buf`.
+    start: usize,
 }
 
 impl Decoder {
@@ -158,30 +172,33 @@ impl Decoder {
 
     /// Appends received bytes.
     pub fn feed(&mut self, bytes: &[u8]) {
+        self.buf.drain(..self.start);
+        self.start = 0;
         self.buf.extend_from_slice(bytes);
     }
 
     /// The next complete frame, `Ok(None)` if more bytes are needed.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, ProtocolError> {
-        if self.buf.len() < HEADER_LEN {
+        let rest = &self.buf[self.start..];
+        if rest.len() < HEADER_LEN {
             return Ok(None);
         }
-        let kind = Kind::from_byte(self.buf[0]).ok_or(ProtocolError::UnknownType(self.buf[0]))?;
-        let len = u32::from_le_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+        let kind = Kind::from_byte(rest[0]).ok_or(ProtocolError::UnknownType(rest[0]))?;
+        let len = u32::from_le_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
         if len > MAX_PAYLOAD {
             return Err(ProtocolError::TooLong(len));
         }
-        if self.buf.len() < HEADER_LEN + len {
+        let Some(payload) = rest.get(HEADER_LEN..HEADER_LEN + len) else {
             return Ok(None);
-        }
-        let payload = self.buf[HEADER_LEN..HEADER_LEN + len].to_vec();
-        self.buf.drain(..HEADER_LEN + len);
+        };
+        let payload = payload.to_vec();
+        self.start += HEADER_LEN + len;
         Ok(Some(Frame { kind, payload }))
     }
 
     /// Call at end of stream: an error if a partial frame is left.
     pub fn finish(&self) -> Result<(), ProtocolError> {
-        match self.buf.len() {
+        match self.buf.len() - self.start {
             0 => Ok(()),
             n => Err(ProtocolError::Truncated(n)),
         }
@@ -252,6 +269,27 @@ mod tests {
         let lens: Vec<_> = frames.iter().map(|f| f.payload.len()).collect();
         assert_eq!(lens, [MAX_PAYLOAD, MAX_PAYLOAD, 3]);
         assert_eq!(frames.concat_payloads(), data);
+    }
+
+    /// 1 MiB of empty frames fed at once (209715 frames) decode in linear time: about
+    /// 50 ms in a debug build. Taking each frame off the front of the buffer copied the
+    /// rest every time: 110 GB of copying for this input, 10 s or more.
+    #[test]
+    fn many_small_frames_decode_in_linear_time() {
+        let mut wire = Vec::new();
+        encode(&mut wire, Kind::Stdout, b"");
+        let wire = wire.repeat((1 << 20) / HEADER_LEN);
+        let started = std::time::Instant::now();
+        let mut d = Decoder::new();
+        d.feed(&wire);
+        let mut n = 0usize;
+        while d.next_frame().unwrap().is_some() {
+            n += 1;
+        }
+        d.finish().unwrap();
+        assert_eq!(n, (1 << 20) / HEADER_LEN);
+        let took = started.elapsed();
+        assert!(took.as_secs() < 2, "decoding took {took:?}");
     }
 
     trait Concat {

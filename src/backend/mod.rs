@@ -34,15 +34,151 @@ pub enum BackendError {
     /// An unknown backend name.
     #[error("unknown backend `{0}` (known: auto, ember, qemu)")]
     Unknown(String),
+    /// A `--disk` argument the VMM's parser refuses.
+    #[error("bad --disk `{arg}`: {why}")]
+    BadDisk {
+        /// The argument.
+        arg: String,
+        /// Why, on one line.
+        why: String,
+    },
 }
 
-/// A disk attached to the guest.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Which VMM boots a guest (`--backend`, the same values and default in
+/// every subcommand).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum BackendKind {
+    /// ember where KVM runs guest kernels natively (hardware
+    /// virtualization), QEMU with TCG elsewhere (a software KVM emulates
+    /// guest kernel mode, far slower than TCG).
+    #[default]
+    Auto,
+    /// ember's own VMM (`ember boot`).
+    Ember,
+    /// qemu-system-x86_64 (`$EMBER_QEMU`).
+    Qemu,
+}
+
+impl BackendKind {
+    /// `Auto` resolved for this host: never `Auto`.
+    pub fn resolve(self) -> BackendKind {
+        match self {
+            BackendKind::Auto if qemu::hardware_kvm_usable() => BackendKind::Ember,
+            BackendKind::Auto => BackendKind::Qemu,
+            k => k,
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::Auto => "auto",
+            BackendKind::Ember => "ember",
+            BackendKind::Qemu => "qemu",
+        })
+    }
+}
+
+/// A disk attached to the guest: ember's `--disk` syntax,
+/// `PATH[,ro][,direct][,serial=ID][,poll=US]`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct DiskSpec {
     /// Raw image path.
     pub path: PathBuf,
     /// Read-only.
     pub read_only: bool,
+    /// Bypass the host page cache (`O_DIRECT`; QEMU's `cache=none`).
+    pub direct: bool,
+    /// The disk's serial (virtio-blk `GET_ID`, `/dev/disk/by-id/virtio-ID`).
+    pub serial: Option<String>,
+    /// The I/O thread's busy-poll in microseconds, when given (ember only).
+    pub poll_us: Option<u64>,
+}
+
+impl DiskSpec {
+    /// Parses `PATH[,ro][,direct][,serial=ID][,poll=US]` with the VMM's own
+    /// parser, so `ember run` and `ember boot` accept and refuse the same.
+    pub fn parse(arg: &str) -> Result<Self, BackendError> {
+        let c = ember_vmm::devices::virtio::DiskConfig::parse(arg).map_err(|e| {
+            BackendError::BadDisk {
+                arg: arg.to_owned(),
+                why: e.to_string(),
+            }
+        })?;
+        let poll_given = arg.split(',').skip(1).any(|o| o.starts_with("poll="));
+        Ok(DiskSpec {
+            path: c.path,
+            read_only: c.read_only,
+            direct: c.direct,
+            serial: c.serial,
+            poll_us: poll_given.then_some(c.poll.as_micros() as u64),
+        })
+    }
+
+    /// The spec as ember's `--disk` argument.
+    pub fn to_arg(&self) -> std::ffi::OsString {
+        let mut arg = self.path.as_os_str().to_owned();
+        if self.read_only {
+            arg.push(",ro");
+        }
+        if self.direct {
+            arg.push(",direct");
+        }
+        if let Some(s) = &self.serial {
+            arg.push(format!(",serial={s}"));
+        }
+        if let Some(us) = self.poll_us {
+            arg.push(format!(",poll={us}"));
+        }
+        arg
+    }
+}
+
+/// The devices a guest gets and how they are announced, as `ember boot` and
+/// `ember run` both take them: one definition, so both accept (and refuse)
+/// the same syntax.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct DeviceArgs {
+    /// A virtio-blk disk (/dev/vda, /dev/vdb, … in the guest):
+    /// PATH[,ro][,direct][,serial=ID][,poll=US] (poll=: ember's VMM only).
+    /// Repeatable.
+    #[arg(long, value_name = "PATH[,ro][,direct][,serial=ID][,poll=US]")]
+    pub disk: Vec<String>,
+    /// A virtio-pmem region backed by this file (/dev/pmem0, …; a DAX root).
+    /// Repeatable. With `ember boot --restore`: backs the snapshot's pmem
+    /// devices, in order, instead (each the size of the one it replaces).
+    #[arg(long)]
+    pub pmem: Vec<PathBuf>,
+    /// Add a virtio-rng device (/dev/hwrng: entropy from the host's getrandom).
+    #[arg(long)]
+    pub rng: bool,
+    /// Add a virtio-balloon device (statistics, free page reporting).
+    #[arg(long)]
+    pub balloon: bool,
+    /// Describe devices with an MP table and the command line only (no ACPI tables).
+    #[arg(long)]
+    pub no_acpi: bool,
+    /// Write the VMM-side boot timeline (JSON) here (ember's VMM only).
+    #[arg(long, value_name = "FILE.json")]
+    pub events: Option<PathBuf>,
+}
+
+impl DeviceArgs {
+    /// Puts these devices into `spec` (disks parsed with the VMM's parser).
+    pub fn apply(&self, spec: &mut GuestSpec) -> Result<(), BackendError> {
+        spec.disks = self
+            .disk
+            .iter()
+            .map(|d| DiskSpec::parse(d))
+            .collect::<Result<_, _>>()?;
+        spec.pmem = self.pmem.clone();
+        spec.rng = self.rng;
+        spec.balloon = self.balloon;
+        spec.acpi = !self.no_acpi;
+        spec.events = self.events.clone();
+        Ok(())
+    }
 }
 
 /// Everything needed to boot one guest, independent of the VMM.
@@ -68,6 +204,22 @@ pub struct GuestSpec {
     pub events: Option<PathBuf>,
     /// Guest console on the backend's stdout (`false`: no console device).
     pub console: bool,
+    /// virtio-pmem regions backed by these files.
+    pub pmem: Vec<PathBuf>,
+    /// A virtio-rng device.
+    pub rng: bool,
+    /// A virtio-balloon device.
+    pub balloon: bool,
+    /// `ember boot --prefault` (ember only): when guest memory is committed.
+    pub prefault: Option<String>,
+    /// ACPI tables (`false`: an MP table, devices on the command line).
+    pub acpi: bool,
+    /// Resume this snapshot directory instead of booting `kernel` (ember
+    /// only): `pmem` files then back the snapshot's pmem devices and
+    /// `channel` is where its channel connects.
+    pub restore: Option<PathBuf>,
+    /// Serve the control socket here (ember only).
+    pub api_socket: Option<PathBuf>,
 }
 
 impl GuestSpec {
@@ -83,6 +235,13 @@ impl GuestSpec {
             channel: None,
             events: None,
             console: true,
+            pmem: Vec::new(),
+            rng: false,
+            balloon: false,
+            prefault: None,
+            acpi: true,
+            restore: None,
+            api_socket: None,
         }
     }
 }
@@ -108,9 +267,15 @@ pub trait Backend: Send + Sync {
     fn channel_kind(&self) -> ChannelKind;
     /// The command that boots `spec`; the guest console is on its stdout.
     fn command(&self, spec: &GuestSpec) -> Result<Command, BackendError>;
+    /// The appliance's module groups for the virtio transports this
+    /// backend's devices sit on (`pci`, `mmio`; see
+    /// `appliance::modules::MODULE_GROUPS`): the guest loads only those.
+    fn virtio_transports(&self) -> &'static [&'static str] {
+        &["pci", "mmio"]
+    }
 }
 
-/// ember itself, run as a child process (`ember run --kernel …`).
+/// ember itself, run as a child process (`ember boot --kernel …`).
 #[derive(Debug, Clone)]
 pub struct EmberBackend {
     /// Path of the ember binary (normally the running executable).
@@ -147,7 +312,27 @@ impl Backend for EmberBackend {
 
     fn command(&self, spec: &GuestSpec) -> Result<Command, BackendError> {
         let mut c = Command::new(&self.binary);
-        c.arg("run").arg("--kernel").arg(&spec.kernel);
+        c.arg("boot");
+        if let Some(dir) = &spec.restore {
+            // Everything else is the snapshot's.
+            c.arg("--restore").arg(dir);
+            c.arg("--console")
+                .arg(if spec.console { "serial" } else { "none" });
+            for p in &spec.pmem {
+                c.arg("--pmem").arg(p);
+            }
+            if let Some(ch) = &spec.channel {
+                c.arg("--channel").arg(ch);
+            }
+            if let Some(ev) = &spec.events {
+                c.arg("--events").arg(ev);
+            }
+            return Ok(c);
+        }
+        c.arg("--kernel").arg(&spec.kernel);
+        if let Some(api) = &spec.api_socket {
+            c.arg("--api-socket").arg(api);
+        }
         if let Some(initrd) = &spec.initrd {
             c.arg("--initrd").arg(initrd);
         }
@@ -157,11 +342,19 @@ impl Backend for EmberBackend {
         c.arg("--console")
             .arg(if spec.console { "serial" } else { "none" });
         for d in &spec.disks {
-            let mut arg = d.path.as_os_str().to_owned();
-            if d.read_only {
-                arg.push(",ro");
-            }
-            c.arg("--disk").arg(arg);
+            c.arg("--disk").arg(d.to_arg());
+        }
+        for p in &spec.pmem {
+            c.arg("--pmem").arg(p);
+        }
+        if spec.rng {
+            c.arg("--rng");
+        }
+        if spec.balloon {
+            c.arg("--balloon");
+        }
+        if !spec.acpi {
+            c.arg("--no-acpi");
         }
         if let Some(ch) = &spec.channel {
             c.arg("--channel").arg(ch);
@@ -169,24 +362,48 @@ impl Backend for EmberBackend {
         if let Some(ev) = &spec.events {
             c.arg("--events").arg(ev);
         }
+        if let Some(p) = &spec.prefault {
+            c.arg("--prefault").arg(p);
+        }
         Ok(c)
     }
 }
 
-/// Looks up a backend by name.
-pub fn by_name(name: &str, qemu_machine: &str) -> Result<Box<dyn Backend>, BackendError> {
-    match name {
-        // ember itself where KVM runs guest kernels natively, QEMU/TCG elsewhere
-        // (a software KVM emulates guest kernel mode, far slower than TCG).
-        "auto" if qemu::hardware_kvm_usable() => by_name("ember", qemu_machine),
-        "auto" => by_name("qemu", qemu_machine),
-        "ember" => Ok(Box::new(EmberBackend::current()?)),
-        "qemu" => Ok(Box::new(qemu::QemuBackend::detect(
-            qemu_machine,
-            qemu::Accel::Auto,
-        )?)),
-        other => Err(BackendError::Unknown(other.to_owned())),
+/// The backend `kind` names (`Auto` resolved for this host); `qemu_bios` is
+/// QEMU's firmware (`None`: the machine's own, SeaBIOS on q35).
+pub fn by_kind(
+    kind: BackendKind,
+    qemu_machine: &str,
+    qemu_bios: Option<&Path>,
+) -> Result<Box<dyn Backend>, BackendError> {
+    match kind.resolve() {
+        BackendKind::Qemu => {
+            let mut q = qemu::QemuBackend::detect(qemu_machine, qemu::Accel::Auto)?;
+            q.bios = qemu_bios.map(Path::to_path_buf);
+            Ok(Box::new(q))
+        }
+        _ => Ok(Box::new(EmberBackend::current()?)),
     }
+}
+
+/// Parses a memory size the way `ember boot --mem` does (`256M`, `1G`,
+/// `524288K`, or bytes) into whole MiB: the one `--mem` syntax of every
+/// subcommand.
+pub fn parse_mem_mib(s: &str) -> Result<u64, String> {
+    let bytes = ember_vmm::vstate::memory::parse_size(s)
+        .map_err(|_| format!("`{s}` is not a memory size (e.g. 256M, 1G)"))?;
+    match bytes {
+        0 => Err(format!("`{s}` is no memory")),
+        b if b % (1 << 20) != 0 => Err(format!("`{s}` is not a whole number of MiB")),
+        b => Ok(b >> 20),
+    }
+}
+
+/// Looks up a backend by name (`auto`, `ember`, `qemu`).
+pub fn by_name(name: &str, qemu_machine: &str) -> Result<Box<dyn Backend>, BackendError> {
+    let kind = <BackendKind as clap::ValueEnum>::from_str(name, false)
+        .map_err(|_| BackendError::Unknown(name.to_owned()))?;
+    by_kind(kind, qemu_machine, None)
 }
 
 /// First line of `binary --version`.
@@ -216,7 +433,8 @@ pub fn find_binary(binary: &str) -> Option<PathBuf> {
         .find(|c| is_executable(c))
 }
 
-fn is_executable(p: &Path) -> bool {
+/// Whether `p` is a regular file someone may execute.
+pub(crate) fn is_executable(p: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
@@ -233,10 +451,13 @@ mod tests {
         let mut spec = GuestSpec::new("/k");
         spec.initrd = Some("/i".into());
         spec.cmdline = "console=ttyS0".into();
-        spec.disks.push(DiskSpec {
-            path: "/d.img".into(),
-            read_only: true,
-        });
+        spec.disks
+            .push(DiskSpec::parse("/d.img,ro,direct,serial=s1,poll=0").unwrap());
+        spec.pmem.push("/p.img".into());
+        spec.rng = true;
+        spec.balloon = true;
+        spec.prefault = Some("async,window=64M".into());
+        spec.acpi = false;
         let c = b.command(&spec).unwrap();
         let args: Vec<_> = c
             .get_args()
@@ -245,7 +466,7 @@ mod tests {
         assert_eq!(
             args,
             [
-                "run",
+                "boot",
                 "--kernel",
                 "/k",
                 "--initrd",
@@ -259,9 +480,37 @@ mod tests {
                 "--console",
                 "serial",
                 "--disk",
-                "/d.img,ro"
+                "/d.img,ro,direct,serial=s1,poll=0",
+                "--pmem",
+                "/p.img",
+                "--rng",
+                "--balloon",
+                "--no-acpi",
+                "--prefault",
+                "async,window=64M"
             ]
         );
+    }
+
+    #[test]
+    fn disks_parse_as_the_vmm_does() {
+        let d = DiskSpec::parse("a.img,serial=x").unwrap();
+        assert_eq!(d.serial.as_deref(), Some("x"));
+        assert_eq!(d.poll_us, None, "no poll= given: the VMM's default");
+        assert_eq!(d.to_arg(), "a.img,serial=x");
+        for bad in [
+            "",
+            ",ro",
+            "a.img,bogus",
+            "a.img,poll=x",
+            "a.img,serial=123456789012345678901",
+        ] {
+            let e = DiskSpec::parse(bad).unwrap_err().to_string();
+            assert!(
+                e.starts_with("bad --disk") && !e.contains('\n'),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

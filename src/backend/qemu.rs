@@ -25,6 +25,11 @@ pub struct QemuBackend {
     pub machine: String,
     /// Resolved accelerator (never `Auto`).
     pub accel: Accel,
+    /// Firmware image (`-bios`) instead of the machine's default.
+    pub bios: Option<PathBuf>,
+    /// Mirror the firmware's debug port (0x402, where SeaBIOS logs) onto
+    /// the console, so the boot lab sees the firmware's own steps.
+    pub firmware_log: bool,
 }
 
 /// Whether /dev/kvm can run guest kernels at native speed: it must be
@@ -61,12 +66,72 @@ impl QemuBackend {
             binary,
             machine: machine.to_owned(),
             accel,
+            bios: None,
+            firmware_log: false,
         })
     }
 
     fn is_microvm(&self) -> bool {
         self.machine.starts_with("microvm")
     }
+}
+
+impl QemuBackend {
+    /// The kernel command line QEMU gets: the spec's, plus on microvm under
+    /// TCG the TSC's rate (`tsc_early_khz=`), unless the line sets it. That
+    /// machine has no HPET, no ACPI PM timer and no port 0x61 to gate the
+    /// PIT, so Linux cannot calibrate the TSC; on a loaded host it then
+    /// stopped for good right after `tsc: Marking TSC unstable due to could
+    /// not calculate TSC khz` (3 boots of 3 hung at load 23–28; with the rate
+    /// given, 3 of 3 ran). Under TCG the guest reads the host's own TSC.
+    fn cmdline(&self, spec: &GuestSpec) -> String {
+        let needs_rate = self.is_microvm()
+            && self.accel == Accel::Tcg
+            && !spec
+                .cmdline
+                .split_whitespace()
+                .any(|o| o.starts_with("tsc_early_khz="));
+        match host_tsc_khz().filter(|_| needs_rate) {
+            Some(khz) => format!("{} tsc_early_khz={khz}", spec.cmdline),
+            None => spec.cmdline.clone(),
+        }
+    }
+}
+
+/// The host TSC's rate in kHz, measured once against CLOCK_MONOTONIC_RAW
+/// (over ≥ 2 ms, from samples whose TSC read sits between two clock reads
+/// close together, so a preemption cannot skew it); `None` off x86_64.
+pub fn host_tsc_khz() -> Option<u64> {
+    static KHZ: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *KHZ.get_or_init(measure_tsc_khz)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn measure_tsc_khz() -> Option<u64> {
+    use std::time::{Duration, Instant};
+    // One (ns, tsc) sample: the TSC read between two clock reads ≤ 20 µs apart.
+    let sample = || {
+        for _ in 0..100 {
+            let t0 = Instant::now();
+            // SAFETY: RDTSC reads a counter; it touches no memory and exists on every x86_64 CPU.
+            let tsc = unsafe { std::arch::x86_64::_rdtsc() };
+            let t1 = Instant::now();
+            if t1 - t0 <= Duration::from_micros(20) {
+                return Some((t0 + (t1 - t0) / 2, tsc));
+            }
+        }
+        None
+    };
+    let (a, tsc_a) = sample()?;
+    std::thread::sleep(Duration::from_millis(2));
+    let (b, tsc_b) = sample()?;
+    let ns = (b - a).as_nanos() as u64;
+    (ns > 0 && tsc_b > tsc_a).then(|| (tsc_b - tsc_a) * 1_000_000 / ns)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn measure_tsc_khz() -> Option<u64> {
+    None
 }
 
 impl Backend for QemuBackend {
@@ -94,15 +159,44 @@ impl Backend for QemuBackend {
         ChannelKind::VirtioConsole
     }
 
+    /// Every virtio device this backend adds is `-device` on microvm and
+    /// `-pci` on a PC machine (see `command`), so the guest needs one
+    /// transport's driver, not both.
+    fn virtio_transports(&self) -> &'static [&'static str] {
+        if self.is_microvm() {
+            &["mmio"]
+        } else {
+            &["pci"]
+        }
+    }
+
     fn command(&self, spec: &GuestSpec) -> Result<Command, BackendError> {
         let mut c = Command::new(&self.binary);
-        let machine = if self.is_microvm() {
+        let unsupported = |what: &str| BackendError::Unsupported {
+            backend: "the qemu backend".into(),
+            what: what.into(),
+        };
+        let mut machine = if self.is_microvm() {
             // No option ROMs, and keep the ISA serial port; ACPI stays on so
             // kernels without virtio-mmio command-line devices find devices.
             format!("{},x-option-roms=off,rtc=off", self.machine)
         } else {
             self.machine.clone()
         };
+        if !spec.acpi {
+            // microvm then announces its virtio-mmio devices on the command
+            // line (its auto-kernel-cmdline), as ember does. A PC machine
+            // is refused: SeaBIOS makes ACPI tables of its own when QEMU
+            // gives none, and with qboot Linux finds the virtio-pci devices
+            // unusable ("modern interface but does not have
+            // VIRTIO_F_VERSION_1", seen on q35 with two devices).
+            if !self.is_microvm() {
+                return Err(unsupported(
+                    "boot a PC machine without ACPI (--no-acpi: use --machine microvm)",
+                ));
+            }
+            machine.push_str(",acpi=off");
+        }
         c.args(["-M", &machine]);
         match self.accel {
             // `-cpu host` needs a CPU KVM can pass through; a software KVM (PVM)
@@ -111,7 +205,16 @@ impl Backend for QemuBackend {
             Accel::Kvm => c.args(["-accel", "kvm", "-cpu", "host"]),
             _ => c.args(["-accel", "tcg", "-cpu", "max"]),
         };
-        c.args(["-m", &format!("{}M", spec.mem_mib)]);
+        let pmem = self.pmem_sizes(spec).map_err(|what| unsupported(&what))?;
+        // virtio-pmem regions are memory devices: they live in the machine's
+        // device-memory area, which `maxmem` above the RAM size makes.
+        let pmem_total: u64 = pmem.iter().sum();
+        if pmem_total == 0 {
+            c.args(["-m", &format!("{}M", spec.mem_mib)]);
+        } else {
+            let max = spec.mem_mib + pmem_total.div_ceil(1 << 20);
+            c.args(["-m", &format!("{}M,maxmem={max}M", spec.mem_mib)]);
+        }
         c.args(["-smp", &spec.cpus.to_string()]);
         c.args([
             "-nodefaults",
@@ -125,9 +228,23 @@ impl Backend for QemuBackend {
         if let Some(initrd) = &spec.initrd {
             c.arg("-initrd").arg(initrd);
         }
-        c.args(["-append", &spec.cmdline]);
+        c.args(["-append", &self.cmdline(spec)]);
+        if let Some(bios) = &self.bios {
+            c.arg("-bios").arg(bios);
+        }
         // ttyS0: the console on stdout (or a null sink, so ttyS1 keeps its name).
-        c.args(["-serial", if spec.console { "stdio" } else { "null" }]);
+        if spec.console && self.firmware_log {
+            // One stdio chardev, muxed between COM1 and the debug port.
+            c.args([
+                "-chardev",
+                "stdio,mux=on,id=con0",
+                "-serial",
+                "chardev:con0",
+            ]);
+            c.args(["-device", "isa-debugcon,chardev=con0,iobase=0x402"]);
+        } else {
+            c.args(["-serial", if spec.console { "stdio" } else { "null" }]);
+        }
         if let Some(ch) = &spec.channel {
             c.arg("-chardev")
                 .arg(format!("socket,id=ch0,path={}", ch.display()));
@@ -140,22 +257,99 @@ impl Backend for QemuBackend {
         }
         // Guest-chosen exit status, the same port ember listens on.
         c.args(["-device", "isa-debug-exit,iobase=0x501,iosize=1"]);
+        // What ember has and this backend does not: refused, never dropped.
+        if spec.events.is_some() {
+            return Err(unsupported("write --events (use --backend ember)"));
+        }
+        if spec.prefault.is_some() {
+            return Err(unsupported("take --prefault (use --backend ember)"));
+        }
+        if spec.restore.is_some() || spec.api_socket.is_some() {
+            return Err(unsupported("restore a snapshot or serve a control socket"));
+        }
+        let pci_or_mmio = |pci: &str| {
+            if self.is_microvm() {
+                format!("{pci}-device")
+            } else {
+                format!("{pci}-pci")
+            }
+        };
         for (i, d) in spec.disks.iter().enumerate() {
+            if d.poll_us.is_some() {
+                return Err(unsupported("busy-poll a disk (poll=; use --backend ember)"));
+            }
             let ro = if d.read_only { ",readonly=on" } else { "" };
+            // `direct` is O_DIRECT, QEMU's cache=none; without it the host's
+            // page cache, as ember does.
+            let cache = if d.direct { "none" } else { "writeback" };
             c.arg("-drive").arg(format!(
-                "id=d{i},file={},format=raw,if=none,cache=none,aio=io_uring{ro}",
+                "id=d{i},file={},format=raw,if=none,cache={cache},aio=io_uring{ro}",
                 d.path.display()
             ));
-            let dev = if self.is_microvm() {
-                "virtio-blk-device"
-            } else {
-                "virtio-blk-pci"
-            };
-            c.args(["-device", &format!("{dev},drive=d{i}")]);
+            let serial = d
+                .serial
+                .as_ref()
+                .map(|s| format!(",serial={s}"))
+                .unwrap_or_default();
+            c.args([
+                "-device",
+                &format!("{},drive=d{i}{serial}", pci_or_mmio("virtio-blk")),
+            ]);
+        }
+        if spec.rng {
+            c.args(["-device", &pci_or_mmio("virtio-rng")]);
+        }
+        if spec.balloon {
+            c.args(["-device", &pci_or_mmio("virtio-balloon")]);
+        }
+        for (i, (path, size)) in spec.pmem.iter().zip(&pmem).enumerate() {
+            // share=on: the guest's writes reach the file, as with ember's
+            // shared mapping.
+            c.arg("-object").arg(format!(
+                "memory-backend-file,id=pmem{i},share=on,mem-path={},size={size}",
+                path.display()
+            ));
+            c.args([
+                "-device",
+                &format!("virtio-pmem-pci,memdev=pmem{i},id=vpmem{i}"),
+            ]);
         }
         Ok(c)
     }
 }
+
+impl QemuBackend {
+    /// Each `--pmem` file's size, or why this QEMU machine cannot map it.
+    fn pmem_sizes(&self, spec: &GuestSpec) -> Result<Vec<u64>, String> {
+        if !spec.pmem.is_empty() && self.is_microvm() {
+            return Err(
+                "attach --pmem to -M microvm (no memory-device area; use --machine q35 \
+                 or --backend ember)"
+                    .into(),
+            );
+        }
+        spec.pmem
+            .iter()
+            .map(|p| {
+                let size = std::fs::metadata(p)
+                    .map_err(|e| format!("read --pmem {}: {e}", p.display()))?
+                    .len();
+                // QEMU would grow a shorter file to the region's size; the
+                // guest hot-adds the region in 2 MiB sections.
+                if size == 0 || size % PMEM_ALIGN != 0 {
+                    return Err(format!(
+                        "map --pmem {} ({size} bytes): it needs a non-empty multiple of 2 MiB",
+                        p.display()
+                    ));
+                }
+                Ok(size)
+            })
+            .collect()
+    }
+}
+
+/// virtio-pmem regions are hot-added as memory in 2 MiB sections.
+const PMEM_ALIGN: u64 = 2 << 20;
 
 #[cfg(test)]
 mod tests {
@@ -166,6 +360,8 @@ mod tests {
             binary: "/usr/bin/qemu-system-x86_64".into(),
             machine: machine.into(),
             accel,
+            bios: None,
+            firmware_log: false,
         }
     }
 
@@ -188,7 +384,26 @@ mod tests {
             ),
             "{s}"
         );
-        assert!(s.contains("-kernel /k -append console=ttyS0 quiet -serial stdio"));
+        let khz = host_tsc_khz().expect("the host TSC's rate");
+        assert!(
+            s.contains(&format!(
+                "-kernel /k -append console=ttyS0 quiet tsc_early_khz={khz} -serial stdio"
+            )),
+            "{s}"
+        );
+        // A rate the user gave is kept; q35 (HPET, PM timer) and KVM
+        // (kvm-clock) calibrate for themselves.
+        spec.cmdline = "quiet tsc_early_khz=1000".into();
+        let s = args(&qemu("microvm", Accel::Tcg).command(&spec).unwrap()).join(" ");
+        assert!(
+            s.contains("-append quiet tsc_early_khz=1000 -serial"),
+            "{s}"
+        );
+        spec.cmdline = "quiet".into();
+        for q in [qemu("q35", Accel::Tcg), qemu("microvm", Accel::Kvm)] {
+            let s = args(&q.command(&spec).unwrap()).join(" ");
+            assert!(!s.contains("tsc_early_khz"), "{s}");
+        }
         assert!(s.contains(
             "-chardev socket,id=ch0,path=/tmp/ch.sock -device virtio-serial-device \
              -device virtconsole,chardev=ch0"
@@ -196,12 +411,59 @@ mod tests {
     }
 
     #[test]
+    fn the_guest_loads_only_the_transport_its_devices_use() {
+        let mut spec = GuestSpec::new("/k");
+        spec.channel = Some("/tmp/ch.sock".into());
+        for (machine, transport, device) in [
+            ("q35", "pci", "virtio-serial-pci"),
+            ("microvm", "mmio", "virtio-serial-device"),
+        ] {
+            let q = qemu(machine, Accel::Tcg);
+            assert_eq!(q.virtio_transports(), &[transport], "{machine}");
+            let s = args(&q.command(&spec).unwrap()).join(" ");
+            assert!(s.contains(device), "{machine}: {s}");
+        }
+    }
+
+    #[test]
+    fn the_host_tsc_rate_is_plausible() {
+        let khz = host_tsc_khz().expect("the host TSC's rate");
+        // 500 MHz … 10 GHz; and a second look agrees (it is measured once).
+        assert!((500_000..10_000_000).contains(&khz), "{khz} kHz");
+        assert_eq!(
+            measure_tsc_khz().map(|k| k.abs_diff(khz) < khz / 100),
+            Some(true)
+        );
+    }
+
+    #[test]
+    fn firmware_choice_and_its_log_on_the_console() {
+        let spec = GuestSpec::new("/k");
+        let mut q = qemu("q35", Accel::Tcg);
+        let s = args(&q.command(&spec).unwrap()).join(" ");
+        assert!(!s.contains("-bios") && s.contains("-serial stdio"), "{s}");
+        q.bios = Some("/usr/share/qemu/qboot.rom".into());
+        q.firmware_log = true;
+        let s = args(&q.command(&spec).unwrap()).join(" ");
+        assert!(s.contains("-bios /usr/share/qemu/qboot.rom"), "{s}");
+        assert!(
+            s.contains(
+                "-chardev stdio,mux=on,id=con0 -serial chardev:con0 \
+                 -device isa-debugcon,chardev=con0,iobase=0x402"
+            ),
+            "{s}"
+        );
+    }
+
+    #[test]
     fn q35_kvm_with_disk() {
         let mut spec = GuestSpec::new("/k");
-        spec.disks.push(super::super::DiskSpec {
-            path: "/d".into(),
-            read_only: true,
-        });
+        spec.disks
+            .push(super::super::DiskSpec::parse("/d,ro,direct,serial=s1").unwrap());
+        spec.disks
+            .push(super::super::DiskSpec::parse("/e").unwrap());
+        spec.rng = true;
+        spec.balloon = true;
         spec.console = false;
         let s = args(&qemu("q35", Accel::Kvm).command(&spec).unwrap()).join(" ");
         let cpu = if hardware_kvm_usable() {
@@ -212,6 +474,95 @@ mod tests {
         assert!(s.contains(&format!("-M q35 -accel kvm -cpu {cpu}")), "{s}");
         assert!(s.contains("-serial null"));
         assert!(s.contains("file=/d,format=raw,if=none,cache=none,aio=io_uring,readonly=on"));
-        assert!(s.contains("virtio-blk-pci,drive=d0"));
+        assert!(s.contains("virtio-blk-pci,drive=d0,serial=s1"));
+        assert!(s.contains("file=/e,format=raw,if=none,cache=writeback,aio=io_uring -device"));
+        assert!(
+            s.contains("-device virtio-rng-pci -device virtio-balloon-pci"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn pmem_is_a_virtio_pmem_pci_memory_device() {
+        let dir = std::env::temp_dir().join(format!("ember-qemu-pmem-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b) = (dir.join("a.img"), dir.join("b.img"));
+        std::fs::File::create(&a).unwrap().set_len(4 << 20).unwrap();
+        std::fs::File::create(&b).unwrap().set_len(2 << 20).unwrap();
+        let mut spec = GuestSpec::new("/k");
+        spec.pmem = vec![a.clone(), b.clone()];
+        let s = args(&qemu("q35", Accel::Tcg).command(&spec).unwrap()).join(" ");
+        assert!(s.contains("-m 256M,maxmem=262M "), "{s}");
+        assert!(
+            s.contains(&format!(
+                "-object memory-backend-file,id=pmem0,share=on,mem-path={},size=4194304 \
+                 -device virtio-pmem-pci,memdev=pmem0,id=vpmem0",
+                a.display()
+            )),
+            "{s}"
+        );
+        assert!(
+            s.contains("id=pmem1,share=on") && s.contains("memdev=pmem1"),
+            "{s}"
+        );
+
+        // microvm has no memory-device area; a file QEMU would have to grow
+        // (or cannot find) is refused, in one line each.
+        let e = qemu("microvm", Accel::Tcg).command(&spec).unwrap_err();
+        assert!(e.to_string().contains("microvm"), "{e}");
+        std::fs::File::create(&b).unwrap().set_len(3 << 20).unwrap();
+        let e = qemu("q35", Accel::Tcg)
+            .command(&spec)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("multiple of 2 MiB") && !e.contains('\n'), "{e}");
+        spec.pmem = vec![dir.join("missing.img")];
+        let e = qemu("q35", Accel::Tcg)
+            .command(&spec)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing.img"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn no_acpi_turns_the_machines_acpi_off() {
+        let mut spec = GuestSpec::new("/k");
+        spec.acpi = false;
+        let s = args(&qemu("microvm", Accel::Tcg).command(&spec).unwrap()).join(" ");
+        assert!(
+            s.starts_with("-M microvm,x-option-roms=off,rtc=off,acpi=off "),
+            "{s}"
+        );
+        let e = qemu("q35", Accel::Tcg).command(&spec).unwrap_err();
+        assert!(e.to_string().contains("--machine microvm"), "{e}");
+        spec.acpi = true;
+        let s = args(&qemu("q35", Accel::Tcg).command(&spec).unwrap()).join(" ");
+        assert!(!s.contains("acpi=off"), "{s}");
+    }
+
+    #[test]
+    fn what_qemu_lacks_is_refused() {
+        let q = qemu("q35", Accel::Tcg);
+        let mut spec = GuestSpec::new("/k");
+        spec.events = Some("/e.json".into());
+        assert!(
+            q.command(&spec)
+                .unwrap_err()
+                .to_string()
+                .contains("--events")
+        );
+        let mut spec = GuestSpec::new("/k");
+        spec.prefault = Some("async".into());
+        assert!(
+            q.command(&spec)
+                .unwrap_err()
+                .to_string()
+                .contains("--prefault")
+        );
+        let mut spec = GuestSpec::new("/k");
+        spec.disks
+            .push(super::super::DiskSpec::parse("/d,poll=5").unwrap());
+        assert!(q.command(&spec).unwrap_err().to_string().contains("poll="));
     }
 }

@@ -5,7 +5,7 @@
 //! All host times in a [`BootRecord`] are microseconds since the spawn.
 
 use crate::backend::{Backend, GuestSpec};
-use crate::events::{Event, EventFile, LineStamper};
+use ember_vmm::events::{Event, EventFile, LineStamper};
 use serde::{Deserialize, Serialize};
 use std::io::Read;
 use std::os::unix::process::CommandExt;
@@ -126,6 +126,29 @@ impl BootRecord {
     pub fn completed(&self) -> bool {
         matches!(self.outcome, Outcome::Exited(_) | Outcome::Signaled(_))
     }
+
+    /// A clean boot (exit status 0, 2 MiB peak) with these console lines
+    /// (µs, text) that ended at `exit_us`: the analyses' unit tests build
+    /// their boots from it.
+    #[cfg(test)]
+    pub(crate) fn from_lines(lines: &[(f64, &str)], exit_us: f64) -> BootRecord {
+        BootRecord {
+            lines: lines
+                .iter()
+                .map(|(t, s)| ConsoleLine {
+                    t_us: *t,
+                    text: (*s).to_owned(),
+                })
+                .collect(),
+            events: vec![],
+            first_output_us: lines.first().map(|l| l.0),
+            exit_us,
+            console_bytes: lines.iter().map(|l| l.1.len() as u64 + 2).sum(),
+            max_rss_kib: 2048,
+            outcome: Outcome::Exited(0),
+            stderr: String::new(),
+        }
+    }
 }
 
 /// What the wait thread reports.
@@ -150,7 +173,7 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
         .process_group(0);
     let binary = cmd.get_program().to_string_lossy().into_owned();
     let t0 = Instant::now();
-    let t0_ns = crate::events::monotonic_ns();
+    let t0_ns = ember_vmm::events::monotonic_ns();
     let mut child = cmd
         .spawn()
         .map_err(|source| BootError::Spawn { binary, source })?;
@@ -330,7 +353,7 @@ pub fn align_events(file: &EventFile, spawn_ns: u64, lines: &[ConsoleLine]) -> V
         let by_lines = file
             .events
             .iter()
-            .filter(|e| e.kind == crate::events::kind::CONSOLE_LINE)
+            .filter(|e| e.kind == ember_vmm::events::kind::CONSOLE_LINE)
             .zip(lines)
             .map(|(e, l)| l.t_us - e.t_us)
             .fold(f64::INFINITY, f64::min);

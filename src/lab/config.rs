@@ -5,7 +5,9 @@
 use super::analysis::Milestones;
 use super::boot::BootConfig;
 use crate::backend::qemu::{Accel, QemuBackend};
-use crate::backend::{Backend, BackendError, EmberBackend, GuestSpec, find_binary};
+use crate::backend::{
+    Backend, BackendError, BackendKind, EmberBackend, GuestSpec, find_binary, parse_mem_mib,
+};
 use clap::Args;
 use regex::Regex;
 use serde::{Deserialize, Serialize};
@@ -50,9 +52,9 @@ pub enum AccelArg {
 /// What to boot and with which VMM (shared by `bench`, `analyze`, `bench-range`).
 #[derive(Debug, Clone, Args)]
 pub struct GuestOpts {
-    /// VMM: `ember` (this binary's `ember run`) or `qemu`.
-    #[arg(long, default_value = "ember")]
-    pub backend: String,
+    /// Which VMM boots the guest.
+    #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
+    pub backend: BackendKind,
     /// QEMU machine type (`q35`, `microvm`, …).
     #[arg(long, default_value = "q35")]
     pub machine: String,
@@ -63,7 +65,7 @@ pub struct GuestOpts {
     /// on PATH, or this ember).
     #[arg(long, value_name = "PATH")]
     pub vmm: Option<PathBuf>,
-    /// Guest kernel.
+    /// Guest kernel; defaults to the one `ember setup` fetched.
     #[arg(long)]
     pub kernel: Option<PathBuf>,
     /// Guest initramfs.
@@ -76,8 +78,9 @@ pub struct GuestOpts {
     /// Kernel command line.
     #[arg(long, default_value = "console=ttyS0 panic=-1")]
     pub cmdline: String,
-    /// Guest memory, MiB.
-    #[arg(long, default_value_t = 256)]
+    /// Guest memory, with an optional K/M/G suffix (bytes without one); a
+    /// whole number of MiB.
+    #[arg(long, default_value = "256M", value_parser = parse_mem_mib)]
     pub mem: u64,
     /// vCPUs.
     #[arg(long, default_value_t = 1)]
@@ -93,6 +96,14 @@ pub struct GuestOpts {
         default_value = "^Run /init as init process|^ember-lab: |^ember-test-guest: ring 3"
     )]
     pub userspace: String,
+    /// QEMU backend: the firmware image (`-bios`), e.g. qboot
+    /// (`/usr/share/qemu/qboot.rom`) instead of the machine's SeaBIOS.
+    #[arg(long, value_name = "FILE")]
+    pub bios: Option<PathBuf>,
+    /// QEMU backend: put the firmware's debug port (0x402) on the console
+    /// too, so SeaBIOS's own log is timestamped with the kernel's.
+    #[arg(long)]
+    pub firmware_log: bool,
     /// Extra boot mark: NAME=REGEX on console lines (printk prefix stripped).
     /// Repeatable; reported in the given order.
     #[arg(long = "mark", value_name = "NAME=REGEX")]
@@ -102,6 +113,7 @@ pub struct GuestOpts {
 /// Keys `--vs` understands.
 const VS_KEYS: &[&str] = &[
     "backend", "machine", "accel", "vmm", "kernel", "initrd", "cmdline", "cmdline+", "mem", "cpus",
+    "bios",
 ];
 
 /// Applies a `--vs` description such as
@@ -139,7 +151,10 @@ pub fn apply_vs(base: &GuestOpts, vs: &str) -> Result<GuestOpts, ConfigError> {
             })
         };
         match key {
-            "backend" => o.backend = value.into(),
+            "backend" => {
+                o.backend = <BackendKind as clap::ValueEnum>::from_str(value, true)
+                    .map_err(|_| ConfigError::Invalid(format!("--vs: unknown backend `{value}`")))?
+            }
             "machine" => o.machine = value.into(),
             "accel" => {
                 o.accel = <AccelArg as clap::ValueEnum>::from_str(value, true)
@@ -153,8 +168,12 @@ pub fn apply_vs(base: &GuestOpts, vs: &str) -> Result<GuestOpts, ConfigError> {
                 o.cmdline.push(' ');
                 o.cmdline.push_str(value);
             }
-            "mem" => o.mem = number(value)?,
+            "mem" => {
+                o.mem = parse_mem_mib(value)
+                    .map_err(|e| ConfigError::Invalid(format!("--vs: `mem`: {e}")))?
+            }
             "cpus" => o.cpus = number(value)? as u32,
+            "bios" => o.bios = Some(value.into()),
             _ => return Err(bad()),
         }
     }
@@ -171,8 +190,8 @@ pub fn backend(opts: &GuestOpts) -> Result<Arc<dyn Backend>, ConfigError> {
             })
         })
     };
-    match opts.backend.as_str() {
-        "ember" => {
+    match opts.backend.resolve() {
+        BackendKind::Ember | BackendKind::Auto => {
             let binary = match &opts.vmm {
                 Some(p) => check("ember", p)?,
                 None => {
@@ -183,7 +202,7 @@ pub fn backend(opts: &GuestOpts) -> Result<Arc<dyn Backend>, ConfigError> {
             };
             Ok(Arc::new(EmberBackend { binary }))
         }
-        "qemu" => {
+        BackendKind::Qemu => {
             let accel = match opts.accel {
                 AccelArg::Auto => Accel::Auto,
                 AccelArg::Kvm => Accel::Kvm,
@@ -195,9 +214,13 @@ pub fn backend(opts: &GuestOpts) -> Result<Arc<dyn Backend>, ConfigError> {
                     binary: check("qemu", p)?,
                     machine: opts.machine.clone(),
                     accel,
+                    bios: None,
+                    firmware_log: false,
                 },
                 None => QemuBackend::detect(&opts.machine, accel).map_err(ConfigError::Backend)?,
             };
+            q.bios = opts.bios.clone();
+            q.firmware_log = opts.firmware_log;
             if q.accel == Accel::Auto {
                 q.accel = if crate::backend::qemu::hardware_kvm_usable() {
                     Accel::Kvm
@@ -207,16 +230,15 @@ pub fn backend(opts: &GuestOpts) -> Result<Arc<dyn Backend>, ConfigError> {
             }
             Ok(Arc::new(q))
         }
-        other => Err(ConfigError::Backend(BackendError::Unknown(other.into()))),
     }
 }
 
 /// Builds a boot configuration and its milestones.
 pub fn build(opts: &GuestOpts, label: &str) -> Result<(BootConfig, Milestones), ConfigError> {
-    let kernel = opts
-        .kernel
-        .clone()
-        .ok_or_else(|| ConfigError::Invalid("--kernel is required".into()))?;
+    let kernel = match &opts.kernel {
+        Some(k) => k.clone(),
+        None => default_kernel()?,
+    };
     let mut opts = opts.clone();
     if opts.busybox_init {
         opts.initrd = Some(super::guest::busybox_initramfs().map_err(ConfigError::Guest)?);
@@ -250,6 +272,19 @@ pub fn build(opts: &GuestOpts, label: &str) -> Result<(BootConfig, Milestones), 
         timeout: Duration::from_secs_f64(opts.timeout),
     };
     Ok((cfg, milestones(opts)?))
+}
+
+/// The kernel `ember setup` fetched (as `ember run` finds it).
+fn default_kernel() -> Result<PathBuf, ConfigError> {
+    let none = |e: &dyn std::fmt::Display| {
+        ConfigError::Invalid(format!(
+            "no --kernel given and no default kernel ({e}): run `ember setup` or pass --kernel"
+        ))
+    };
+    let cache = crate::appliance::kernel::cache_dir().map_err(|e| none(&e))?;
+    crate::appliance::kernel::find_kernel(None, &cache)
+        .map(|k| k.image)
+        .map_err(|e| none(&e))
 }
 
 /// The milestones (`--mark`, `--userspace`) of `opts`.
@@ -403,7 +438,10 @@ mod tests {
         assert_eq!(b.machine, "microvm");
         assert_eq!(b.cmdline, "console=ttyS0 quiet,loglevel=3");
         assert_eq!(b.cpus, 2);
-        assert_eq!(b.backend, "qemu");
+        assert_eq!(b.backend, BackendKind::Qemu);
+        assert_eq!(apply_vs(&base, "mem=1G").unwrap().mem, 1024);
+        assert!(apply_vs(&base, "mem=lots").is_err());
+        assert!(apply_vs(&base, "backend=bochs").is_err());
         assert!(apply_vs(&base, "colour=red").is_err());
         assert!(
             apply_vs(&base, "cpus=two")
@@ -416,8 +454,9 @@ mod tests {
 
     #[test]
     fn bad_options_are_clear_errors() {
-        let e = build(&opts(&["--backend", "qemu"]), "A").unwrap_err();
-        assert_eq!(e.to_string(), "--kernel is required");
+        assert_eq!(opts(&["--mem", "1G"]).mem, 1024);
+        assert_eq!(opts(&[]).mem, 256);
+        assert_eq!(opts(&[]).backend, BackendKind::Auto);
         let e = build(&opts(&["--kernel", "/nonexistent/k"]), "A").unwrap_err();
         assert!(e.to_string().contains("does not exist"), "{e}");
         let e = backend(&opts(&["--backend", "qemu", "--vmm", "/nonexistent/qemu"]))
@@ -425,7 +464,6 @@ mod tests {
             .unwrap();
         let chain = format!("{:#}", anyhow::Error::from(e));
         assert!(chain.contains("/nonexistent/qemu` not found"), "{chain}");
-        assert!(backend(&opts(&["--backend", "bochs"])).is_err());
         let e = milestones(&opts(&["--mark", "x=("])).unwrap_err();
         assert_eq!(e.to_string(), "bad regex in --mark x: unclosed group");
         assert!(milestones(&opts(&["--mark", "nonsense"])).is_err());

@@ -187,7 +187,8 @@ fn fingerprint(args: &RangeArgs) -> String {
         args.build,
         args.artifact.display(),
         args.artifact_kind,
-        g.backend,
+        // Resolved: what a measurement means is the VMM that ran.
+        g.backend.resolve(),
         g.machine,
         g.accel,
         g.vmm,

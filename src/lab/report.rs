@@ -286,6 +286,9 @@ pub struct AnalyzeReport {
     pub console: Option<ConsoleCost>,
     /// Ctrl-C cut the run short.
     pub interrupted: bool,
+    /// `--advise`: the doctor's suggestions, ranked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advice: Option<super::advise::AdviceReport>,
 }
 
 /// What `render` shows.
@@ -428,6 +431,9 @@ impl AnalyzeReport {
                     num(o * c.bytes.mean / 1e3)
                 );
             }
+        }
+        if let Some(a) = &self.advice {
+            s.push_str(&a.render());
         }
         s
     }

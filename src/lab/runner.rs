@@ -108,8 +108,19 @@ pub fn progress(len: u64) -> ProgressBar {
     bar
 }
 
+/// The order the configurations boot in, in round `round`: rotated by one
+/// each round (A B, B A, … for a pair; each position equally often for more).
+pub fn round_order(round: usize, configs: usize) -> impl Iterator<Item = usize> {
+    (0..configs).map(move |k| (k + round) % configs)
+}
+
 /// Runs `warmup` discarded and `n` measured boots of every configuration,
 /// interleaved. Stops early (keeping what it measured) when `cancel` is set.
+///
+/// Each round starts one configuration later than the last ([`round_order`]),
+/// so no configuration always boots first: on a quiet machine the second
+/// boot of a pair ran 50–90 ms slower than the first whatever it was, which
+/// `--verify` had reported as three changes "slower", none of which could be.
 pub fn run_series(
     configs: &[(BootConfig, Milestones)],
     warmup: usize,
@@ -133,7 +144,8 @@ pub fn run_series_with(
     let mut records: Vec<Vec<BootRecord>> = vec![Vec::new(); configs.len()];
     let mut interrupted = false;
     'outer: for round in 0..warmup + n {
-        for (ci, (cfg, _)) in configs.iter().enumerate() {
+        for ci in round_order(round, configs.len()) {
+            let (cfg, _) = &configs[ci];
             if cancel.load(Ordering::SeqCst) {
                 interrupted = true;
                 break 'outer;
@@ -190,5 +202,29 @@ fn fail_fast(cfg: &BootConfig, r: &BootRecord) -> Result<(), RunError> {
             })
         }
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_order;
+
+    #[test]
+    fn every_configuration_boots_in_every_position_equally_often() {
+        assert_eq!(round_order(0, 2).collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(round_order(1, 2).collect::<Vec<_>>(), [1, 0]);
+        for n in 1..=4 {
+            let mut seen = vec![vec![0; n]; n];
+            for round in 0..3 * n {
+                let order: Vec<usize> = round_order(round, n).collect();
+                let mut sorted = order.clone();
+                sorted.sort();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "each once a round");
+                for (position, config) in order.into_iter().enumerate() {
+                    seen[config][position] += 1;
+                }
+            }
+            assert!(seen.iter().flatten().all(|&c| c == 3), "{n}: {seen:?}");
+        }
     }
 }

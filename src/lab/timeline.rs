@@ -160,8 +160,37 @@ pub fn svg(acts: &[ActivityStats], total_ms: f64, title: &str) -> String {
 
 /// A self-contained HTML page: the SVG, a tooltip that follows the mouse,
 /// and the activity table.
-pub fn html(acts: &[ActivityStats], total_ms: f64, title: &str, report_text: &str) -> String {
+pub fn html(
+    acts: &[ActivityStats],
+    total_ms: f64,
+    title: &str,
+    report_text: &str,
+    advice: &[super::advise::Advice],
+) -> String {
     let mut rows = String::new();
+    // The doctor's advice, beside the chart.
+    let mut side = String::new();
+    if !advice.is_empty() {
+        side.push_str("<div id=\"advice\"><h3>Advice</h3><ol>");
+        for a in advice {
+            let _ = write!(
+                side,
+                "<li><b>{}</b><br>predicted −{:.1} ms{}<br><code>{}</code><ul>",
+                esc(&a.title),
+                a.predicted_ms,
+                a.verified.as_ref().map_or(String::new(), |v| format!(
+                    "<br>verified: {}",
+                    esc(&super::advise::verification_text(v))
+                )),
+                esc(&a.change.describe())
+            );
+            for e in &a.evidence {
+                let _ = write!(side, "<li>{}</li>", esc(e));
+            }
+            side.push_str("</ul></li>");
+        }
+        side.push_str("</ol></div>");
+    }
     for a in acts {
         let _ = writeln!(
             rows,
@@ -181,7 +210,10 @@ pub fn html(acts: &[ActivityStats], total_ms: f64, title: &str, report_text: &st
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
 <style>
 body {{ font-family: sans-serif; margin: 16px; color: #222; }}
-#chart {{ border: 1px solid #ccc; }}
+#main {{ display: flex; gap: 12px; align-items: flex-start; }}
+#chart {{ border: 1px solid #ccc; flex: 3; }}
+#advice {{ flex: 2; font-size: 12px; max-height: 90vh; overflow-y: auto; }}
+#advice ul {{ color: #555; padding-left: 16px; }}
 #chart svg {{ width: 100%; height: auto; }}
 .bar rect:hover {{ stroke: #000; stroke-width: 2; }}
 #tip {{ position: fixed; display: none; background: #fffbe6; border: 1px solid #999;
@@ -191,7 +223,7 @@ td, th {{ border-bottom: 1px solid #eee; padding: 2px 8px; text-align: right; }}
 td:first-child, th:first-child {{ text-align: left; }}
 pre {{ font-size: 12px; background: #f6f6f6; padding: 8px; }}
 </style></head><body>
-<div id="chart">{svg}</div>
+<div id="main"><div id="chart">{svg}</div>{side}</div>
 <div id="tip"></div>
 <details><summary>Report</summary><pre>{report}</pre></details>
 <table><tr><th>activity</th><th>start ms</th><th>mean ms</th><th>sd ms</th><th>% run</th><th>clock</th><th>n</th></tr>
@@ -214,6 +246,7 @@ for (const g of document.querySelectorAll('.bar')) {{
         title = esc(title),
         svg = svg(acts, total_ms, title),
         report = esc(report_text),
+        side = side,
     )
 }
 
@@ -258,8 +291,22 @@ mod tests {
         assert!(s.contains("a&lt;b&gt;") && !s.contains("a<b>"));
         assert!(s.contains("t &amp; t"));
         assert!(s.contains(">50 ms<"), "axis ticks every 10 ms");
-        let h = html(&acts, 100.0, "t", "report");
+        let h = html(&acts, 100.0, "t", "report", &[]);
         assert!(h.starts_with("<!DOCTYPE html>") && h.contains("<svg") && h.contains("mousemove"));
+        assert!(!h.contains("id=\"advice\""));
+        let advice = [crate::lab::advise::Advice {
+            id: "quiet".into(),
+            title: "Quiet <please>".into(),
+            evidence: vec!["900 lines".into()],
+            predicted_ms: 12.5,
+            change: crate::lab::advise::Change::CmdlineAdd {
+                option: "quiet".into(),
+            },
+            verified: None,
+        }];
+        let h = html(&acts, 100.0, "t", "report", &advice);
+        assert!(h.contains("id=\"advice\"") && h.contains("Quiet &lt;please&gt;"));
+        assert!(h.contains("predicted −12.5 ms") && h.contains("<li>900 lines</li>"));
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! Shared helpers for ember's end-to-end tests.
 #![allow(dead_code)]
 
+pub mod busybox;
+pub mod console_vm;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -23,7 +26,7 @@ pub fn require_kvm(test: &str) -> bool {
         .is_ok();
     if !ok {
         if std::env::var_os("EMBER_ALLOW_NO_KVM").is_some() {
-            ember::testing::skip(test, "/dev/kvm is not usable on this host");
+            ember_testing::skip(test, "/dev/kvm is not usable on this host");
             return false;
         }
         panic!(
@@ -71,9 +74,10 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// An initramfs holding just `/init` (see [`ember::testing::tiny_initramfs`]).
+/// An initramfs holding just `/init` (see [`ember_testing::tiny_init_elf`]).
 pub fn tiny_initramfs(path: &Path, msg: &str) {
-    std::fs::write(path, ember::testing::tiny_initramfs(msg).unwrap()).unwrap();
+    let init = ember_testing::tiny_init_elf(msg);
+    std::fs::write(path, ember::initramfs::with_init(&init).unwrap()).unwrap();
 }
 
 /// The command line every working boot of the PVM test kernel used (see
@@ -89,11 +93,54 @@ pub fn pvm_kernel_dir(test: &str) -> Option<PathBuf> {
     match std::env::var_os("EMBER_PVM_KERNEL") {
         Some(d) => Some(PathBuf::from(d)),
         None => {
-            ember::testing::skip(
+            ember_testing::skip(
                 test,
                 "EMBER_PVM_KERNEL is not set (scripts/test builds the kernel and sets it)",
             );
             None
         }
     }
+}
+
+/// Builds ember-init (release, as `scripts/install` installs it: the appliance
+/// and the nested rig's L1 run it as their init) once; returns its path.
+pub fn init_binary() -> Result<PathBuf, String> {
+    static INIT: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    INIT.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "--release", "--quiet", "-p", "ember-init"])
+            .current_dir(&root)
+            .status()
+            .map_err(|e| format!("cannot run cargo to build ember-init: {e}"))?;
+        if !status.success() {
+            return Err("building ember-init failed".into());
+        }
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join("target"));
+        let p = target.join("release/ember-init");
+        p.is_file()
+            .then_some(p.clone())
+            .ok_or_else(|| format!("{} missing after the build", p.display()))
+    })
+    .clone()
+}
+
+/// Debian's cloud kernel (the bzImage) as `ember setup` unpacked it: the
+/// kernel of the lab's QEMU/TCG end-to-end tests. Panics, naming the fix,
+/// when `ember setup` has not run.
+pub fn debian_bzimage() -> String {
+    use ember::appliance::kernel::{KernelCache, cache_dir};
+    let cache = KernelCache::new(&cache_dir().expect("a cache directory"));
+    let k = cache
+        .current()
+        .expect("this end-to-end test needs Debian's cloud kernel: run `ember setup` first");
+    let version = k.version.expect("ember setup records the kernel's version");
+    let image = cache
+        .unpack_dir(&version)
+        .join("boot")
+        .join(format!("vmlinuz-{version}"));
+    assert!(image.is_file(), "{} is missing", image.display());
+    image.display().to_string()
 }

@@ -2,8 +2,9 @@
 //!
 //! It does only what running one command needs, because every instruction of
 //! a boot counts: mount devtmpfs, proc and sysfs (no udev, no hwclock, no
-//! ldconfig), load the kernel modules listed in `/.ember/modules` with
-//! `finit_module` (only the groups named by `EMBER_MODULES=`), put the data channel (a tty named by `EMBER_CHANNEL=` on
+//! ldconfig), make busybox's applet links from `/.ember/applets` (cheaper
+//! than the kernel unpacking them), load the kernel modules listed in `/.ember/modules` with
+//! `init_module`, without their signatures where the kernel allows (only the groups named by `EMBER_MODULES=`), put the data channel (a tty named by `EMBER_CHANNEL=` on
 //! the kernel command line) in raw mode, receive the command over it, run it
 //! with pipes on stdin/stdout/stderr, forward its output and exit status as
 //! frames, and power off.
@@ -14,9 +15,13 @@
 #![no_std]
 #![no_main]
 
+#[path = "../../../src/appliance/applets.rs"]
+mod applets;
 #[path = "../../../src/appliance/frame_types.rs"]
 #[allow(dead_code)]
 mod frame_types;
+#[path = "../../../src/appliance/module_sig.rs"]
+mod module_sig;
 mod sys;
 
 use frame_types as ft;
@@ -33,6 +38,8 @@ const MODULES_VAR: &[u8] = b"EMBER_MODULES=";
 /// the device, which takes long on a busy TCG host.
 const CHANNEL_OPEN_TRIES: u32 = 10_000;
 const CHANNEL_OPEN_STEP_MS: u64 = 2;
+/// Room for the kernel command line (x86's COMMAND_LINE_SIZE is 2048).
+const CMDLINE_LEN: usize = 4096;
 /// Room for argv/env/cwd/exec strings together.
 const ARENA_LEN: usize = 128 * 1024;
 /// Most argv or env entries accepted.
@@ -90,6 +97,7 @@ fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
     sys::mount(b"devtmpfs\0", b"/dev\0", b"devtmpfs\0").map_err(|_| &b"mount /dev failed"[..])?;
     let _ = sys::mount(b"proc\0", b"/proc\0", b"proc\0");
     let _ = sys::mount(b"sysfs\0", b"/sys\0", b"sysfs\0");
+    make_applet_links();
     let module_error = load_modules(env_value(envp, MODULES_VAR));
 
     let path =
@@ -110,6 +118,16 @@ fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
             return Ok(());
         }
     };
+    if !cmd.root.is_null() {
+        // SAFETY: root is a NUL-terminated string in the arena.
+        let dev = unsafe { sys::cstr(cmd.root) };
+        // SAFETY: as above; the slice includes the NUL.
+        let dev = unsafe { core::slice::from_raw_parts(dev.as_ptr(), dev.len() + 1) };
+        if let Err(msg) = mount_root(dev) {
+            ch.error_with(msg, b"");
+            return Ok(());
+        }
+    }
     match run_command(&mut ch, &cmd) {
         Ok(code) => {
             // The host may stop the VM as soon as EXIT arrives: flush disks first.
@@ -135,6 +153,20 @@ fn load_modules(groups: Option<&[u8]>) -> Option<&'static [u8]> {
     let len = sys::read_full(fd, &mut list[..]);
     sys::close(fd);
     let groups = groups.map(|g| &g[..g.len() - 1]);
+    // The kernel hands module parameters on its command line only to
+    // built-in code (modprobe reads them for the rest): a module ember
+    // loads gets its own `NAME.param=` words here, so `virtio_mmio.device=`
+    // (how devices are announced without ACPI) reaches the module.
+    let mut cmdline = [0u8; CMDLINE_LEN];
+    let cmdline_len = match sys::open(b"/proc/cmdline\0", sys::O_RDONLY) {
+        Ok(fd) => {
+            let n = sys::read_full(fd, &mut cmdline);
+            sys::close(fd);
+            n
+        }
+        Err(_) => 0,
+    };
+    let mut params = [0u8; CMDLINE_LEN + 1];
     let mut path = [0u8; 512];
     for line in list[..len].split(|&b| b == b'\n') {
         let Some(space) = line.iter().position(|&b| b == b' ') else {
@@ -149,7 +181,8 @@ fn load_modules(groups: Option<&[u8]>) -> Option<&'static [u8]> {
         path[file.len()] = 0;
         let ok = match sys::open(&path[..=file.len()], sys::O_RDONLY) {
             Ok(m) => {
-                let r = sys::finit_module(m);
+                let n = module_params(file, &cmdline[..cmdline_len], &mut params);
+                let r = load_module(m, &params[..=n]);
                 sys::close(m);
                 r.is_ok() || r == Err(sys::EEXIST)
             }
@@ -160,6 +193,86 @@ fn load_modules(groups: Option<&[u8]>) -> Option<&'static [u8]> {
         }
     }
     None
+}
+
+/// Makes the symlinks [`applets::LIST`] names (none when the appliance has
+/// no busybox). A link that cannot be made is left out: an entry already
+/// there (the command's own file) wins, as it did when the links were in the
+/// initramfs; a missing one shows as "not found" when something runs it.
+fn make_applet_links() {
+    static mut LIST: [u8; 32 * 1024] = [0; 32 * 1024];
+    // SAFETY: init is single-threaded and this is the only use of LIST.
+    let list: &'static mut [u8; 32 * 1024] = unsafe { &mut *core::ptr::addr_of_mut!(LIST) };
+    let Ok(fd) = sys::open(applets::LIST, sys::O_RDONLY) else {
+        return;
+    };
+    let len = sys::read_full(fd, &mut list[..]);
+    sys::close(fd);
+    let Some((dir, target, names)) = applets::parse(&list[..len]) else {
+        return;
+    };
+    let mut target_z = [0u8; 512];
+    if target.len() >= target_z.len() {
+        return;
+    }
+    target_z[..target.len()].copy_from_slice(target);
+    let target_z = &target_z[..=target.len()];
+    let mut path = [0u8; 512];
+    for name in names {
+        if let Some(link) = applets::link_path(dir, name, &mut path) {
+            let _ = sys::symlink(target_z, link);
+        }
+    }
+}
+
+/// Writes the `param=value` words of `cmdline` meant for the module in
+/// `file` (`…/virtio_mmio.ko`: the words `virtio_mmio.param=value`; `-` and
+/// `_` alike in the name, as the kernel has it), space-separated, into `out`
+/// followed by a NUL; returns the length without the NUL. Words that do not
+/// fit are left out.
+fn module_params(file: &[u8], cmdline: &[u8], out: &mut [u8]) -> usize {
+    let base = file.rsplit(|&b| b == b'/').next().unwrap_or(file);
+    let name = base.split(|&b| b == b'.').next().unwrap_or(base);
+    let same = |a: u8, b: u8| a == b || (a == b'-' || a == b'_') && (b == b'-' || b == b'_');
+    let mut len = 0;
+    for word in cmdline.split(|&b| b == b' ' || b == b'\n' || b == 0) {
+        let ours = word.len() > name.len() + 1
+            && word[name.len()] == b'.'
+            && word.iter().zip(name).all(|(&a, &b)| same(a, b));
+        if !ours {
+            continue;
+        }
+        let param = &word[name.len() + 1..];
+        if len + param.len() + 1 >= out.len() {
+            continue;
+        }
+        if len > 0 {
+            out[len] = b' ';
+            len += 1;
+        }
+        out[len..len + param.len()].copy_from_slice(param);
+        len += param.len();
+    }
+    out[len] = 0;
+    len
+}
+
+/// Loads one module, without its signature where the kernel allows (see
+/// `module_sig`: checking it is most of what loading costs under TCG). A
+/// kernel that enforces signatures refuses the cut module (EKEYREJECTED, or
+/// EPERM under lockdown) and gets the whole file.
+fn load_module(fd: Fd, params: &[u8]) -> Result<usize, sys::Errno> {
+    let Ok(map) = sys::Mapped::file(fd) else {
+        return sys::finit_module(fd, params);
+    };
+    let image = map.bytes();
+    if let Some(len) = module_sig::unsigned_len(image) {
+        match sys::init_module(&image[..len], params) {
+            Err(sys::EKEYREJECTED) | Err(sys::EPERM) => {}
+            r => return r,
+        }
+    }
+    sys::init_module(image, params)
 }
 
 /// The value of the last `NAME=` entry (`prefix` includes the `=`) in init's
@@ -202,6 +315,36 @@ fn open_channel(path: &[u8]) -> Result<Fd, &'static [u8]> {
     Ok(fd)
 }
 
+/// Where a `ROOT` device is mounted (a directory of the initramfs skeleton).
+const ROOT_DIR: &[u8] = b"/.ember/root\0";
+
+/// Mounts the command's root file system from block device `dev`
+/// (NUL-terminated) at [`ROOT_DIR`], with /dev, /proc and /sys inside it.
+///
+/// The device may have been probed (its first blocks read and cached) when
+/// this appliance booted, with other contents: a restored appliance's slot
+/// is backed by this run's image. Its cache is dropped first, so the mount
+/// reads what is there now. DAX is asked for first (the files are then
+/// mapped, not copied: guest kernel copies are slow under a software KVM),
+/// a plain mount where the device cannot do it.
+fn mount_root(dev: &[u8]) -> Result<(), &'static [u8]> {
+    if let Ok(fd) = sys::open(dev, sys::O_RDONLY | sys::O_CLOEXEC) {
+        let _ = sys::flush_block_cache(fd);
+        sys::close(fd);
+    }
+    sys::mount_with(dev, ROOT_DIR, b"ext4\0", 0, b"dax\0")
+        .or_else(|_| sys::mount_with(dev, ROOT_DIR, b"ext4\0", 0, b"\0"))
+        .map_err(|_| {
+            &b"cannot mount the command's root (a kernel without virtio-pmem or ext4? \
+               `ember run --no-snapshot` boots without it)"[..]
+        })?;
+    // Missing directories only mean the command sees no such files.
+    let _ = sys::mount(b"devtmpfs\0", b"/.ember/root/dev\0", b"devtmpfs\0");
+    let _ = sys::mount(b"proc\0", b"/.ember/root/proc\0", b"proc\0");
+    let _ = sys::mount(b"sysfs\0", b"/.ember/root/sys\0", b"sysfs\0");
+    Ok(())
+}
+
 /// Strings received from the host, NUL-terminated, in one fixed buffer.
 struct Arena {
     buf: [u8; ARENA_LEN],
@@ -235,6 +378,8 @@ struct Command {
     argv: [*const u8; MAX_PTRS + 1],
     envp: [*const u8; MAX_PTRS + 1],
     cwd: *const u8,
+    /// The command's root file system's device (`ROOT`), or null.
+    root: *const u8,
     exec: *const u8,
 }
 
@@ -244,6 +389,7 @@ fn receive_command(ch: &mut Channel, arena: &mut Arena) -> Result<Command, &'sta
     let mut envp = [0usize; MAX_PTRS];
     let (mut nargs, mut nenv) = (0, 0);
     let mut cwd = None;
+    let mut root = None;
     let exec = loop {
         let (kind, payload) = ch.recv().ok_or(&b"channel closed before the command"[..])?;
         let at = arena.push(payload)?;
@@ -257,6 +403,7 @@ fn receive_command(ch: &mut Channel, arena: &mut Arena) -> Result<Command, &'sta
                 nenv += 1;
             }
             ft::CWD => cwd = Some(at),
+            ft::ROOT => root = Some(at),
             ft::EXEC => break at,
             ft::ARG | ft::ENV => return Err(b"too many arguments or environment entries"),
             _ => return Err(b"unexpected frame before the command"),
@@ -267,6 +414,7 @@ fn receive_command(ch: &mut Channel, arena: &mut Arena) -> Result<Command, &'sta
         argv: [core::ptr::null(); MAX_PTRS + 1],
         envp: [core::ptr::null(); MAX_PTRS + 1],
         cwd: core::ptr::null(),
+        root: core::ptr::null(),
         // SAFETY: every offset came from Arena::push, so is inside buf.
         exec: unsafe { base.add(exec) },
     };
@@ -281,6 +429,10 @@ fn receive_command(ch: &mut Channel, arena: &mut Arena) -> Result<Command, &'sta
     if let Some(off) = cwd {
         // SAFETY: as above.
         cmd.cwd = unsafe { base.add(off) };
+    }
+    if let Some(off) = root {
+        // SAFETY: as above.
+        cmd.root = unsafe { base.add(off) };
     }
     Ok(cmd)
 }
@@ -308,6 +460,12 @@ fn exec_child(cmd: &Command, stdin: Fd, stdout: Fd, stderr: Fd) -> ! {
     sys::dup2(stdin, 0);
     sys::dup2(stdout, 1);
     sys::dup2(stderr, 2);
+    if !cmd.root.is_null()
+        && (sys::chroot(ROOT_DIR.as_ptr()).is_err() || sys::chdir(c"/".as_ptr().cast()).is_err())
+    {
+        sys::write_all(2, b"ember: cannot enter the command's root\n");
+        sys::exit(EXIT_CANNOT_EXEC);
+    }
     if !cmd.cwd.is_null() && sys::chdir(cmd.cwd).is_err() {
         sys::write_all(2, b"ember: cannot change to the working directory ");
         // SAFETY: cwd is a NUL-terminated string in the arena.

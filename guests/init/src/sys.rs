@@ -19,6 +19,8 @@ pub const EINTR: Errno = 4;
 pub const EAGAIN: Errno = 11;
 pub const EACCES: Errno = 13;
 pub const EEXIST: Errno = 17;
+pub const EPERM: Errno = 1;
+pub const EKEYREJECTED: Errno = 129;
 pub const ENOEXEC: Errno = 8;
 
 pub const POLLIN: i16 = 0x1;
@@ -29,6 +31,9 @@ const SYS_READ: usize = 0;
 const SYS_WRITE: usize = 1;
 const SYS_OPEN: usize = 2;
 const SYS_CLOSE: usize = 3;
+const SYS_LSEEK: usize = 8;
+const SYS_MMAP: usize = 9;
+const SYS_MUNMAP: usize = 11;
 const SYS_POLL: usize = 7;
 const SYS_IOCTL: usize = 16;
 const SYS_NANOSLEEP: usize = 35;
@@ -39,9 +44,12 @@ const SYS_EXIT: usize = 60;
 const SYS_WAIT4: usize = 61;
 const SYS_FCNTL: usize = 72;
 const SYS_CHDIR: usize = 80;
+const SYS_SYMLINK: usize = 88;
+const SYS_CHROOT: usize = 161;
 const SYS_SYNC: usize = 162;
 const SYS_MOUNT: usize = 165;
 const SYS_REBOOT: usize = 169;
+const SYS_INIT_MODULE: usize = 175;
 const SYS_PIPE2: usize = 293;
 const SYS_FINIT_MODULE: usize = 313;
 
@@ -49,6 +57,8 @@ const SYS_FINIT_MODULE: usize = 313;
 const TCGETS: usize = 0x5401;
 const TCSETS: usize = 0x5402;
 const TCSBRK: usize = 0x5409;
+/// Drop a block device's buffer cache (`_IO(0x12, 97)`).
+const BLKFLSBUF: usize = 0x1261;
 const F_GETFL: usize = 3;
 const F_SETFL: usize = 4;
 
@@ -259,6 +269,14 @@ pub fn chdir(path: *const u8) -> Result<usize, Errno> {
     call(SYS_CHDIR, [path as usize, 0, 0, 0, 0, 0])
 }
 
+/// Makes `link` a symlink to `target`; both NUL-terminated.
+pub fn symlink(target: &[u8], link: &[u8]) -> Result<usize, Errno> {
+    call(
+        SYS_SYMLINK,
+        [target.as_ptr() as usize, link.as_ptr() as usize, 0, 0, 0, 0],
+    )
+}
+
 pub fn sync() {
     let _ = call(SYS_SYNC, [0; 6]);
 }
@@ -276,6 +294,38 @@ pub fn mount(source: &[u8], target: &[u8], fstype: &[u8]) -> Result<usize, Errno
             0,
         ],
     )
+}
+
+/// `mount` with flags and file-system options (`data`); all strings
+/// NUL-terminated.
+pub fn mount_with(
+    source: &[u8],
+    target: &[u8],
+    fstype: &[u8],
+    flags: usize,
+    data: &[u8],
+) -> Result<usize, Errno> {
+    call(
+        SYS_MOUNT,
+        [
+            source.as_ptr() as usize,
+            target.as_ptr() as usize,
+            fstype.as_ptr() as usize,
+            flags,
+            data.as_ptr() as usize,
+            0,
+        ],
+    )
+}
+
+/// `path` is a NUL-terminated string.
+pub fn chroot(path: *const u8) -> Result<usize, Errno> {
+    call(SYS_CHROOT, [path as usize, 0, 0, 0, 0, 0])
+}
+
+/// Drops whatever the kernel cached of block device `fd`.
+pub fn flush_block_cache(fd: Fd) -> Result<usize, Errno> {
+    call(SYS_IOCTL, [fd as usize, BLKFLSBUF, 0, 0, 0, 0])
 }
 
 pub fn power_off() -> ! {
@@ -296,11 +346,62 @@ pub fn pipe() -> Result<(Fd, Fd), Errno> {
     Ok((fds[0], fds[1]))
 }
 
-pub fn finit_module(fd: Fd) -> Result<usize, Errno> {
+/// `params` must be NUL-terminated (`a=1 b=2\0`).
+pub fn finit_module(fd: Fd, params: &[u8]) -> Result<usize, Errno> {
+    debug_assert_eq!(params.last(), Some(&0));
     call(
         SYS_FINIT_MODULE,
-        [fd as usize, c"".as_ptr() as usize, 0, 0, 0, 0],
+        [fd as usize, params.as_ptr() as usize, 0, 0, 0, 0],
     )
+}
+
+/// Loads a module from memory (`init_module`); `params` NUL-terminated.
+pub fn init_module(image: &[u8], params: &[u8]) -> Result<usize, Errno> {
+    debug_assert_eq!(params.last(), Some(&0));
+    call(
+        SYS_INIT_MODULE,
+        [
+            image.as_ptr() as usize,
+            image.len(),
+            params.as_ptr() as usize,
+            0,
+            0,
+            0,
+        ],
+    )
+}
+
+/// A read-only private mapping of a whole file; unmapped when dropped.
+pub struct Mapped {
+    addr: usize,
+    len: usize,
+}
+
+impl Mapped {
+    /// Maps all of `fd` (an empty file cannot be mapped).
+    pub fn file(fd: Fd) -> Result<Mapped, Errno> {
+        const SEEK_END: usize = 2;
+        const PROT_READ: usize = 1;
+        const MAP_PRIVATE: usize = 2;
+        let len = call(SYS_LSEEK, [fd as usize, 0, SEEK_END, 0, 0, 0])?;
+        if len == 0 {
+            return Err(ENOEXEC);
+        }
+        let addr = call(SYS_MMAP, [0, len, PROT_READ, MAP_PRIVATE, fd as usize, 0])?;
+        Ok(Mapped { addr, len })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the kernel mapped `len` readable bytes at `addr`, which stay
+        // mapped until drop; nothing writes to a private read-only mapping.
+        unsafe { core::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        let _ = call(SYS_MUNMAP, [self.addr, self.len, 0, 0, 0, 0]);
+    }
 }
 
 pub fn set_nonblocking(fd: Fd) -> Result<usize, Errno> {

@@ -1,0 +1,168 @@
+//! What seccomp costs `ember boot` at start-up: the same boot with
+//! `--seccomp trap` (the default) and `--seccomp off`, interleaved in one
+//! run so both see the same noise, medians and min–max, and the ratio.
+//!
+//! `cargo bench --bench seccomp` measures the dynamically linked build;
+//! `EMBER_BIN=$(scripts/build-release) cargo bench --bench seccomp` ember as
+//! shipped (static musl).
+//! EMBER_BENCH_RUNS=N changes the run count (default 20). The guest is
+//! ember's test guest printing one line and ending (`print=up halt`), 512 MiB,
+//! 1 vCPU, as in the VMM-core bench (`benches/vmm.rs`). It also times, in
+//! this process, compiling every thread's filter (what `seccomp::init` did
+//! once per process).
+
+use ember::lab::stats::Summary;
+use ember_vmm::events::{EventFile, monotonic_ns};
+use ember_vmm::seccomp::{self, Mode, Thread};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Pause before each run, so the previous VM's teardown (5–25 ms of a core
+/// here) does not overlap the next start.
+const SETTLE: std::time::Duration = std::time::Duration::from_millis(40);
+
+/// One boot: exec → first console line, exec → exit, and (from the events
+/// file) exec → first guest instruction, in ms.
+struct Boot {
+    first_line: f64,
+    exit: f64,
+    first_insn: f64,
+}
+
+fn boot(ember: &Path, guest: &Path, mode: &str, events: &Path) -> Boot {
+    std::thread::sleep(SETTLE);
+    let t0 = monotonic_ns();
+    let mut child = Command::new(ember)
+        .args(["boot", "--mem", "512M", "--cmdline", "print=up halt"])
+        .args(["--seccomp", mode, "--kernel"])
+        .arg(guest)
+        .arg("--events")
+        .arg(events)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn ember");
+    let mut out = child.stdout.take().unwrap();
+    let mut first_line = None;
+    let mut buf = [0u8; 4096];
+    while let Ok(n @ 1..) = out.read(&mut buf) {
+        if first_line.is_none() && buf[..n].contains(&b'\n') {
+            first_line = Some((monotonic_ns() - t0) as f64 / 1e6);
+        }
+    }
+    let status = child.wait().expect("wait for ember");
+    let exit = (monotonic_ns() - t0) as f64 / 1e6;
+    assert!(status.success(), "ember --seccomp {mode} failed: {status}");
+    let ev: EventFile = serde_json::from_slice(&std::fs::read(events).unwrap()).unwrap();
+    let entry = ev
+        .events
+        .iter()
+        .find(|e| e.kind == "boot_mark" && e.code == Some(0x40))
+        .expect("the guest's first mark")
+        .t_us;
+    Boot {
+        first_line: first_line.expect("a console line"),
+        exit,
+        first_insn: (ev.t0_monotonic_ns as f64 - t0 as f64) / 1e6 + entry / 1e3,
+    }
+}
+
+fn row(name: &str, unit: &str, v: &[f64]) -> f64 {
+    let s = Summary::of(v).unwrap_or_default();
+    println!(
+        "| {name} | {:.3} {unit} | {:.3} – {:.3} |",
+        s.median, s.min, s.max
+    );
+    s.median
+}
+
+fn main() {
+    let runs: usize = std::env::var("EMBER_BENCH_RUNS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    let ember = std::env::var_os("EMBER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ember")));
+    let guest = ember_testing::test_guest().expect("test guest");
+    let dir = std::env::temp_dir().join(format!("ember-bench-seccomp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let events = dir.join("ev.json");
+
+    // Warm-up: page cache, THP pool, binaries.
+    for mode in ["trap", "off", "trap", "off"] {
+        boot(&ember, &guest, mode, &events);
+    }
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    for i in 0..runs {
+        eprint!("\rrun {}/{runs}", i + 1);
+        // Alternate which goes first, so neither always follows the other.
+        if i % 2 == 0 {
+            on.push(boot(&ember, &guest, "trap", &events));
+            off.push(boot(&ember, &guest, "off", &events));
+        } else {
+            off.push(boot(&ember, &guest, "off", &events));
+            on.push(boot(&ember, &guest, "trap", &events));
+        }
+    }
+    eprintln!();
+    // Compiling every list, as `seccomp::init` did once per process before
+    // the build script compiled them (`crates/ember-vmm/build.rs`).
+    let mut compile = Vec::new();
+    for _ in 0..runs {
+        let t0 = monotonic_ns();
+        for t in Thread::ALL {
+            std::hint::black_box(seccomp::compile(t, Mode::Trap).expect("compile"));
+        }
+        compile.push((monotonic_ns() - t0) as f64 / 1e3);
+    }
+
+    println!(
+        "\nember boot with --seccomp trap vs off, {runs} interleaved pairs (test guest, 512 MiB, 1 vCPU)"
+    );
+    println!("ember binary: {}\n", ember.display());
+    println!("| measure | median | min – max |");
+    println!("| --- | --- | --- |");
+    let pick = |v: &[Boot], f: fn(&Boot) -> f64| v.iter().map(f).collect::<Vec<_>>();
+    let on_insn = row(
+        "seccomp trap: exec → first guest instruction",
+        "ms",
+        &pick(&on, |b| b.first_insn),
+    );
+    let off_insn = row(
+        "seccomp off: exec → first guest instruction",
+        "ms",
+        &pick(&off, |b| b.first_insn),
+    );
+    let on_line = row(
+        "seccomp trap: exec → first console line",
+        "ms",
+        &pick(&on, |b| b.first_line),
+    );
+    let off_line = row(
+        "seccomp off: exec → first console line",
+        "ms",
+        &pick(&off, |b| b.first_line),
+    );
+    let on_exit = row("seccomp trap: exec → exit", "ms", &pick(&on, |b| b.exit));
+    let off_exit = row("seccomp off: exec → exit", "ms", &pick(&off, |b| b.exit));
+    row(
+        "compiling all 12 filters (in process, once per ember)",
+        "µs",
+        &compile,
+    );
+    println!(
+        "\nratios (trap / off, medians): first instruction {:.3}×, first line {:.3}×, exit {:.3}×",
+        on_insn / off_insn,
+        on_line / off_line,
+        on_exit / off_exit
+    );
+    println!(
+        "differences (trap − off, medians): first instruction {:+.3} ms, first line {:+.3} ms",
+        on_insn - off_insn,
+        on_line - off_line
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,691 @@
+//! Seccomp: every thread of `ember boot` runs under an allow-list of the
+//! system calls it needs, installed before the guest runs its first
+//! instruction, with `no_new_privs` set.
+//!
+//! How it fits together:
+//! - The lists are in `seccomp/lists.rs`. The crate's build script runs
+//!   them through seccompiler, so the BPF programs (one per [`Thread`] kind
+//!   and mode) are static data: nothing is compiled at start-up (compiling
+//!   all twelve cost 0.6-1 ms, BENCHMARKS.md §10), and a unit test checks the
+//!   built programs against the lists as compiled at run time.
+//! - [`init`] (once per process, before any thread starts) installs the
+//!   SIGSYS handler and starts the *spawner*.
+//! - Each thread installs its own filter with [`confine`] before it does
+//!   anything the guest can reach: a vCPU at the top of `Vcpu::run`, a device
+//!   I/O thread first thing on its thread, the main thread just before
+//!   step 8 of the boot (`builder::build`, `snapshot::restore`).
+//! - Filters are inherited and stack: a thread made by a filtered thread
+//!   runs under its creator's filter *and* its own. So virtio I/O threads,
+//!   which a vCPU would otherwise start (a driver activates its device by an
+//!   MMIO write), are started by the spawner instead, a thread whose list is
+//!   just the union of the device lists plus thread creation. The vCPU list
+//!   then needs neither `clone` nor any device's I/O calls. The main thread's
+//!   list is, for the same reason, a superset of the lists of the threads it
+//!   starts after it is filtered (control socket, stdin, background commit,
+//!   vCPUs of a restore, the keeper).
+//! - A call outside the list: with [`Mode::Trap`] (the default of `ember
+//!   boot`) the kernel stops it and sends SIGSYS; the handler prints
+//!   `ember: seccomp: thread <name> made forbidden syscall <name> (<nr>)` and
+//!   ends the process with the status given to [`init`]. [`Mode::Log`] lets the
+//!   call through and has the kernel log it (the audit log / dmesg);
+//!   [`Mode::Off`] installs nothing.
+//!
+//! Every list says why each call is there. Lists cover both C
+//! libraries ember is built with (glibc for development, musl for the
+//! release): e.g. glibc raises a signal with `tgkill`, musl with `tkill`.
+
+mod lists;
+
+pub use lists::{Rules, Thread, rules};
+use seccompiler::{BpfProgram, SeccompAction, sock_filter};
+use std::cell::Cell;
+use std::io;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{OnceLock, mpsc};
+use std::thread::JoinHandle;
+use thiserror::Error;
+
+/// Seccomp errors.
+#[derive(Debug, Error)]
+pub enum SeccompError {
+    /// seccompiler refused a list (a bug in this file).
+    #[error("seccomp: cannot compile the {0} filter: {1}")]
+    Compile(&'static str, String),
+    /// The kernel refused a filter (no seccomp support?).
+    #[error("seccomp: cannot install the {0} filter: {1}")]
+    Install(&'static str, String),
+    /// The SIGSYS handler could not be installed.
+    #[error("seccomp: cannot install the SIGSYS handler: {0}")]
+    Handler(io::Error),
+    /// The spawner thread could not be started.
+    #[error("seccomp: cannot start the device-thread spawner: {0}")]
+    Spawner(io::Error),
+    /// [`init`] was called twice.
+    #[error("seccomp: already set up")]
+    Twice,
+}
+
+/// What a thread outside its list gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// No filters at all.
+    Off,
+    /// The call goes through and the kernel logs it (audit log / dmesg).
+    Log,
+    /// The call is stopped; ember prints which one and exits.
+    Trap,
+}
+
+/// The programs the build script compiled from `lists.rs`: `TRAP` and `LOG`
+/// (indexed by [`Thread::index`]) and `NO_CLONE3`.
+#[allow(clippy::all)]
+mod built {
+    use seccompiler::sock_filter;
+    include!(concat!(env!("OUT_DIR"), "/seccomp_programs.rs"));
+}
+
+/// Compiles `thread`'s list for `mode` at run time (the build script did the
+/// same for the programs ember installs; tests and the bench use this).
+pub fn compile(thread: Thread, mode: Mode) -> Result<BpfProgram, SeccompError> {
+    let mismatch = match mode {
+        Mode::Log => SeccompAction::Log,
+        Mode::Trap | Mode::Off => SeccompAction::Trap,
+    };
+    lists::program(thread, mismatch).map_err(|e| SeccompError::Compile(thread.name(), e))
+}
+
+/// The clone3 filter, compiled at run time (see [`compile`]).
+pub fn no_clone3() -> Result<BpfProgram, SeccompError> {
+    lists::no_clone3_program().map_err(|e| SeccompError::Compile("clone3", e))
+}
+
+/// The built-in program of `thread` for `mode` (trap for [`Mode::Off`],
+/// which installs nothing).
+fn built_in(thread: Thread, mode: Mode) -> &'static [sock_filter] {
+    match mode {
+        Mode::Log => built::LOG[thread.index()],
+        Mode::Trap | Mode::Off => built::TRAP[thread.index()],
+    }
+}
+
+/// The mode [`init`] set.
+static MODE: OnceLock<Mode> = OnceLock::new();
+/// The exit status after a forbidden call (read by the SIGSYS handler).
+static EXIT_STATUS: AtomicI32 = AtomicI32::new(1);
+/// Run by the SIGSYS handler before it exits (async-signal-safe).
+static ON_VIOLATION: OnceLock<fn()> = OnceLock::new();
+/// Where device threads are started once filters are on.
+static SPAWNER: OnceLock<mpsc::Sender<SpawnJob>> = OnceLock::new();
+
+thread_local! {
+    /// This thread's name (as the OS knows it), for the SIGSYS message.
+    static NAME: Cell<[u8; 16]> = const { Cell::new([0; 16]) };
+}
+
+/// Sets up seccomp for this process for `mode`: installs the SIGSYS handler (a forbidden call ends ember with
+/// `exit_status`) and starts the spawner. Call on the main thread before any
+/// other starts. With [`Mode::Off`] it does nothing.
+pub fn init(mode: Mode, exit_status: i32) -> Result<(), SeccompError> {
+    if mode == Mode::Off {
+        return Ok(());
+    }
+    EXIT_STATUS.store(exit_status, Ordering::SeqCst);
+    install_sigsys_handler()?;
+    MODE.set(mode).map_err(|_| SeccompError::Twice)?;
+    test_hook::init();
+    start_spawner()
+}
+
+/// Has the SIGSYS handler call `f` (async-signal-safe: e.g. put the
+/// terminal back) before ember exits.
+pub fn on_violation(f: fn()) {
+    let _ = ON_VIOLATION.set(f);
+}
+
+/// The mode [`init`] set ([`Mode::Off`] before it).
+pub fn mode() -> Mode {
+    MODE.get().copied().unwrap_or(Mode::Off)
+}
+
+/// Installs `thread`'s filter on the calling thread (and `no_new_privs`).
+/// Does nothing before [`init`] or with [`Mode::Off`]. Every thread but the
+/// main one also blocks the fatal signals ember handles, so their handlers
+/// run on the main thread.
+pub fn confine(thread: Thread) -> Result<(), SeccompError> {
+    let Some(&mode) = MODE.get() else {
+        return Ok(());
+    };
+    remember_name();
+    if thread != Thread::Main {
+        block_fatal_signals();
+    }
+    let install = |p: &[sock_filter]| {
+        seccompiler::apply_filter(p)
+            .map_err(|e| SeccompError::Install(thread.name(), e.to_string()))
+    };
+    if stacks_no_clone3(thread) {
+        install(built::NO_CLONE3)?;
+    }
+    install(built_in(thread, mode))
+}
+
+/// Whether `thread`'s list comes with the filter that answers clone3 ENOSYS
+/// (the kinds that start threads; their threads inherit it).
+fn stacks_no_clone3(thread: Thread) -> bool {
+    matches!(
+        thread,
+        Thread::Main | Thread::Spawner | Thread::Api | Thread::Committer | Thread::Balloon
+    )
+}
+
+/// [`confine`], or end ember with a one-line message: a thread that cannot
+/// be filtered must not run unfiltered.
+pub fn confine_or_exit(thread: Thread) {
+    if let Err(e) = confine(thread) {
+        eprintln!("ember: {e}");
+        // SAFETY: _exit ends the process at once; nothing is left half-done
+        // that the exit status does not already report.
+        unsafe { libc::_exit(EXIT_STATUS.load(Ordering::SeqCst)) };
+    }
+}
+
+/// The keeper's filter as (address, length), for its raw `seccomp` call.
+/// The program is static data; `None` before [`init`].
+pub(crate) fn keeper_program() -> Option<(usize, u16)> {
+    let p = built_in(Thread::Keeper, *MODE.get()?);
+    Some((p.as_ptr() as usize, u16::try_from(p.len()).ok()?))
+}
+
+fn remember_name() {
+    let mut name = [0u8; 16];
+    if let Some(n) = std::thread::current().name() {
+        let n = n.as_bytes();
+        let len = n.len().min(15);
+        name[..len].copy_from_slice(&n[..len]);
+    }
+    NAME.with(|c| c.set(name));
+}
+
+fn block_fatal_signals() {
+    // SAFETY: a zeroed sigset_t is valid input for sigemptyset/sigaddset,
+    // which only edit it; pthread_sigmask reads it and takes no old mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+            libc::sigaddset(&mut set, sig);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
+/// The SIGSYS part of `siginfo_t` on x86-64 (`_sigsys` in the kernel's
+/// union, after signo, errno, code and padding to 8 bytes).
+#[repr(C)]
+struct SigsysInfo {
+    signo: libc::c_int,
+    errno: libc::c_int,
+    code: libc::c_int,
+    _pad: libc::c_int,
+    call_addr: *mut libc::c_void,
+    syscall: libc::c_int,
+    arch: libc::c_uint,
+}
+
+fn install_sigsys_handler() -> Result<(), SeccompError> {
+    // SAFETY: a zeroed sigaction is valid; the handler only formats into a
+    // stack buffer and makes async-signal-safe calls (write, _exit, and the
+    // registered on_violation hook, which must be async-signal-safe too).
+    unsafe {
+        let mut act: libc::sigaction = std::mem::zeroed();
+        act.sa_sigaction = on_sigsys as *const () as libc::sighandler_t;
+        act.sa_flags = libc::SA_SIGINFO;
+        libc::sigemptyset(&mut act.sa_mask);
+        if libc::sigaction(libc::SIGSYS, &act, std::ptr::null_mut()) != 0 {
+            return Err(SeccompError::Handler(io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+/// A fixed buffer that `write!` can fill without allocating.
+struct StackBuf {
+    buf: [u8; 192],
+    len: usize,
+}
+
+impl std::fmt::Write for StackBuf {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let n = s.len().min(self.buf.len() - self.len);
+        self.buf[self.len..self.len + n].copy_from_slice(&s.as_bytes()[..n]);
+        self.len += n;
+        Ok(())
+    }
+}
+
+/// The message of a forbidden call `nr` on the thread called `name`.
+fn violation_message(name: &[u8], nr: i32, out: &mut StackBuf) {
+    use std::fmt::Write;
+    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    let name = std::str::from_utf8(&name[..end]).unwrap_or("?");
+    let name = if name.is_empty() { "?" } else { name };
+    let _ = match syscall_name(nr) {
+        Some(call) => writeln!(
+            out,
+            "ember: seccomp: thread {name} made forbidden syscall {call} ({nr})"
+        ),
+        None => writeln!(
+            out,
+            "ember: seccomp: thread {name} made forbidden syscall {nr}"
+        ),
+    };
+}
+
+extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler,
+    // and for a seccomp SIGSYS it fills the `_sigsys` member read here.
+    let nr = unsafe { (*info.cast::<SigsysInfo>()).syscall };
+    // A const-initialised thread-local without a destructor: a plain load.
+    let name = NAME.with(|c| c.get());
+    let mut out = StackBuf {
+        buf: [0; 192],
+        len: 0,
+    };
+    violation_message(&name, nr, &mut out);
+    if let Some(f) = ON_VIOLATION.get() {
+        f();
+    }
+    // SAFETY: write and _exit are async-signal-safe; the buffer is ours.
+    unsafe {
+        libc::write(libc::STDERR_FILENO, out.buf.as_ptr().cast(), out.len);
+        libc::_exit(EXIT_STATUS.load(Ordering::SeqCst));
+    }
+}
+
+/// The name of x86-64 system call `nr`.
+pub fn syscall_name(nr: i32) -> Option<&'static str> {
+    let n = usize::try_from(nr).ok()?;
+    let name = if n < SYSCALLS_LOW.len() {
+        SYSCALLS_LOW[n]
+    } else {
+        *SYSCALLS_HIGH.get(n.checked_sub(SYSCALLS_HIGH_START)?)?
+    };
+    (!name.is_empty()).then_some(name)
+}
+
+type SpawnJob = (
+    std::thread::Builder,
+    Box<dyn FnOnce() + Send>,
+    mpsc::Sender<io::Result<JoinHandle<()>>>,
+);
+
+fn start_spawner() -> Result<(), SeccompError> {
+    let (tx, rx) = mpsc::channel::<SpawnJob>();
+    std::thread::Builder::new()
+        .name("ember-spawner".into())
+        .spawn(move || {
+            confine_or_exit(Thread::Spawner);
+            for (builder, body, reply) in rx {
+                let _ = reply.send(builder.spawn(body));
+            }
+        })
+        .map_err(SeccompError::Spawner)?;
+    SPAWNER.set(tx).map_err(|_| SeccompError::Twice)
+}
+
+/// Starts `body` on a thread called `name` under `thread`'s filter. Once
+/// filters are on, the spawner starts it (see the module docs: a thread made
+/// by a vCPU would inherit the vCPU's filter).
+pub(crate) fn spawn<F>(name: String, thread: Thread, body: F) -> io::Result<JoinHandle<()>>
+where
+    F: FnOnce() + Send + 'static,
+{
+    let builder = std::thread::Builder::new().name(name);
+    let body = move || {
+        confine_or_exit(thread);
+        body()
+    };
+    let Some(spawner) = SPAWNER.get() else {
+        return builder.spawn(body);
+    };
+    let (reply, answer) = mpsc::channel();
+    spawner
+        .send((builder, Box::new(body), reply))
+        .map_err(|_| io::Error::other("the device-thread spawner is gone"))?;
+    answer
+        .recv()
+        .map_err(|_| io::Error::other("the device-thread spawner is gone"))?
+}
+
+/// A test-only way to make a device thread break its list
+/// (`tests/seccomp_e2e.rs`): in debug builds, with
+/// `EMBER_TEST_SECCOMP_VIOLATION=block` in the environment, the first
+/// virtio-blk request makes the block I/O thread call `socket(2)`, which no
+/// device list allows. Release builds have no such hook.
+pub(crate) mod test_hook {
+    #[cfg(debug_assertions)]
+    static ARMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+    /// Reads the environment once, at [`super::init`].
+    pub(crate) fn init() {
+        #[cfg(debug_assertions)]
+        ARMED.store(
+            std::env::var_os("EMBER_TEST_SECCOMP_VIOLATION").is_some_and(|v| v == "block"),
+            std::sync::atomic::Ordering::SeqCst,
+        );
+    }
+
+    /// Called by the block I/O thread on each request batch.
+    #[inline]
+    pub(crate) fn block_request() {
+        #[cfg(debug_assertions)]
+        if ARMED.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            // SAFETY: socket takes integers; the descriptor, if any, is closed.
+            unsafe {
+                let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+                if fd >= 0 {
+                    libc::close(fd);
+                }
+            }
+        }
+    }
+}
+
+/// x86-64 system call names by number, 0 to 334 (from the kernel's
+/// `asm/unistd_64.h`; empty where no call has the number).
+#[rustfmt::skip]
+const SYSCALLS_LOW: [&str; 335] = [
+    "read", "write", "open", "close", "stat", "fstat", "lstat", "poll", "lseek", "mmap",
+    "mprotect", "munmap", "brk", "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "ioctl",
+    "pread64", "pwrite64", "readv", "writev", "access", "pipe", "select", "sched_yield", "mremap",
+    "msync", "mincore", "madvise", "shmget", "shmat", "shmctl", "dup", "dup2", "pause",
+    "nanosleep", "getitimer", "alarm", "setitimer", "getpid", "sendfile", "socket", "connect",
+    "accept", "sendto", "recvfrom", "sendmsg", "recvmsg", "shutdown", "bind", "listen",
+    "getsockname", "getpeername", "socketpair", "setsockopt", "getsockopt", "clone", "fork",
+    "vfork", "execve", "exit", "wait4", "kill", "uname", "semget", "semop", "semctl", "shmdt",
+    "msgget", "msgsnd", "msgrcv", "msgctl", "fcntl", "flock", "fsync", "fdatasync", "truncate",
+    "ftruncate", "getdents", "getcwd", "chdir", "fchdir", "rename", "mkdir", "rmdir", "creat",
+    "link", "unlink", "symlink", "readlink", "chmod", "fchmod", "chown", "fchown", "lchown",
+    "umask", "gettimeofday", "getrlimit", "getrusage", "sysinfo", "times", "ptrace", "getuid",
+    "syslog", "getgid", "setuid", "setgid", "geteuid", "getegid", "setpgid", "getppid", "getpgrp",
+    "setsid", "setreuid", "setregid", "getgroups", "setgroups", "setresuid", "getresuid",
+    "setresgid", "getresgid", "getpgid", "setfsuid", "setfsgid", "getsid", "capget", "capset",
+    "rt_sigpending", "rt_sigtimedwait", "rt_sigqueueinfo", "rt_sigsuspend", "sigaltstack", "utime",
+    "mknod", "uselib", "personality", "ustat", "statfs", "fstatfs", "sysfs", "getpriority",
+    "setpriority", "sched_setparam", "sched_getparam", "sched_setscheduler", "sched_getscheduler",
+    "sched_get_priority_max", "sched_get_priority_min", "sched_rr_get_interval", "mlock",
+    "munlock", "mlockall", "munlockall", "vhangup", "modify_ldt", "pivot_root", "_sysctl", "prctl",
+    "arch_prctl", "adjtimex", "setrlimit", "chroot", "sync", "acct", "settimeofday", "mount",
+    "umount2", "swapon", "swapoff", "reboot", "sethostname", "setdomainname", "iopl", "ioperm",
+    "create_module", "init_module", "delete_module", "get_kernel_syms", "query_module", "quotactl",
+    "nfsservctl", "getpmsg", "putpmsg", "afs_syscall", "tuxcall", "security", "gettid",
+    "readahead", "setxattr", "lsetxattr", "fsetxattr", "getxattr", "lgetxattr", "fgetxattr",
+    "listxattr", "llistxattr", "flistxattr", "removexattr", "lremovexattr", "fremovexattr",
+    "tkill", "time", "futex", "sched_setaffinity", "sched_getaffinity", "set_thread_area",
+    "io_setup", "io_destroy", "io_getevents", "io_submit", "io_cancel", "get_thread_area",
+    "lookup_dcookie", "epoll_create", "epoll_ctl_old", "epoll_wait_old", "remap_file_pages",
+    "getdents64", "set_tid_address", "restart_syscall", "semtimedop", "fadvise64", "timer_create",
+    "timer_settime", "timer_gettime", "timer_getoverrun", "timer_delete", "clock_settime",
+    "clock_gettime", "clock_getres", "clock_nanosleep", "exit_group", "epoll_wait", "epoll_ctl",
+    "tgkill", "utimes", "vserver", "mbind", "set_mempolicy", "get_mempolicy", "mq_open",
+    "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr", "kexec_load",
+    "waitid", "add_key", "request_key", "keyctl", "ioprio_set", "ioprio_get", "inotify_init",
+    "inotify_add_watch", "inotify_rm_watch", "migrate_pages", "openat", "mkdirat", "mknodat",
+    "fchownat", "futimesat", "newfstatat", "unlinkat", "renameat", "linkat", "symlinkat",
+    "readlinkat", "fchmodat", "faccessat", "pselect6", "ppoll", "unshare", "set_robust_list",
+    "get_robust_list", "splice", "tee", "sync_file_range", "vmsplice", "move_pages", "utimensat",
+    "epoll_pwait", "signalfd", "timerfd_create", "eventfd", "fallocate", "timerfd_settime",
+    "timerfd_gettime", "accept4", "signalfd4", "eventfd2", "epoll_create1", "dup3", "pipe2",
+    "inotify_init1", "preadv", "pwritev", "rt_tgsigqueueinfo", "perf_event_open", "recvmmsg",
+    "fanotify_init", "fanotify_mark", "prlimit64", "name_to_handle_at", "open_by_handle_at",
+    "clock_adjtime", "syncfs", "sendmmsg", "setns", "getcpu", "process_vm_readv",
+    "process_vm_writev", "kcmp", "finit_module", "sched_setattr", "sched_getattr", "renameat2",
+    "seccomp", "getrandom", "memfd_create", "kexec_file_load", "bpf", "execveat", "userfaultfd",
+    "membarrier", "mlock2", "copy_file_range", "preadv2", "pwritev2", "pkey_mprotect",
+    "pkey_alloc", "pkey_free", "statx", "io_pgetevents", "rseq",
+];
+
+/// Where [`SYSCALLS_HIGH`] starts (the numbers after 334 are unused until 424).
+const SYSCALLS_HIGH_START: usize = 424;
+
+/// x86-64 system call names from 424 on.
+#[rustfmt::skip]
+const SYSCALLS_HIGH: [&str; 27] = [
+    "pidfd_send_signal", "io_uring_setup", "io_uring_enter", "io_uring_register", "open_tree",
+    "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "pidfd_open", "clone3", "close_range",
+    "openat2", "pidfd_getfd", "faccessat2", "process_madvise", "epoll_pwait2", "mount_setattr",
+    "quotactl_fd", "landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self",
+    "memfd_secret", "process_mrelease", "futex_waitv", "set_mempolicy_home_node",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_list_compiles_in_every_mode() {
+        for t in Thread::ALL {
+            for mode in [Mode::Trap, Mode::Log] {
+                let p = compile(t, mode).unwrap_or_else(|e| panic!("{e}"));
+                assert!(!p.is_empty(), "{t:?}");
+                // A classic BPF program has at most 4096 instructions.
+                assert!(p.len() <= 4096, "{t:?}: {} instructions", p.len());
+            }
+        }
+        assert!(!no_clone3().unwrap().is_empty());
+    }
+
+    /// The programs ember installs (compiled by the build script) are the
+    /// lists as they stand, in both modes.
+    #[test]
+    fn the_built_in_programs_are_the_lists_compiled() {
+        for t in Thread::ALL {
+            for mode in [Mode::Trap, Mode::Log] {
+                assert_eq!(
+                    built_in(t, mode),
+                    compile(t, mode).unwrap().as_slice(),
+                    "{t:?} {mode:?}"
+                );
+            }
+        }
+        assert_eq!(built::NO_CLONE3, no_clone3().unwrap().as_slice());
+        // Trap and log differ (the action on a mismatch).
+        assert_ne!(
+            built_in(Thread::Vcpu, Mode::Trap),
+            built_in(Thread::Vcpu, Mode::Log)
+        );
+    }
+
+    /// Nothing that could run another program, trace or debug another
+    /// process, open a network socket or load kernel code is on any list;
+    /// and `clone` is only allowed with checked flags.
+    #[test]
+    fn no_list_allows_dangerous_calls() {
+        let forbidden = [
+            libc::SYS_execve,
+            libc::SYS_execveat,
+            libc::SYS_ptrace,
+            libc::SYS_process_vm_readv,
+            libc::SYS_process_vm_writev,
+            libc::SYS_socket,
+            libc::SYS_connect,
+            libc::SYS_bind,
+            libc::SYS_listen,
+            libc::SYS_fork,
+            libc::SYS_vfork,
+            libc::SYS_init_module,
+            libc::SYS_finit_module,
+            libc::SYS_kexec_load,
+            libc::SYS_bpf,
+            libc::SYS_mount,
+            libc::SYS_setuid,
+            libc::SYS_chroot,
+            libc::SYS_personality,
+        ];
+        for t in Thread::ALL {
+            let r = rules(t);
+            for call in forbidden {
+                assert!(
+                    !r.contains_key(&call),
+                    "{t:?} allows {}",
+                    syscall_name(call as i32).unwrap()
+                );
+            }
+            if let Some(clone) = r.get(&libc::SYS_clone) {
+                assert!(!clone.is_empty(), "{t:?} allows clone with any flags");
+            }
+            // clone3 only where the ENOSYS filter is installed with the list.
+            if r.contains_key(&libc::SYS_clone3) {
+                assert!(stacks_no_clone3(t), "{t:?} allows clone3 without no_clone3");
+            }
+        }
+    }
+
+    /// Lists that must stay narrow: no vCPU or device thread may open or
+    /// remove files, none but the balloon (whose deflate commits memory on
+    /// worker threads) create threads; only block does disk I/O.
+    #[test]
+    fn vcpu_and_device_lists_stay_narrow() {
+        for t in [
+            Thread::Vcpu,
+            Thread::Block,
+            Thread::Console,
+            Thread::Rng,
+            Thread::Pmem,
+            Thread::Balloon,
+        ] {
+            let r = rules(t);
+            let mut forbidden = vec![libc::SYS_openat, libc::SYS_open, libc::SYS_unlink];
+            if t != Thread::Balloon {
+                forbidden.extend([libc::SYS_clone, libc::SYS_clone3]);
+            }
+            for call in forbidden {
+                assert!(
+                    !r.contains_key(&call),
+                    "{t:?} allows {}",
+                    syscall_name(call as i32).unwrap()
+                );
+            }
+        }
+        assert!(rules(Thread::Block).contains_key(&libc::SYS_io_uring_enter));
+        assert!(!rules(Thread::Rng).contains_key(&libc::SYS_pwritev));
+        assert!(!rules(Thread::Vcpu).contains_key(&libc::SYS_pwritev));
+    }
+
+    /// Filters stack: whatever a thread needs must also pass the filter of
+    /// the thread that starts it.
+    #[test]
+    fn a_creator_allows_what_its_threads_need() {
+        let covers = |outer: Thread, inner: Thread| {
+            let (o, i) = (rules(outer), rules(inner));
+            for (call, conds) in &i {
+                let Some(oc) = o.get(call) else {
+                    panic!(
+                        "{outer:?} starts {inner:?} threads but does not allow {}",
+                        syscall_name(*call as i32).unwrap_or("?")
+                    );
+                };
+                assert!(
+                    oc.is_empty() || !conds.is_empty(),
+                    "{outer:?} restricts {} which {inner:?} allows freely",
+                    syscall_name(*call as i32).unwrap_or("?")
+                );
+            }
+        };
+        for device in [
+            Thread::Block,
+            Thread::Console,
+            Thread::Rng,
+            Thread::Pmem,
+            Thread::Balloon,
+        ] {
+            covers(Thread::Spawner, device);
+        }
+        for t in [Thread::Api, Thread::Stdin, Thread::Committer, Thread::Vcpu] {
+            covers(Thread::Main, t);
+        }
+        for t in [Thread::Main, Thread::Api, Thread::Stdin] {
+            for call in rules(Thread::Keeper).keys() {
+                assert!(rules(t).contains_key(call), "{t:?} cannot start the keeper");
+            }
+        }
+    }
+
+    /// Runs `call` in a forked child under `thread`'s compiled filter (trap,
+    /// no handler: SIGSYS kills it); returns the child's wait status.
+    fn in_filtered_child(thread: Thread, call: fn()) -> libc::c_int {
+        let prog = built_in(thread, Mode::Trap);
+        // SAFETY: the child makes only raw system calls (no allocation,
+        // which fork from a threaded test process does not allow), then _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // The filter and the call, then status 0.
+            if seccompiler::apply_filter(prog).is_err() {
+                // SAFETY: _exit has no preconditions.
+                unsafe { libc::_exit(2) };
+            }
+            call();
+            // SAFETY: as above.
+            unsafe { libc::_exit(0) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child; `status` is a valid out-pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        status
+    }
+
+    #[test]
+    fn a_compiled_filter_stops_what_its_list_lacks() {
+        fn socket() {
+            // SAFETY: socket takes integers.
+            unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+        }
+        fn entropy() {
+            let mut b = [0u8; 8];
+            // SAFETY: a valid buffer of that length.
+            unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+        }
+        fn pwrite() {
+            // SAFETY: an invalid descriptor: the call fails, if allowed.
+            unsafe { libc::pwrite(-1, std::ptr::null(), 0, 0) };
+        }
+        let killed_by_sigsys =
+            |s: libc::c_int| libc::WIFSIGNALED(s) && libc::WTERMSIG(s) == libc::SIGSYS;
+        let exited_0 = |s: libc::c_int| libc::WIFEXITED(s) && libc::WEXITSTATUS(s) == 0;
+        assert!(killed_by_sigsys(in_filtered_child(Thread::Block, socket)));
+        assert!(killed_by_sigsys(in_filtered_child(Thread::Rng, pwrite)));
+        assert!(killed_by_sigsys(in_filtered_child(Thread::Vcpu, pwrite)));
+        assert!(exited_0(in_filtered_child(Thread::Rng, entropy)));
+        assert!(exited_0(in_filtered_child(Thread::Block, pwrite)));
+    }
+
+    #[test]
+    fn syscall_names() {
+        assert_eq!(syscall_name(0), Some("read"));
+        assert_eq!(syscall_name(libc::SYS_socket as i32), Some("socket"));
+        assert_eq!(syscall_name(libc::SYS_clone3 as i32), Some("clone3"));
+        assert_eq!(
+            syscall_name(libc::SYS_io_uring_enter as i32),
+            Some("io_uring_enter")
+        );
+        assert_eq!(syscall_name(400), None);
+        assert_eq!(syscall_name(-1), None);
+        assert_eq!(syscall_name(100_000), None);
+    }
+
+    #[test]
+    fn the_message_names_thread_and_call() {
+        let mut out = StackBuf {
+            buf: [0; 192],
+            len: 0,
+        };
+        let mut name = [0u8; 16];
+        name[..10].copy_from_slice(b"ember-blk0");
+        violation_message(&name, libc::SYS_socket as i32, &mut out);
+        assert_eq!(
+            std::str::from_utf8(&out.buf[..out.len]).unwrap(),
+            "ember: seccomp: thread ember-blk0 made forbidden syscall socket (41)\n"
+        );
+    }
+}

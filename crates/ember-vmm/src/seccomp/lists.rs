@@ -1,0 +1,595 @@
+//! The allow-lists, one per kind of thread, and their compilation to BPF.
+//!
+//! This file is shared: `seccomp.rs` uses it at run time (the lists' unit
+//! tests, `compile`, the bench), and the crate's build script includes it to
+//! compile every list with seccompiler ahead of time, so that ember starts
+//! with its BPF programs as static data instead of compiling twelve of them
+//! at every start (0.6-1 ms, BENCHMARKS.md §10). It may therefore use only
+//! `seccompiler`, `libc` and `std`: nothing from the crate.
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen as Len, SeccompCmpOp as Op,
+    SeccompCondition as Cond, SeccompFilter, SeccompRule, TargetArch,
+};
+use std::collections::BTreeMap;
+
+/// The kinds of thread, each with its own list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Thread {
+    /// The main thread of `ember boot`, from step 8 on.
+    Main,
+    /// A vCPU thread.
+    Vcpu,
+    /// A virtio-blk I/O thread.
+    Block,
+    /// The virtio-console I/O thread (the appliance's channel).
+    Console,
+    /// The virtio-rng I/O thread.
+    Rng,
+    /// A virtio-pmem I/O thread.
+    Pmem,
+    /// The virtio-balloon I/O thread.
+    Balloon,
+    /// The thread that starts device I/O threads.
+    Spawner,
+    /// `--prefault async`'s background commit.
+    Committer,
+    /// The control socket's threads (`--api-socket`).
+    Api,
+    /// The thread feeding stdin to COM1.
+    Stdin,
+    /// The teardown keeper (`vstate::teardown`).
+    Keeper,
+}
+
+impl Thread {
+    /// Every kind, in filter-table order.
+    pub const ALL: [Thread; 12] = [
+        Thread::Main,
+        Thread::Vcpu,
+        Thread::Block,
+        Thread::Console,
+        Thread::Rng,
+        Thread::Pmem,
+        Thread::Balloon,
+        Thread::Spawner,
+        Thread::Committer,
+        Thread::Api,
+        Thread::Stdin,
+        Thread::Keeper,
+    ];
+
+    /// Its name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Thread::Main => "main",
+            Thread::Vcpu => "vcpu",
+            Thread::Block => "block",
+            Thread::Console => "console",
+            Thread::Rng => "rng",
+            Thread::Pmem => "pmem",
+            Thread::Balloon => "balloon",
+            Thread::Spawner => "spawner",
+            Thread::Committer => "committer",
+            Thread::Api => "api",
+            Thread::Stdin => "stdin",
+            Thread::Keeper => "keeper",
+        }
+    }
+
+    /// Its place in [`Thread::ALL`] (and in the built-in program tables).
+    pub fn index(self) -> usize {
+        Thread::ALL
+            .iter()
+            .position(|&t| t == self)
+            .unwrap_or_default()
+    }
+}
+
+/// An allow-list: system call number to the argument conditions under which
+/// it is allowed (an empty vector: always).
+pub type Rules = BTreeMap<i64, Vec<SeccompRule>>;
+
+/// Adds `calls`, allowed whatever their arguments.
+fn allow(r: &mut Rules, calls: &[i64]) {
+    for &c in calls {
+        r.insert(c, Vec::new());
+    }
+}
+
+/// Adds `call`, allowed only when argument `arg` is one of `values`. An
+/// unconditional entry already there stays unconditional.
+fn allow_arg(r: &mut Rules, call: i64, arg: u8, values: &[u64]) {
+    // Built only from the constants in this file: a failure is a bug the
+    // unit tests catch.
+    let new = values.iter().map(|&v| {
+        SeccompRule::new(vec![
+            Cond::new(arg, Len::Dword, Op::Eq, v).expect("valid seccomp condition"),
+        ])
+        .expect("valid seccomp rule")
+    });
+    match r.get_mut(&call) {
+        None => {
+            r.insert(call, new.collect());
+        }
+        // Already allowed whatever the arguments.
+        Some(rules) if rules.is_empty() => {}
+        Some(rules) => rules.extend(new),
+    }
+}
+
+/// The union of two lists (an unconditional entry wins).
+fn merge(into: &mut Rules, from: &Rules) {
+    for (&call, rules) in from {
+        match into.get_mut(&call) {
+            None => {
+                into.insert(call, rules.clone());
+            }
+            Some(mine) if mine.is_empty() => {}
+            Some(mine) if rules.is_empty() => mine.clear(),
+            Some(mine) => mine.extend(rules.iter().cloned()),
+        }
+    }
+}
+
+/// Every thread: what Rust's standard library and the C library do on any
+/// thread, and what the SIGSYS handler itself needs.
+fn base() -> Rules {
+    let mut r = Rules::new();
+    allow(
+        &mut r,
+        &[
+            // Log lines and the SIGSYS message go to stderr.
+            libc::SYS_write,
+            // A thread's end; `_exit` (exit_group) ends ember.
+            libc::SYS_exit,
+            libc::SYS_exit_group,
+            // Returning from a signal handler (the vCPU kick, SIGSYS).
+            libc::SYS_rt_sigreturn,
+            // The C library masks signals around thread exit and in raise().
+            libc::SYS_rt_sigprocmask,
+            // Every Mutex, Condvar, channel and join.
+            libc::SYS_futex,
+            libc::SYS_sched_yield,
+            // The memory allocator; glibc also madvises a dead thread's stack
+            // away, and musl probes with mremap.
+            libc::SYS_mmap,
+            libc::SYS_munmap,
+            libc::SYS_mremap,
+            libc::SYS_mprotect,
+            libc::SYS_brk,
+            libc::SYS_madvise,
+            // Timeouts and sleeps; the vDSO falls back to the system call
+            // where the clock source has no vDSO support.
+            libc::SYS_clock_gettime,
+            libc::SYS_clock_nanosleep,
+            libc::SYS_nanosleep,
+            // Thread and process ids (logging, the C library's raise()).
+            libc::SYS_gettid,
+            libc::SYS_getpid,
+            // std seeds each thread's HashMap keys from getrandom.
+            libc::SYS_getrandom,
+            // Dropping descriptors.
+            libc::SYS_close,
+            // std's stack-overflow guard: the alternate stack is switched off
+            // and unmapped when a thread ends.
+            libc::SYS_sigaltstack,
+            // The kernel restarts an interrupted call with it.
+            libc::SYS_restart_syscall,
+        ],
+    );
+    // Stacking a narrower filter on top (a thread started by a filtered one).
+    allow_arg(
+        &mut r,
+        libc::SYS_prctl,
+        0,
+        &[libc::PR_SET_NO_NEW_PRIVS as u64],
+    );
+    allow_arg(
+        &mut r,
+        libc::SYS_seccomp,
+        0,
+        &[u64::from(libc::SECCOMP_SET_MODE_FILTER)],
+    );
+    // std checks, in debug builds, that a descriptor it closes was open.
+    allow_arg(&mut r, libc::SYS_fcntl, 1, &[libc::F_GETFD as u64]);
+    // The SIGSYS handler (and Ctrl-A x, on the stdin thread) puts a raw
+    // terminal back: tcsetattr, which recent glibc starts with a TCGETS.
+    allow_arg(
+        &mut r,
+        libc::SYS_ioctl,
+        1,
+        &[
+            request(libc::TCGETS),
+            request(libc::TCSETS),
+            request(libc::TCSETSW),
+            request(libc::TCSETSF),
+        ],
+    );
+    r
+}
+
+/// An ioctl request number as a filter compares it. (glibc types them
+/// `c_ulong`, musl `c_int`: the cast is needed on one of the two.)
+#[allow(clippy::unnecessary_cast)]
+fn request(r: libc::Ioctl) -> u64 {
+    r as u64
+}
+
+/// Starting threads: the creator's calls, and what the new thread runs
+/// (under its creator's filter) before it installs its own.
+fn thread_start() -> Rules {
+    let mut r = Rules::new();
+    allow(
+        &mut r,
+        &[
+            // glibc's thread start.
+            libc::SYS_rseq,
+            libc::SYS_set_robust_list,
+            // glibc reads the new thread's CPU set for its attributes (std
+            // asks for the stack bounds).
+            libc::SYS_sched_getaffinity,
+        ],
+    );
+    // pthread_create. clone3's flags live in memory a filter cannot read:
+    // it is allowed here only for a second filter (`no_clone3`, installed
+    // with every list that has this group) to answer it ENOSYS — a trap would
+    // take precedence over the errno — and glibc then falls back to clone,
+    // whose flags must include CLONE_THREAD: a thread, never a new process.
+    allow(&mut r, &[libc::SYS_clone3]);
+    r.insert(
+        libc::SYS_clone,
+        vec![
+            SeccompRule::new(vec![
+                Cond::new(
+                    0,
+                    Len::Qword,
+                    Op::MaskedEq(libc::CLONE_THREAD as u64),
+                    libc::CLONE_THREAD as u64,
+                )
+                .expect("valid seccomp condition"),
+            ])
+            .expect("valid seccomp rule"),
+        ],
+    );
+    // The thread's name (std sets it on the new thread).
+    allow_arg(&mut r, libc::SYS_prctl, 0, &[libc::PR_SET_NAME as u64]);
+    r
+}
+
+/// The keeper's own list: it keeps the VM's descriptor until ember is gone
+/// (`vstate::teardown`), with raw system calls only.
+fn keeper() -> Rules {
+    let mut r = Rules::new();
+    allow(
+        &mut r,
+        &[
+            // Closing every descriptor but the VM's.
+            libc::SYS_close_range,
+            // Waiting for its parent to go.
+            libc::SYS_getppid,
+            libc::SYS_pause,
+            libc::SYS_rt_sigreturn,
+            libc::SYS_exit,
+            libc::SYS_exit_group,
+            // Its own filter is installed under the inherited one.
+            libc::SYS_seccomp,
+        ],
+    );
+    // Dying with ember.
+    allow_arg(
+        &mut r,
+        libc::SYS_prctl,
+        0,
+        &[
+            libc::PR_SET_PDEATHSIG as u64,
+            libc::PR_SET_NO_NEW_PRIVS as u64,
+        ],
+    );
+    r
+}
+
+/// Ending ember from this thread (`teardown::exit`): clone the keeper (which
+/// runs under this thread's filter until it installs its own).
+fn ending() -> Rules {
+    let mut r = keeper();
+    // The keeper's stack (mmap), the signal mask, the parent's pid: in base.
+    // clone for the keeper: exactly CLONE_VM | SIGCHLD, a process sharing
+    // ember's memory, nothing else.
+    let flags = (libc::CLONE_VM | libc::SIGCHLD) as u64;
+    r.entry(libc::SYS_clone).or_default().push(
+        SeccompRule::new(vec![
+            Cond::new(0, Len::Qword, Op::Eq, flags).expect("valid seccomp condition"),
+        ])
+        .expect("valid seccomp rule"),
+    );
+    r
+}
+
+/// What ember's SIGINT/SIGTERM/SIGHUP/SIGQUIT handlers do: put a raw
+/// terminal back, remove the control socket, restore the default action and
+/// re-raise. They run on the main thread: [`confine`] blocks these signals
+/// on every other thread.
+fn fatal_signals() -> Rules {
+    let mut r = Rules::new();
+    allow(
+        &mut r,
+        &[
+            libc::SYS_unlink,
+            libc::SYS_unlinkat,
+            libc::SYS_rt_sigaction,
+            // raise(): glibc uses tgkill, musl tkill.
+            libc::SYS_tgkill,
+            libc::SYS_tkill,
+        ],
+    );
+    r
+}
+
+/// A device I/O thread's loop (`devices::virtio::worker`, block's own):
+/// epoll over the queue eventfds and the kill eventfd.
+fn device_loop() -> Rules {
+    let mut r = base();
+    allow(
+        &mut r,
+        &[
+            libc::SYS_epoll_create1,
+            libc::SYS_epoll_ctl,
+            // glibc's epoll_wait is epoll_wait; musl's is epoll_pwait.
+            libc::SYS_epoll_wait,
+            libc::SYS_epoll_pwait,
+            // Eventfds: reading a queue notification, writing an interrupt
+            // (irqfd) or a VM-end notice.
+            libc::SYS_read,
+            libc::SYS_write,
+        ],
+    );
+    r
+}
+
+/// The list of one kind of thread.
+pub fn rules(thread: Thread) -> Rules {
+    match thread {
+        Thread::Keeper => keeper(),
+        Thread::Block => {
+            let mut r = device_loop();
+            allow(
+                &mut r,
+                &[
+                    // The synchronous engine.
+                    libc::SYS_preadv,
+                    libc::SYS_pwritev,
+                    libc::SYS_pread64,
+                    libc::SYS_pwrite64,
+                    // The io_uring engine (set up on activation, by the vCPU).
+                    libc::SYS_io_uring_enter,
+                    // FLUSH.
+                    libc::SYS_fdatasync,
+                    libc::SYS_fsync,
+                    // DISCARD and WRITE_ZEROES (punch hole, zero range).
+                    libc::SYS_fallocate,
+                ],
+            );
+            r
+        }
+        Thread::Console => {
+            let mut r = device_loop();
+            // The channel is a unix stream: plain read/write (device_loop),
+            // and its reads back off with poll when it would block.
+            allow(
+                &mut r,
+                &[libc::SYS_recvfrom, libc::SYS_sendto, libc::SYS_poll],
+            );
+            r
+        }
+        Thread::Rng => {
+            let mut r = device_loop();
+            // The entropy (already in base; named here for the reader).
+            allow(&mut r, &[libc::SYS_getrandom]);
+            r
+        }
+        Thread::Pmem => {
+            let mut r = device_loop();
+            // FLUSH: the backing file's data to its disk.
+            allow(
+                &mut r,
+                &[libc::SYS_fsync, libc::SYS_fdatasync, libc::SYS_msync],
+            );
+            r
+        }
+        Thread::Balloon => {
+            // Discarding inflated and reported pages is madvise (in base).
+            // With --prefault async, a deflate first commits the pages it
+            // hands back (MADV_POPULATE_WRITE, madvise again) on the
+            // committer's worker threads, started from this thread.
+            let mut r = device_loop();
+            merge(&mut r, &thread_start());
+            r
+        }
+        Thread::Spawner => {
+            let mut r = base();
+            merge(&mut r, &thread_start());
+            for t in [
+                Thread::Block,
+                Thread::Console,
+                Thread::Rng,
+                Thread::Pmem,
+                Thread::Balloon,
+            ] {
+                merge(&mut r, &rules(t));
+            }
+            r
+        }
+        Thread::Vcpu => {
+            let mut r = base();
+            allow(
+                &mut r,
+                &[
+                    // KVM_RUN, memory slots registered on first touch, the
+                    // vCPU's state for a snapshot, irq lines. (The descriptor
+                    // and request are not checked: KVM's are many.)
+                    libc::SYS_ioctl,
+                    // COM1 to stdout, eventfds.
+                    libc::SYS_read,
+                    libc::SYS_write,
+                    libc::SYS_writev,
+                    // A driver activating its device, on this thread: the
+                    // queue and kill eventfds, a duplicate of the backing
+                    // file, block's io_uring.
+                    libc::SYS_eventfd2,
+                    libc::SYS_fcntl,
+                    libc::SYS_dup,
+                    libc::SYS_io_uring_setup,
+                    libc::SYS_io_uring_register,
+                ],
+            );
+            r
+        }
+        Thread::Committer => {
+            let mut r = base();
+            merge(&mut r, &thread_start());
+            allow(
+                &mut r,
+                &[
+                    // Its own priority (nice 10).
+                    libc::SYS_setpriority,
+                    // MADV_POPULATE_WRITE is madvise (base); --mem-lock.
+                    libc::SYS_mlock2,
+                    libc::SYS_mincore,
+                ],
+            );
+            r
+        }
+        Thread::Stdin => {
+            let mut r = base();
+            merge(&mut r, &ending());
+            // stdin (a terminal, a pipe).
+            allow(&mut r, &[libc::SYS_read]);
+            r
+        }
+        Thread::Api => {
+            let mut r = base();
+            merge(&mut r, &thread_start());
+            merge(&mut r, &ending());
+            allow(
+                &mut r,
+                &[
+                    // Clients and their requests.
+                    libc::SYS_accept4,
+                    libc::SYS_read,
+                    libc::SYS_write,
+                    libc::SYS_recvfrom,
+                    libc::SYS_sendto,
+                    libc::SYS_setsockopt,
+                    libc::SYS_fcntl,
+                    // The VM's and vCPUs' state for a snapshot.
+                    libc::SYS_ioctl,
+                    // Kicking vCPUs out of KVM_RUN (pthread_kill).
+                    libc::SYS_tgkill,
+                    libc::SYS_tkill,
+                    // Writing a snapshot: its directory and files, durably;
+                    // pagemap tells which pages to write. (musl opens with
+                    // open, glibc with openat.)
+                    libc::SYS_open,
+                    // musl's stat and lstat of a path are stat and lstat.
+                    libc::SYS_stat,
+                    libc::SYS_lstat,
+                    libc::SYS_access,
+                    libc::SYS_readlink,
+                    libc::SYS_openat,
+                    libc::SYS_mkdir,
+                    libc::SYS_mkdirat,
+                    libc::SYS_newfstatat,
+                    libc::SYS_statx,
+                    libc::SYS_fstat,
+                    libc::SYS_lseek,
+                    libc::SYS_pread64,
+                    libc::SYS_pwrite64,
+                    libc::SYS_writev,
+                    libc::SYS_ftruncate,
+                    libc::SYS_fsync,
+                    libc::SYS_fdatasync,
+                    libc::SYS_rename,
+                    libc::SYS_renameat,
+                    libc::SYS_renameat2,
+                    libc::SYS_unlink,
+                    libc::SYS_unlinkat,
+                    libc::SYS_getdents64,
+                    libc::SYS_fchmod,
+                    libc::SYS_mincore,
+                ],
+            );
+            r
+        }
+        Thread::Main => {
+            let mut r = base();
+            merge(&mut r, &thread_start());
+            merge(&mut r, &ending());
+            merge(&mut r, &fatal_signals());
+            allow(
+                &mut r,
+                &[
+                    // Waiting for the guest's end (eventfd) with a timeout.
+                    libc::SYS_poll,
+                    libc::SYS_ppoll,
+                    libc::SYS_read,
+                    libc::SYS_writev,
+                    // The terminal (raw mode), and a restore's devices.
+                    libc::SYS_ioctl,
+                    // The --events file and /proc/self/status at the end
+                    // (musl's open is open, glibc's openat).
+                    libc::SYS_open,
+                    // musl's stat and lstat of a path are stat and lstat.
+                    libc::SYS_stat,
+                    libc::SYS_lstat,
+                    libc::SYS_access,
+                    libc::SYS_readlink,
+                    libc::SYS_openat,
+                    libc::SYS_fstat,
+                    libc::SYS_newfstatat,
+                    libc::SYS_statx,
+                    libc::SYS_lseek,
+                    libc::SYS_fcntl,
+                ],
+            );
+            // The threads it starts once filtered inherit its filter.
+            for t in [Thread::Api, Thread::Stdin, Thread::Committer, Thread::Vcpu] {
+                merge(&mut r, &rules(t));
+            }
+            r
+        }
+    }
+}
+
+/// Compiles `thread`'s list: a call on it is allowed, any other gets
+/// `mismatch` (trap or log).
+pub fn program(thread: Thread, mismatch: SeccompAction) -> Result<BpfProgram, String> {
+    let err = |e: seccompiler::BackendError| format!("the {} list: {e}", thread.name());
+    let filter = SeccompFilter::new(
+        rules(thread),
+        mismatch,
+        SeccompAction::Allow,
+        TargetArch::x86_64,
+    )
+    .map_err(err)?;
+    filter
+        .try_into()
+        .map_err(|e: seccompiler::BackendError| err(e))
+}
+
+/// The second filter of threads that create threads: clone3 fails with
+/// ENOSYS (its flags cannot be checked), so the C library uses clone.
+pub fn no_clone3_program() -> Result<BpfProgram, String> {
+    let err = |e: seccompiler::BackendError| format!("the clone3 filter: {e}");
+    let mut r = Rules::new();
+    allow(&mut r, &[libc::SYS_clone3]);
+    SeccompFilter::new(
+        r,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        TargetArch::x86_64,
+    )
+    .map_err(err)?
+    .try_into()
+    .map_err(|e: seccompiler::BackendError| err(e))
+}

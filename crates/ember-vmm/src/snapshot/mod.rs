@@ -1,0 +1,756 @@
+//! Snapshots: a paused VM written to a directory, and brought back to life
+//! in another ember process.
+//!
+//! A snapshot directory holds two files:
+//!
+//! - `memory`: guest RAM, its regions back to back in guest-address order,
+//!   sparse (only non-zero pages the guest may have written take space);
+//! - `state`: everything else — every vCPU ([`vcpu::VcpuState`]), the VM's
+//!   interrupt controllers, PIT and clock ([`vm::VmState`]), COM1, each
+//!   virtio-mmio transport and the device behind it, and the host CPUID the
+//!   snapshot was taken on. It is a fixed header (magic, format version,
+//!   payload length, CRC-32 of the payload) and a JSON payload, written last
+//!   and renamed into place, so a directory with a `state` is complete.
+//!
+//! [`create`] takes a snapshot of a paused VM; [`restore::restore`] builds a
+//! VM from one. Every check that can refuse a snapshot (format, version,
+//! checksum, sizes, the host's CPU, the disks' identity) runs before any
+//! vCPU is made (the VM and its memory are made meanwhile on a helper
+//! thread, and dropped unused when the snapshot is refused).
+
+pub mod memory;
+pub mod restore;
+
+pub use crate::vstate::vcpu_state as vcpu;
+pub use crate::vstate::vm_state as vm;
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvm_bindings::kvm_cpuid_entry2;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use vm_memory::GuestMemoryMmap;
+
+use crate::arch::x86_64::layout;
+use crate::devices::legacy::Serial;
+use crate::devices::virtio::mmio::TransportState;
+use crate::devices::virtio::{BalloonHandle, BalloonState, MmioTransport};
+use crate::vstate::end::VmEnd;
+use crate::vstate::vcpu::Control;
+use crate::vstate::vm::Vm;
+
+/// The state file's first bytes.
+pub const MAGIC: &[u8; 8] = b"EMBERSNP";
+/// The state format this ember writes and reads. Bump it whenever a
+/// serialized type changes.
+pub const FORMAT_VERSION: u32 = 1;
+/// magic, version (u32), payload length (u64), CRC-32 (u32).
+const HEADER_LEN: usize = 8 + 4 + 8 + 4;
+/// The state file's name in a snapshot directory.
+pub const STATE_FILE: &str = "state";
+/// The memory file's name in a snapshot directory.
+pub const MEMORY_FILE: &str = "memory";
+/// How long in-flight device requests may take to finish before a snapshot
+/// gives up.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bounds on what a state file may claim, so a forged one cannot make
+/// ember allocate or loop without end.
+const MAX_MSRS: usize = 1024;
+const MAX_CPUID: usize = kvm_bindings::KVM_MAX_CPUID_ENTRIES;
+const MAX_QUEUES: usize = 64;
+
+/// Snapshot errors; each reads as one line.
+#[derive(Debug, Error)]
+pub enum SnapshotError {
+    /// The state file is shorter than its header or than its header says.
+    #[error("{0}: the state file is truncated")]
+    Truncated(PathBuf),
+    /// Not an ember state file.
+    #[error("{0}: not an ember snapshot state file")]
+    NotASnapshot(PathBuf),
+    /// Written by an ember with another state format.
+    #[error("{path}: state format version {found}, this ember reads version {FORMAT_VERSION}")]
+    Version {
+        /// The file.
+        path: PathBuf,
+        /// Its version.
+        found: u32,
+    },
+    /// Bytes after the payload.
+    #[error("{0}: the state file has trailing data")]
+    TrailingData(PathBuf),
+    /// The payload does not match its checksum.
+    #[error("{0}: the state file is corrupt (checksum mismatch)")]
+    Checksum(PathBuf),
+    /// The payload passed its checksum but does not parse or make sense.
+    #[error("{path}: invalid state: {why}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+    /// The memory file does not match the state.
+    #[error("{path}: memory file of {found} bytes, the snapshot's guest has {want}")]
+    MemorySize {
+        /// The file.
+        path: PathBuf,
+        /// Its size.
+        found: u64,
+        /// The guest's.
+        want: u64,
+    },
+    /// Taken on a CPU with other features.
+    #[error("the snapshot was taken on a CPU with other features ({0}); it cannot resume here")]
+    Cpu(String),
+    /// A disk or pmem file is not the one recorded.
+    #[error("{path}: {why} since the snapshot")]
+    FileChanged {
+        /// The file.
+        path: PathBuf,
+        /// What differs.
+        why: String,
+    },
+    /// The VM has a device that snapshots do not cover yet.
+    #[error("cannot snapshot a VM with a {0} device yet")]
+    Unsupported(&'static str),
+    /// The VM is running.
+    #[error("pause the VM before taking a snapshot")]
+    NotPaused,
+    /// Requests did not finish.
+    #[error("device requests did not finish within {0:?}")]
+    Drain(Duration),
+    /// File system trouble.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A KVM or device step failed.
+    #[error("{0}")]
+    Step(String),
+}
+
+fn io_err(path: &Path) -> impl Fn(std::io::Error) -> SnapshotError + '_ {
+    move |source| SnapshotError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// What a virtio device is, to rebuild it in the same window with the same
+/// backing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum DeviceSpec {
+    /// virtio-blk.
+    Block {
+        /// The image.
+        path: PathBuf,
+        /// Offered read-only.
+        read_only: bool,
+        /// O_DIRECT.
+        direct: bool,
+        /// GET_ID's answer.
+        serial: Option<String>,
+        /// Busy-poll window, microseconds.
+        poll_us: u64,
+    },
+    /// virtio-rng.
+    Rng,
+    /// virtio-pmem.
+    Pmem {
+        /// The backing file.
+        path: PathBuf,
+        /// Where it sits in guest-physical memory.
+        guest_addr: u64,
+    },
+    /// The appliance's virtio-console channel. It holds no state beyond its
+    /// transport: a restore connects it to the channel socket it is given.
+    Console,
+    /// virtio-balloon; its own state is [`DeviceState::balloon`].
+    Balloon,
+}
+
+impl DeviceSpec {
+    fn path(&self) -> Option<&Path> {
+        match self {
+            DeviceSpec::Block { path, .. } | DeviceSpec::Pmem { path, .. } => Some(path),
+            _ => None,
+        }
+    }
+}
+
+/// Which file a disk or pmem device had open: the same path must name the
+/// same, unchanged file at restore (the guest's caches hold its contents).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileIdentity {
+    /// st_dev.
+    pub dev: u64,
+    /// st_ino.
+    pub ino: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time, nanoseconds since the epoch.
+    pub mtime_ns: i128,
+}
+
+impl FileIdentity {
+    /// The identity of the file at `path` now.
+    pub fn of(path: &Path) -> std::io::Result<Self> {
+        let m = std::fs::metadata(path)?;
+        Ok(FileIdentity {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.len(),
+            mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+        })
+    }
+
+    /// Why `now` is not this file, if it is not.
+    fn differs(&self, now: &FileIdentity) -> Option<String> {
+        if (self.dev, self.ino) != (now.dev, now.ino) {
+            Some("is another file".into())
+        } else if self.size != now.size {
+            Some(format!(
+                "changed size ({} -> {} bytes)",
+                self.size, now.size
+            ))
+        } else if self.mtime_ns != now.mtime_ns {
+            Some("was modified".into())
+        } else {
+            None
+        }
+    }
+}
+
+/// One virtio device in the snapshot.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceState {
+    /// What it is and what backs it.
+    pub spec: DeviceSpec,
+    /// Its backing file, for disks and pmem.
+    pub file: Option<FileIdentity>,
+    /// Its register window.
+    pub transport: TransportState,
+    /// A balloon's target, size, held ranges and statistics.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balloon: Option<BalloonState>,
+}
+
+/// COM1 (vm-superio's `SerialState`, which has no serde of its own).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SerialState {
+    /// DLL.
+    pub baud_divisor_low: u8,
+    /// DLM.
+    pub baud_divisor_high: u8,
+    /// IER.
+    pub interrupt_enable: u8,
+    /// IIR.
+    pub interrupt_identification: u8,
+    /// LCR.
+    pub line_control: u8,
+    /// LSR.
+    pub line_status: u8,
+    /// MCR.
+    pub modem_control: u8,
+    /// MSR.
+    pub modem_status: u8,
+    /// SCR.
+    pub scratch: u8,
+    /// Received bytes the guest has not read.
+    pub in_buffer: Vec<u8>,
+}
+
+impl From<vm_superio::serial::SerialState> for SerialState {
+    fn from(s: vm_superio::serial::SerialState) -> Self {
+        SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+}
+
+impl From<&SerialState> for vm_superio::serial::SerialState {
+    fn from(s: &SerialState) -> Self {
+        vm_superio::serial::SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        }
+    }
+}
+
+/// Everything in a snapshot but guest memory. The i8042, the debug ports,
+/// the ACPI sleep register and the boot timer hold no state.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotState {
+    /// The ember that wrote it (informational).
+    pub ember_version: String,
+    /// Guest RAM in bytes (the memory file's size).
+    pub mem_size: u64,
+    /// KVM_GET_SUPPORTED_CPUID of the host it was taken on.
+    pub host_cpuid: Vec<kvm_cpuid_entry2>,
+    /// Each vCPU, by index.
+    pub vcpus: Vec<vcpu::VcpuState>,
+    /// Interrupt controllers, PIT, clock.
+    pub vm: vm::VmState,
+    /// COM1.
+    pub serial: SerialState,
+    /// The virtio devices, in window order.
+    pub devices: Vec<DeviceState>,
+    /// Whether the guest has a VM generation ID (at `layout::VMGENID_START`,
+    /// announced through the GED at `layout::GED_GSI`). Absent in older
+    /// snapshots, whose guests had none.
+    #[serde(default)]
+    pub vmgenid: bool,
+}
+
+impl SnapshotState {
+    /// Checks what a checksum cannot: that the state describes a VM this
+    /// ember can build.
+    fn validate(&self) -> Result<(), String> {
+        crate::vstate::memory::check_size(self.mem_size).map_err(|e| e.to_string())?;
+        if self.mem_size % 4096 != 0 {
+            return Err("guest memory is not a whole number of pages".into());
+        }
+        let max_cpus = crate::arch::x86_64::mptable::max_cpus() as usize;
+        if self.vcpus.is_empty() || self.vcpus.len() > max_cpus {
+            return Err(format!("{} vCPUs", self.vcpus.len()));
+        }
+        for (i, v) in self.vcpus.iter().enumerate() {
+            if v.id as usize != i {
+                return Err(format!("vCPU {i} is recorded as vCPU {}", v.id));
+            }
+            if v.msrs.len() > MAX_MSRS || v.cpuid.len() > MAX_CPUID {
+                return Err(format!("vCPU {i} has too many MSRs or CPUID entries"));
+            }
+        }
+        if self.host_cpuid.len() > MAX_CPUID {
+            return Err("too many host CPUID entries".into());
+        }
+        let chips = [
+            (&self.vm.pic_master, kvm_bindings::KVM_IRQCHIP_PIC_MASTER),
+            (&self.vm.pic_slave, kvm_bindings::KVM_IRQCHIP_PIC_SLAVE),
+            (&self.vm.ioapic, kvm_bindings::KVM_IRQCHIP_IOAPIC),
+        ];
+        if chips.iter().any(|(c, id)| c.chip_id != *id) {
+            return Err("interrupt controllers out of order".into());
+        }
+        if self.serial.in_buffer.len() > 64 {
+            return Err("COM1 holds more than its FIFO".into());
+        }
+        if self.devices.len() > layout::VIRTIO_MMIO_MAX_DEVICES {
+            return Err(format!("{} virtio devices", self.devices.len()));
+        }
+        for (i, d) in self.devices.iter().enumerate() {
+            if d.transport.queues.len() > MAX_QUEUES {
+                return Err(format!("device {i} has too many queues"));
+            }
+            if d.spec.path().is_some() != d.file.is_some() {
+                return Err(format!("device {i}'s backing file is not recorded"));
+            }
+            match (&d.spec, &d.balloon) {
+                (DeviceSpec::Balloon, Some(b)) => {
+                    let ram = layout::ram_ranges(self.mem_size);
+                    b.check(&ram).map_err(|e| format!("device {i}: {e}"))?;
+                }
+                (DeviceSpec::Balloon, None) => {
+                    return Err(format!("device {i} is a balloon without its state"));
+                }
+                (_, Some(_)) => return Err(format!("device {i} has a balloon's state")),
+                (_, None) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Encodes `state` as a state file.
+pub fn encode(state: &SnapshotState) -> Vec<u8> {
+    // Serializing plain data into a Vec cannot fail.
+    let payload = serde_json::to_vec(state).unwrap_or_default();
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    out.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+    out.extend_from_slice(&payload);
+    out
+}
+
+/// Decodes and checks a state file's bytes (`path` names it in errors).
+pub fn decode(bytes: &[u8], path: &Path) -> Result<SnapshotState, SnapshotError> {
+    let p = || path.to_owned();
+    if bytes.len() < MAGIC.len() {
+        return Err(SnapshotError::Truncated(p()));
+    }
+    if &bytes[..8] != MAGIC {
+        return Err(SnapshotError::NotASnapshot(p()));
+    }
+    if bytes.len() < HEADER_LEN {
+        return Err(SnapshotError::Truncated(p()));
+    }
+    let word = |r: std::ops::Range<usize>| -> [u8; 8] {
+        let mut w = [0u8; 8];
+        w[..r.len()].copy_from_slice(&bytes[r]);
+        w
+    };
+    let version = u64::from_le_bytes(word(8..12)) as u32;
+    if version != FORMAT_VERSION {
+        return Err(SnapshotError::Version {
+            path: p(),
+            found: version,
+        });
+    }
+    let len = u64::from_le_bytes(word(12..20));
+    let crc = u64::from_le_bytes(word(20..24)) as u32;
+    let payload = &bytes[HEADER_LEN..];
+    match (payload.len() as u64).cmp(&len) {
+        std::cmp::Ordering::Less => return Err(SnapshotError::Truncated(p())),
+        std::cmp::Ordering::Greater => return Err(SnapshotError::TrailingData(p())),
+        std::cmp::Ordering::Equal => {}
+    }
+    if crc32fast::hash(payload) != crc {
+        return Err(SnapshotError::Checksum(p()));
+    }
+    let state: SnapshotState =
+        serde_json::from_slice(payload).map_err(|e| SnapshotError::Invalid {
+            path: p(),
+            why: e.to_string(),
+        })?;
+    state
+        .validate()
+        .map_err(|why| SnapshotError::Invalid { path: p(), why })?;
+    Ok(state)
+}
+
+/// Reads and checks a snapshot directory: the state file, the memory file's
+/// size, the backing files' identity, and that this host's CPU is the one
+/// the snapshot was taken on (`host_cpuid` gives its CPUID; it is asked
+/// only once the state has parsed, so the caller may fetch it meanwhile).
+/// Nothing is built.
+pub fn load(
+    dir: &Path,
+    host_cpuid: impl FnOnce() -> Result<Vec<kvm_cpuid_entry2>, SnapshotError>,
+) -> Result<(SnapshotState, PathBuf), SnapshotError> {
+    load_replacing(dir, &[], host_cpuid)
+}
+
+/// [`load`], with the first `pmem.len()` pmem devices backed by these files
+/// instead of the recorded ones. A replacement must have the recorded size
+/// (the guest sized its region by it); its contents are the caller's
+/// business: the guest must hold nothing of the old file in its caches (the
+/// appliance's per-run slot is never mounted before its snapshot).
+pub fn load_replacing(
+    dir: &Path,
+    pmem: &[PathBuf],
+    host_cpuid: impl FnOnce() -> Result<Vec<kvm_cpuid_entry2>, SnapshotError>,
+) -> Result<(SnapshotState, PathBuf), SnapshotError> {
+    let state_path = dir.join(STATE_FILE);
+    let bytes = std::fs::read(&state_path).map_err(io_err(&state_path))?;
+    let mut state = decode(&bytes, &state_path)?;
+    replace_pmem(&mut state, pmem)?;
+    let mem_path = dir.join(MEMORY_FILE);
+    let found = std::fs::metadata(&mem_path)
+        .map_err(io_err(&mem_path))?
+        .len();
+    if found != state.mem_size {
+        return Err(SnapshotError::MemorySize {
+            path: mem_path,
+            found,
+            want: state.mem_size,
+        });
+    }
+    compare_cpuid(&state.host_cpuid, &host_cpuid()?).map_err(SnapshotError::Cpu)?;
+    for d in &state.devices {
+        if let (Some(path), Some(rec)) = (d.spec.path(), &d.file) {
+            let now = FileIdentity::of(path).map_err(io_err(path))?;
+            if let Some(why) = rec.differs(&now) {
+                return Err(SnapshotError::FileChanged {
+                    path: path.to_owned(),
+                    why,
+                });
+            }
+        }
+    }
+    Ok((state, mem_path))
+}
+
+/// Points the first pmem devices of `state` at `files`, checking sizes.
+fn replace_pmem(state: &mut SnapshotState, files: &[PathBuf]) -> Result<(), SnapshotError> {
+    let mut files = files.iter();
+    for d in &mut state.devices {
+        let DeviceSpec::Pmem { path, .. } = &mut d.spec else {
+            continue;
+        };
+        let Some(new) = files.next() else { break };
+        let now = FileIdentity::of(new).map_err(io_err(new))?;
+        let want = d.file.map_or(0, |f| f.size);
+        if now.size != want {
+            return Err(SnapshotError::Invalid {
+                path: new.clone(),
+                why: format!(
+                    "{} bytes, the snapshot's pmem device {} has {want}",
+                    now.size,
+                    path.display()
+                ),
+            });
+        }
+        *path = new.clone();
+        d.file = Some(now);
+    }
+    if let Some(extra) = files.next() {
+        return Err(SnapshotError::Invalid {
+            path: extra.clone(),
+            why: "the snapshot has fewer pmem devices than files given".into(),
+        });
+    }
+    Ok(())
+}
+
+/// A CPUID entry's registers without what depends on the host CPU the
+/// query ran on rather than on the CPU model (APIC ids).
+fn cpu_independent(e: &kvm_cpuid_entry2) -> (u32, u32, u32, u32, u32) {
+    let (mut eax, mut ebx, mut ecx, mut edx) = (e.eax, e.ebx, e.ecx, e.edx);
+    match e.function {
+        // EBX[31:24]: initial APIC id.
+        0x1 => ebx &= 0x00ff_ffff,
+        // EDX: x2APIC id.
+        0xb | 0x1f => edx = 0,
+        // AMD: extended APIC id, core and node ids.
+        0x8000_001e => {
+            eax = 0;
+            ebx &= !0xff;
+            ecx &= !0xff;
+        }
+        _ => {}
+    }
+    (e.flags, eax, ebx, ecx, edx)
+}
+
+/// Compares two hosts' CPUID tables leaf by leaf.
+fn compare_cpuid(then: &[kvm_cpuid_entry2], now: &[kvm_cpuid_entry2]) -> Result<(), String> {
+    let key = |e: &kvm_cpuid_entry2| (e.function, e.index);
+    let regs = cpu_independent;
+    for t in then {
+        match now.iter().find(|n| key(n) == key(t)) {
+            None => {
+                return Err(format!(
+                    "leaf {:#x}.{} is missing here",
+                    t.function, t.index
+                ));
+            }
+            Some(n) if regs(n) != regs(t) => {
+                return Err(format!("leaf {:#x}.{} differs", t.function, t.index));
+            }
+            Some(_) => {}
+        }
+    }
+    if let Some(n) = now.iter().find(|n| !then.iter().any(|t| key(t) == key(n))) {
+        return Err(format!("leaf {:#x}.{} is new here", n.function, n.index));
+    }
+    Ok(())
+}
+
+/// One virtio device of a running VM, as the snapshot sees it.
+pub struct AttachedDevice {
+    /// What it is.
+    pub spec: DeviceSpec,
+    /// Its register window.
+    pub transport: Arc<Mutex<MmioTransport>>,
+}
+
+/// What a snapshot needs of a running VM beyond its memory and KVM fds:
+/// built by the builder (or the restore), used by the control socket.
+pub struct Machine {
+    /// Pause control of the vCPUs.
+    pub control: Arc<Control>,
+    /// The virtio devices in window order.
+    pub devices: Vec<AttachedDevice>,
+    /// Guest RAM in bytes.
+    pub mem_size: u64,
+    /// vCPU count.
+    pub vcpus: u32,
+    /// Whether guest RAM is anonymous memory (a booted VM) or a private
+    /// mapping of a snapshot's memory file (a restored one).
+    pub anonymous_memory: bool,
+    /// Whether the guest was given a VM generation ID (its ACPI tables
+    /// describe one): a restore then writes a new one and notifies it.
+    pub vmgenid: bool,
+    /// The balloon's handle, when the VM has one (its state is saved).
+    pub balloon: Option<BalloonHandle>,
+    /// The VM (irqchip, PIT, clock).
+    pub vm: Arc<Vm>,
+    /// Guest memory.
+    pub mem: GuestMemoryMmap,
+    /// COM1.
+    pub serial: Arc<Mutex<Serial>>,
+    /// Where the VM's end is reported.
+    pub end: Arc<VmEnd>,
+}
+
+/// What [`create`] did.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct CreateStats {
+    /// Bytes of guest memory written (the rest of the file is holes).
+    pub memory_bytes: u64,
+    /// The state file's size.
+    pub state_bytes: u64,
+    /// Requests the guest had made available that the devices had not
+    /// completed when the snapshot began (drained before it was taken).
+    pub in_flight: u32,
+    /// Wall time of the whole snapshot.
+    pub ms: f64,
+}
+
+/// Writes a snapshot of the paused VM to `dir` (created if needed). An
+/// earlier snapshot there is replaced; its state file goes first, so a
+/// snapshot that fails half-way leaves a directory no restore accepts.
+pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotError> {
+    let (vm, mem, serial, end) = (&machine.vm, &machine.mem, &machine.serial, &machine.end);
+    let start = Instant::now();
+    if machine.control.state() != crate::vstate::control::RunState::Paused {
+        return Err(SnapshotError::NotPaused);
+    }
+    if machine
+        .devices
+        .iter()
+        .any(|d| d.spec == DeviceSpec::Balloon)
+        && machine.balloon.is_none()
+    {
+        return Err(SnapshotError::Unsupported(
+            "virtio-balloon without its handle",
+        ));
+    }
+    // Block requests in flight finish first: their completions land in
+    // guest memory and the used rings, where the restore finds them.
+    let in_flight = machine
+        .devices
+        .iter()
+        .map(|d| {
+            d.transport
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .in_flight()
+        })
+        .sum();
+    for d in &machine.devices {
+        d.transport
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .kick_queues();
+    }
+    let drain_start = Instant::now();
+    while !machine.devices.iter().all(|d| {
+        d.transport
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drained()
+    }) {
+        if drain_start.elapsed() > DRAIN_TIMEOUT {
+            return Err(SnapshotError::Drain(DRAIN_TIMEOUT));
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let step = |e: &dyn std::fmt::Display| SnapshotError::Step(e.to_string());
+    // Here, not on the vCPU threads (their seccomp list opens no files).
+    crate::vstate::vcpu_state::msr_list().map_err(|e| step(&e))?;
+    let vcpus = machine.control.collect(end).map_err(|e| step(&e))?;
+    let vm_state = vm::save(vm.fd()).map_err(|e| step(&e))?;
+    let serial_state = serial.lock().unwrap_or_else(|p| p.into_inner()).0.state();
+    let kvm = crate::vstate::kvm::open().map_err(|e| step(&e))?;
+    let host_cpuid = crate::vstate::kvm::supported_cpuid(&kvm)
+        .map_err(|e| step(&e))?
+        .as_slice()
+        .to_vec();
+    let mut devices = Vec::new();
+    for d in &machine.devices {
+        let file = match d.spec.path() {
+            Some(p) => Some(FileIdentity::of(p).map_err(io_err(p))?),
+            None => None,
+        };
+        // Taken after the drain: no inflate or deflate is half-way.
+        let balloon = match d.spec {
+            DeviceSpec::Balloon => machine.balloon.as_ref().map(BalloonHandle::state),
+            _ => None,
+        };
+        devices.push(DeviceState {
+            spec: d.spec.clone(),
+            file,
+            balloon,
+            transport: d
+                .transport
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .state(),
+        });
+    }
+    let state = SnapshotState {
+        ember_version: env!("CARGO_PKG_VERSION").into(),
+        mem_size: machine.mem_size,
+        host_cpuid,
+        vcpus,
+        vm: vm_state,
+        serial: serial_state.into(),
+        devices,
+        vmgenid: machine.vmgenid,
+    };
+
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    // Written beside the old files and renamed over them: a VM restored
+    // from this very directory keeps its (private) mapping of the old
+    // memory file's inode, and a failed snapshot leaves the old one whole.
+    let state_path = dir.join(STATE_FILE);
+    let _ = std::fs::remove_file(&state_path);
+    let mem_tmp = dir.join(format!("{MEMORY_FILE}.tmp"));
+    let memory_bytes =
+        memory::write(mem, &mem_tmp, machine.anonymous_memory).map_err(io_err(&mem_tmp))?;
+    let mem_path = dir.join(MEMORY_FILE);
+    std::fs::rename(&mem_tmp, &mem_path).map_err(io_err(&mem_path))?;
+    let bytes = encode(&state);
+    let state_tmp = dir.join(format!("{STATE_FILE}.tmp"));
+    write_synced(&state_tmp, &bytes).map_err(io_err(&state_tmp))?;
+    std::fs::rename(&state_tmp, &state_path).map_err(io_err(&state_path))?;
+    Ok(CreateStats {
+        memory_bytes,
+        state_bytes: bytes.len() as u64,
+        in_flight,
+        ms: start.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
+#[cfg(test)]
+mod tests;

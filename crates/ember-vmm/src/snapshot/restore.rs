@@ -1,0 +1,470 @@
+//! Restore: a VM built from a snapshot directory instead of a kernel.
+//!
+//! 1. open KVM; on helper threads, read what this host's CPU offers (the
+//!    snapshot must have been taken on the same), and ([`spawn_vm`]) create
+//!    the VM, map the memory file privately as guest RAM (nothing is read:
+//!    pages fault in from the file as the guest touches them, and its writes
+//!    go to private copies), give it to KVM, create the irqchip and then the
+//!    PIT: none of this needs the state file, and it costs as much as
+//!    reading and checking it;
+//! 2. meanwhile read and check the snapshot ([`super::load`]): a state file
+//!    that fails a check is refused before any vCPU exists (the VM made
+//!    meanwhile is dropped; nothing ran);
+//! 3. map pmem files at their recorded addresses;
+//! 4. create each vCPU and set its state, each on its own thread (the
+//!    thread it will run on); then the irqchip's, PIT's and clock's state
+//!    (once the PIT is there);
+//! 5. rebuild each virtio device in its window on its recorded backing and
+//!    set its transport's state (a running device restarts on its queues);
+//!    a balloon gets its target, size, held ranges and statistics back, and
+//!    an unfinished `--prefault async` commit's floor comes down with every
+//!    deflated page committed first (see [`restore_fence`]);
+//! 6. COM1 from its state, the other legacy devices fresh (they hold none);
+//! 7. a new VM generation ID, announced to the guest (`devices::vmgenid`),
+//!    so no two restores of one snapshot share their RNG state;
+//! 8. hand the vCPU threads, waiting since step 4, the finished buses.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+
+use super::{AttachedDevice, DeviceSpec, Machine, SnapshotError, vcpu, vm};
+use crate::arch::x86_64::layout;
+use crate::builder::{self, BuildError, Vmm};
+use crate::device_manager::{DeviceManager, transport_for};
+use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
+use crate::devices::virtio::{
+    Balloon, BalloonHandle, Block, Console, DiskConfig, Pmem, PmemRegion, Rng,
+};
+use crate::devices::vmgenid::VmGenId;
+use crate::events::{Recorder, kind};
+use crate::vstate::bus::Bus;
+use crate::vstate::end::VmEnd;
+use crate::vstate::kvm;
+use crate::vstate::vcpu::{Control, Vcpu};
+use crate::vstate::vm::Vm;
+
+/// What to restore and where its console goes.
+pub struct RestoreConfig {
+    /// The snapshot directory.
+    pub dir: PathBuf,
+    /// Where COM1 writes (None: discarded).
+    pub console: Option<Box<dyn Write + Send>>,
+    /// The unix socket a snapshotted virtio-console channel connects to
+    /// (the appliance's channel; required when the snapshot has one).
+    pub channel: Option<PathBuf>,
+    /// Backing files for the snapshot's pmem devices, in order, instead of
+    /// the recorded ones (each of the recorded size; see
+    /// [`super::load_replacing`]).
+    pub pmem: Vec<PathBuf>,
+}
+
+fn step(e: impl std::error::Error) -> SnapshotError {
+    SnapshotError::Step(builder::error_chain(&e))
+}
+
+fn build_err(e: BuildError) -> SnapshotError {
+    step(e)
+}
+
+/// What [`spawn_vm`]'s thread makes before the state file is needed.
+struct EarlyVm {
+    vm: Arc<Vm>,
+    mem: GuestMemoryMmap,
+}
+
+/// [`spawn_vm`]'s answer: the VM and memory as soon as they exist, and the
+/// thread, which goes on to create the PIT.
+type VmThread = (
+    mpsc::Receiver<Result<EarlyVm, SnapshotError>>,
+    JoinHandle<Result<(), SnapshotError>>,
+);
+
+/// Creates the VM, maps the memory file (by its own size; the state must
+/// agree, which the caller checks) and registers it, and creates the
+/// irqchip on a thread of its own; sends them as soon as they exist (the
+/// vCPUs may be created from then on), then creates the PIT (a kernel
+/// thread, ~0.6 ms here), which the returned handle waits for.
+fn spawn_vm(kvm: Arc<kvm_ioctls::Kvm>, mem_path: PathBuf) -> Result<VmThread, SnapshotError> {
+    let (tx, rx) = mpsc::sync_channel(1);
+    let thread = std::thread::Builder::new()
+        .name("ember-vm".into())
+        .spawn(move || {
+            let early = (|| {
+                let io = |source| SnapshotError::Io {
+                    path: mem_path.clone(),
+                    source,
+                };
+                let size = std::fs::metadata(&mem_path).map_err(io)?.len();
+                // Refused here before anything is mapped; the state file's
+                // own check names the mismatch when it is the state's fault.
+                if crate::vstate::memory::check_size(size).is_err() || size % 4096 != 0 {
+                    return Err(SnapshotError::Invalid {
+                        path: mem_path.clone(),
+                        why: format!("a memory file of {size} bytes"),
+                    });
+                }
+                let vm = Arc::new(Vm::new(&kvm).map_err(step)?);
+                let mem = super::memory::map_private(&mem_path, size).map_err(io)?;
+                vm.register_memory(&mem).map_err(step)?;
+                vm.create_irqchip().map_err(step)?;
+                Ok(EarlyVm { vm, mem })
+            })();
+            let vm = early.as_ref().ok().map(|e| e.vm.clone());
+            // The receiver is gone when the state file was refused: the VM
+            // is dropped unused.
+            let _ = tx.send(early);
+            match vm {
+                Some(vm) => vm.create_pit().map_err(step),
+                None => Ok(()),
+            }
+        })
+        .map_err(step)?;
+    Ok((rx, thread))
+}
+
+/// A vCPU's thread: creates the vCPU and sets its state (reported on
+/// `ready`), then waits for the buses and runs it. Several vCPUs are set up
+/// in parallel, and each thread is up before the devices are.
+fn spawn_vcpu(
+    vm: Arc<Vm>,
+    state: vcpu::VcpuState,
+    ready: mpsc::Sender<Result<(), SnapshotError>>,
+    go: mpsc::Receiver<VcpuStart>,
+) -> Result<JoinHandle<()>, SnapshotError> {
+    std::thread::Builder::new()
+        .name(format!("ember-vcpu{}", state.id))
+        .spawn(move || {
+            let set_up = (|| {
+                let v = Vcpu::new(vm.fd(), state.id).map_err(step)?;
+                if let (Some(then), Some(now)) = (state.tsc_khz, v.tsc_khz()) {
+                    if then != now {
+                        return Err(SnapshotError::Cpu(format!(
+                            "TSC at {then} kHz then, {now} kHz here"
+                        )));
+                    }
+                }
+                vcpu::restore(v.fd(), &state).map_err(step)?;
+                Ok(v)
+            })();
+            // Its registers, XSAVE area and LAPIC page are in KVM now.
+            drop(state);
+            let mut v = match set_up {
+                Ok(v) => {
+                    let _ = ready.send(Ok(()));
+                    v
+                }
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            };
+            drop(ready);
+            // The restore gave up (its error is the caller's) when no start comes.
+            let Ok(start) = go.recv() else { return };
+            if v.id() == 0 {
+                start.recorder.mark(kind::FIRST_GUEST_ENTRY);
+            }
+            let (io, mmio) = &*start.buses;
+            if let Err(e) = v.run(io, mmio, &start.end, &vm, &start.mem, &start.control) {
+                start.end.fail(builder::error_chain(&e));
+            }
+        })
+        .map_err(step)
+}
+
+/// What a waiting vCPU thread needs to run.
+struct VcpuStart {
+    buses: Arc<(Bus, Bus)>,
+    end: Arc<VmEnd>,
+    mem: GuestMemoryMmap,
+    control: Arc<Control>,
+    recorder: Arc<Recorder>,
+}
+
+/// Builds and starts the VM saved in `cfg.dir`.
+pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, SnapshotError> {
+    // 1-2. KVM; this host's CPU and the VM on helper threads while the
+    // state file is read and checked here.
+    let kvm = Arc::new(kvm::open().map_err(step)?);
+    let cpuid = {
+        let kvm = kvm.clone();
+        std::thread::Builder::new()
+            .name("ember-cpuid".into())
+            .spawn(move || {
+                kvm::supported_cpuid(&kvm)
+                    .map(|c| c.as_slice().to_vec())
+                    .map_err(step)
+            })
+            .map_err(step)?
+    };
+    let (early, pit) = spawn_vm(kvm.clone(), cfg.dir.join(super::MEMORY_FILE))?;
+    let (mut state, mem_path) = super::load_replacing(&cfg.dir, &cfg.pmem, || {
+        cpuid
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })?;
+    recorder.mark(kind::KVM_OPEN);
+
+    // The channel is connected before anything is built: a snapshot with
+    // one cannot run without it.
+    let mut channel = None;
+    if state.devices.iter().any(|d| d.spec == DeviceSpec::Console) {
+        let Some(sock) = &cfg.channel else {
+            return Err(SnapshotError::Step(
+                "the snapshot has an appliance channel (virtio-console): give its socket (--channel)"
+                    .into(),
+            ));
+        };
+        let stream = std::os::unix::net::UnixStream::connect(sock)
+            .map_err(|e| build_err(BuildError::Channel(sock.clone(), e)))?;
+        channel = Some(
+            Console::from_unix_stream(stream)
+                .map_err(|e| build_err(BuildError::Channel(sock.clone(), e)))?,
+        );
+    }
+
+    // 3. The VM and its memory, from the helper thread.
+    let EarlyVm { vm, mem } = match early.recv() {
+        Ok(made) => made?,
+        // The thread died without a word: its panic is the error.
+        Err(_) => {
+            pit.join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+            return Err(SnapshotError::Step("the VM thread ended early".into()));
+        }
+    };
+    let mapped: u64 = mem.iter().map(|r| r.len()).sum();
+    if mapped != state.mem_size {
+        // The file changed size between the two looks.
+        return Err(SnapshotError::MemorySize {
+            path: mem_path,
+            found: mapped,
+            want: state.mem_size,
+        });
+    }
+    recorder.mark(kind::MEMORY_READY);
+    let mut pmem_regions = Vec::new();
+    for d in &state.devices {
+        if let DeviceSpec::Pmem { path, guest_addr } = &d.spec {
+            let region = PmemRegion::map(path).map_err(step)?;
+            check_pmem_addr(path, *guest_addr, region.len(), state.mem_size)?;
+            vm.add_region(*guest_addr, region.len(), region.host_addr())
+                .map_err(step)?;
+            pmem_regions.push(region);
+        }
+    }
+
+    // 4. vCPUs, each created and set on the thread it will run on.
+    let n_vcpus = state.vcpus.len();
+    let (ready_tx, ready) = mpsc::channel();
+    let mut vcpu_threads = Vec::with_capacity(n_vcpus);
+    let mut starts = Vec::with_capacity(n_vcpus);
+    for s in std::mem::take(&mut state.vcpus) {
+        let (go_tx, go) = mpsc::channel();
+        vcpu_threads.push(spawn_vcpu(vm.clone(), s, ready_tx.clone(), go)?);
+        starts.push(go_tx);
+    }
+    drop(ready_tx);
+    for _ in 0..n_vcpus {
+        ready
+            .recv()
+            .map_err(|_| SnapshotError::Step("a vCPU thread ended early".into()))??;
+    }
+    // The irqchips', PIT's and clock's state once the PIT is there (the
+    // clock set after the vCPUs' MSRs, as on any running VM).
+    pit.join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+    vm::restore(vm.fd(), &state.vm).map_err(step)?;
+    recorder.mark(kind::VCPUS_CREATED);
+
+    // 5. virtio devices, each in its window.
+    let end = Arc::new(VmEnd::new().map_err(step)?);
+    let mut devices = DeviceManager::new(vm.clone(), mem.clone());
+    let mut attached = Vec::new();
+    let mut pmem_iter = pmem_regions.iter();
+    let mut balloon: Option<BalloonHandle> = None;
+    for (i, d) in state.devices.iter().enumerate() {
+        let make = match &d.spec {
+            DeviceSpec::Block {
+                path,
+                read_only,
+                direct,
+                serial,
+                poll_us,
+            } => {
+                let disk = DiskConfig {
+                    path: path.clone(),
+                    read_only: *read_only,
+                    direct: *direct,
+                    serial: serial.clone(),
+                    poll: std::time::Duration::from_micros(*poll_us),
+                };
+                let block =
+                    Block::new(&disk).map_err(|e| build_err(BuildError::Disk(path.clone(), e)))?;
+                transport_for(block)
+            }
+            DeviceSpec::Rng => transport_for(Rng::new()),
+            DeviceSpec::Pmem { path, guest_addr } => {
+                let region = pmem_iter
+                    .next()
+                    .ok_or_else(|| SnapshotError::Step("pmem regions out of step".into()))?;
+                let dev = Pmem::new(region, *guest_addr)
+                    .map_err(|e| SnapshotError::Step(format!("{}: {}", path.display(), e)))?;
+                transport_for(dev)
+            }
+            DeviceSpec::Console => match channel.take() {
+                Some(console) => transport_for(console),
+                None => return Err(SnapshotError::Step("more than one channel".into())),
+            },
+            DeviceSpec::Balloon => {
+                // `validate` checked that a balloon has its state, and there is one.
+                let (Some(s), None) = (&d.balloon, &balloon) else {
+                    return Err(SnapshotError::Step(
+                        "a balloon without its state, or two balloons".into(),
+                    ));
+                };
+                let dev = Balloon::from_state(s).map_err(step)?;
+                balloon = Some(dev.handle());
+                transport_for(dev)
+            }
+        };
+        let transport = devices
+            .attach_virtio(make)
+            .map_err(|e| build_err(e.into()))?;
+        transport
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .restore(&d.transport)
+            .map_err(|e| SnapshotError::Step(format!("virtio device {i}: {e}")))?;
+        attached.push(AttachedDevice {
+            spec: d.spec.clone(),
+            transport,
+        });
+    }
+    if let Some(b) = &balloon {
+        restore_fence(b, &mem);
+    }
+
+    // 6. Legacy devices; COM1 as it was.
+    let serial_irq = devices.com1_irq().map_err(|e| build_err(e.into()))?;
+    let sink = ConsoleSink::new(cfg.console, recorder.clone());
+    let uart = SerialUart::from_state(
+        &(&state.serial).into(),
+        serial_irq,
+        vm_superio::serial::NoEvents,
+        sink,
+    )
+    .map_err(|e| SnapshotError::Step(format!("COM1: {e:?}")))?;
+    let serial = Arc::new(Mutex::new(Serial(uart)));
+    devices
+        .attach_legacy(serial.clone(), &end, &recorder)
+        .map_err(|e| build_err(e.into()))?;
+
+    // 7. A new generation: the guest's vmgenid driver reseeds its RNG. The
+    // interrupt is raised now that every local APIC has its restored state
+    // (setting it would clear an interrupt raised earlier) and the I/O APIC
+    // routes the GED's pin as the guest programmed it; it is delivered as
+    // the vCPUs enter the guest.
+    if state.vmgenid {
+        let ged = devices.ged_irq().map_err(|e| build_err(e.into()))?;
+        VmGenId::new(mem.clone(), layout::VMGENID_START, ged)
+            .new_generation()
+            .map_err(step)?;
+    }
+
+    // 8. Go: this thread takes its seccomp filter first (the vCPU threads,
+    // waiting for the buses since step 4, take their own as they start running). The vCPU kick handler is installed
+    // before it, here: `ember snapshot` may pause the VM the moment its
+    // control socket exists, from a thread whose list has no `rt_sigaction`,
+    // before any restored vCPU has run (it used to be the vCPUs that
+    // installed it; the control socket's thread then died of SIGSYS).
+    crate::vstate::control::install_kick_handler().map_err(step)?;
+    crate::seccomp::confine(crate::seccomp::Thread::Main).map_err(step)?;
+    let control = Control::new(n_vcpus);
+    let buses = Arc::new(devices.into_buses());
+    for go in starts {
+        // A thread that failed already reported it on `ready`.
+        let _ = go.send(VcpuStart {
+            buses: buses.clone(),
+            end: end.clone(),
+            mem: mem.clone(),
+            control: control.clone(),
+            recorder: recorder.clone(),
+        });
+    }
+    let machine = Arc::new(Machine {
+        control,
+        devices: attached,
+        mem_size: state.mem_size,
+        vcpus: n_vcpus as u32,
+        anonymous_memory: false,
+        vmgenid: state.vmgenid,
+        balloon: balloon.clone(),
+        vm: vm.clone(),
+        mem: mem.clone(),
+        serial: serial.clone(),
+        end: end.clone(),
+    });
+    Ok(Vmm {
+        mem,
+        end,
+        serial,
+        vm,
+        vcpu_threads,
+        pmem: pmem_regions,
+        balloon,
+        committer: None,
+        machine,
+    })
+}
+
+/// The balloon of a VM snapshotted while `--prefault async` was still
+/// committing its memory: the guest holds the committer's floor in the
+/// balloon (memory the host had not committed, never given to the guest).
+///
+/// A restored VM's RAM is the snapshot's memory file mapped privately:
+/// nothing is read or committed up front (that is what makes a restore take
+/// milliseconds), and the pages the guest already owned fault in from the
+/// file as it touches them. There is no background commit to resume (the
+/// file already holds what the guest wrote), so the floor comes down at
+/// once; but a page the guest gets back from the balloon is committed
+/// (`MADV_POPULATE_WRITE` on the private mapping: a private, resident copy)
+/// before its deflate is acknowledged (the driver negotiated
+/// `MUST_TELL_HOST`, so it does not touch a page before): the guest is never
+/// given memory the host has not committed, even though the booted VM's
+/// commit never finished. Pages it inflates afterwards are discarded as
+/// on any VM without a fence.
+pub(crate) fn restore_fence(balloon: &BalloonHandle, mem: &vm_memory::GuestMemoryMmap) {
+    if balloon.fence_pages() == 0 {
+        return;
+    }
+    let committer = crate::vstate::commit::Committer::new(mem, 1);
+    balloon.set_fence(committer.fence());
+    // The fence itself is down (inflations discard); only deflates commit.
+    committer.set_fence_up(false);
+    // Interrupts the driver (its device is running): it deflates to the
+    // user's target.
+    balloon.set_fence_pages(0);
+}
+
+/// A recorded pmem address must lie above RAM and the 32-bit hole, aligned
+/// as the builder places them, so a forged one cannot overlap guest RAM.
+fn check_pmem_addr(path: &Path, addr: u64, len: u64, mem_size: u64) -> Result<(), SnapshotError> {
+    let ram_end = layout::ram_ranges(mem_size).last().map_or(0, |r| r.0 + r.1);
+    let align = crate::devices::virtio::pmem::PMEM_ALIGN;
+    if addr < layout::PMEM_START_MIN.max(ram_end)
+        || addr % align != 0
+        || addr.checked_add(len).is_none()
+    {
+        return Err(SnapshotError::Invalid {
+            path: path.to_owned(),
+            why: format!("pmem address {addr:#x} is not where ember places pmem"),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,119 @@
+//! How a guest's run ends, and how the VMM's main thread learns of it.
+//!
+//! Devices (the i8042 reset line, the debug-exit port, the ACPI sleep
+//! register) and vCPU threads report here; the main thread waits on one
+//! eventfd. It lives in vstate, below the devices and the vCPUs that both
+//! report into it. Turning an ending into a process exit status is the
+//! command line's business, not the VMM's.
+
+use crate::events::kind;
+use std::io;
+use std::sync::Mutex;
+use vmm_sys_util::eventfd::EventFd;
+
+/// How a guest ended its run. First report wins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GuestEnd {
+    /// Powered off (ACPI S5).
+    PowerOff,
+    /// Asked for a reset (i8042 pulse, reboot).
+    Reset,
+    /// Wrote a status to the debug-exit port.
+    ExitCode(u8),
+    /// Triple fault: the CPU shut down.
+    TripleFault,
+}
+
+impl GuestEnd {
+    /// Event kind for the timeline.
+    pub fn event_kind(self) -> &'static str {
+        match self {
+            GuestEnd::PowerOff | GuestEnd::ExitCode(_) => kind::GUEST_SHUTDOWN,
+            GuestEnd::Reset | GuestEnd::TripleFault => kind::GUEST_RESET,
+        }
+    }
+}
+
+/// Where devices and vCPU threads report the end of the guest's run; the
+/// VMM's main thread waits on [`VmEnd::eventfd`]. The first report wins.
+#[derive(Debug)]
+pub struct VmEnd {
+    end: Mutex<Option<Result<GuestEnd, String>>>,
+    evt: EventFd,
+}
+
+impl VmEnd {
+    /// A fresh, not-yet-ended state.
+    pub fn new() -> io::Result<Self> {
+        Ok(VmEnd {
+            end: Mutex::new(None),
+            evt: EventFd::new(libc::EFD_NONBLOCK)?,
+        })
+    }
+
+    /// Records how the guest ended and wakes the VMM.
+    pub fn report(&self, end: GuestEnd) {
+        self.set(Ok(end));
+    }
+
+    /// Records that the VMM could not go on (a vCPU error) and wakes the VMM.
+    pub fn fail(&self, why: String) {
+        self.set(Err(why));
+    }
+
+    fn set(&self, outcome: Result<GuestEnd, String>) {
+        let mut slot = self.end.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(outcome);
+            // The eventfd counter cannot overflow from a single write of 1.
+            let _ = self.evt.write(1);
+        }
+    }
+
+    /// Whether the run is over (either way).
+    pub fn is_over(&self) -> bool {
+        self.end.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// The recorded guest ending, if the guest ended.
+    pub fn get(&self) -> Option<GuestEnd> {
+        self.outcome().and_then(Result::ok)
+    }
+
+    /// The recorded outcome, if any.
+    pub fn outcome(&self) -> Option<Result<GuestEnd, String>> {
+        self.end.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The eventfd that becomes readable at the end.
+    pub fn eventfd(&self) -> &EventFd {
+        &self.evt
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_ending_wins_and_wakes_the_vmm() {
+        let end = VmEnd::new().unwrap();
+        assert_eq!(end.get(), None);
+        end.report(GuestEnd::ExitCode(7));
+        end.report(GuestEnd::Reset);
+        assert_eq!(end.get(), Some(GuestEnd::ExitCode(7)));
+        assert_eq!(end.eventfd().read().unwrap(), 1);
+        end.fail("late".into());
+        assert_eq!(end.outcome(), Some(Ok(GuestEnd::ExitCode(7))));
+    }
+
+    #[test]
+    fn failures_end_the_run_too() {
+        let end = VmEnd::new().unwrap();
+        end.fail("KVM internal error".into());
+        end.report(GuestEnd::PowerOff);
+        assert!(end.is_over());
+        assert_eq!(end.get(), None);
+        assert_eq!(end.outcome(), Some(Err("KVM internal error".into())));
+    }
+}

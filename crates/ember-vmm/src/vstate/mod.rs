@@ -1,0 +1,15 @@
+//! "Virtual state": thin owners of the KVM file descriptors and guest memory.
+//! Its `unsafe` is ioctls and memory mappings; the devices hold the rest of
+//! ember-vmm's (guest-memory I/O; see ARCHITECTURE.md for the counts).
+
+pub mod bus;
+pub mod commit;
+pub mod control;
+pub mod end;
+pub mod kvm;
+pub mod memory;
+pub mod teardown;
+pub mod vcpu;
+pub mod vcpu_state;
+pub mod vm;
+pub mod vm_state;

@@ -1,0 +1,17 @@
+//! virtio-rng: its queue on arbitrary ring contents.
+#![no_main]
+
+#[path = "common.rs"]
+mod common;
+
+use std::sync::Arc;
+
+use ember_vmm::devices::CountingInterrupt;
+use ember_vmm::devices::virtio::{VirtioInterrupt, rng};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let mem = common::memory(data);
+    let irq = VirtioInterrupt::new(Arc::new(CountingInterrupt::default()));
+    rng::fuzz_queue(mem, common::queue(), irq);
+});

@@ -1,0 +1,321 @@
+//! The appliance from a snapshot (ember backend): the first `ember run` for a
+//! given kernel, ember-init, ember build and VM shape boots the appliance
+//! once and snapshots it where ember-init waits for its job; later runs
+//! restore that snapshot and hand the job over at once.
+//!
+//! A snapshot's devices are fixed when it is taken, so the command's files
+//! cannot be in its initramfs. The snapshotted appliance has one virtio-pmem
+//! *slot* of [`SLOT_BYTES`] instead, never mounted before the snapshot. Each
+//! run writes the command's tree (its closure, busybox, `--file`s) into an
+//! ext4 image of exactly that size, restores the snapshot with the slot
+//! backed by that image (`ember boot --restore DIR --pmem IMAGE`), and sends
+//! a `ROOT` frame with the job: ember-init drops whatever the guest cached
+//! of the slot, mounts it with DAX (files are mapped, not copied: copies in
+//! the guest kernel are slow under a software KVM) and runs the command
+//! chrooted there.
+//!
+//! The snapshot lives in `<cache>/snapshots/<key>/`, `key` hashing the
+//! kernel's and ember's identity (device, inode, size, mtime), ember-init's
+//! bytes (in the base initramfs' key), memory, vCPUs and the command line:
+//! a changed input is a new key, and the oldest snapshots beyond [`KEEP`]
+//! are removed. Its files are read-only (0400) and a restore maps memory
+//! privately (copy-on-write), so no run writes to it, and any number of runs
+//! restore it at once. It is written to a temp directory and renamed into
+//! place: a crashed or concurrent first run never leaves a partial one.
+
+use super::builder::{Entry, Tree};
+use super::cache::KeyHasher;
+use std::fs;
+use std::io;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use thiserror::Error;
+
+/// The per-run root slot's size: the most a command's tree may take (a
+/// bigger one boots cold).
+pub const SLOT_BYTES: u64 = 128 << 20;
+/// The slot as the guest sees it (the appliance's only pmem device).
+pub const SLOT_DEVICE: &str = "/dev/pmem0";
+/// Snapshots kept in the cache (a new ember build or kernel makes a new one).
+pub const KEEP: usize = 4;
+/// Bumped when what a snapshot must contain changes.
+const FORMAT: u32 = 1;
+
+/// Errors of the snapshot path.
+#[derive(Debug, Error)]
+pub enum WarmError {
+    /// File system trouble.
+    #[error("{0}: {1}")]
+    Io(PathBuf, #[source] io::Error),
+    /// mkfs.ext4 failed or is missing.
+    #[error("cannot make the command's root image: {0}")]
+    Mkfs(String),
+    /// The control socket refused a step of the snapshot.
+    #[error("cannot snapshot the appliance: {0}")]
+    Snapshot(String),
+}
+
+fn io_err(p: &Path) -> impl Fn(io::Error) -> WarmError + '_ {
+    move |e| WarmError::Io(p.to_owned(), e)
+}
+
+/// Hashes a file's identity (not its bytes: stat is cheap, a 12 MB kernel
+/// or ember binary is not).
+fn put_identity(h: &mut KeyHasher, path: &Path) {
+    h.put(path.as_os_str().as_encoded_bytes());
+    if let Ok(m) = fs::metadata(path) {
+        for v in [
+            m.dev(),
+            m.ino(),
+            m.size(),
+            m.mtime() as u64,
+            m.mtime_nsec() as u64,
+        ] {
+            h.put(&v.to_le_bytes());
+        }
+    }
+}
+
+/// What a snapshot depends on.
+#[derive(Debug, Clone)]
+pub struct Inputs<'a> {
+    /// The kernel image.
+    pub kernel: &'a Path,
+    /// The base initramfs (its name is the hash of ember-init and the modules).
+    pub initrd: &'a Path,
+    /// The ember binary that boots and restores it.
+    pub ember: &'a Path,
+    /// Guest memory, MiB.
+    pub mem_mib: u64,
+    /// vCPUs.
+    pub cpus: u32,
+    /// The kernel command line.
+    pub cmdline: &'a str,
+}
+
+/// The snapshot's cache key.
+pub fn key(i: &Inputs) -> String {
+    let mut h = KeyHasher::new();
+    h.put(&FORMAT.to_le_bytes());
+    h.put(&SLOT_BYTES.to_le_bytes());
+    put_identity(&mut h, i.kernel);
+    h.put(i.initrd.as_os_str().as_encoded_bytes());
+    put_identity(&mut h, i.ember);
+    h.put(&i.mem_mib.to_le_bytes());
+    h.put(&i.cpus.to_le_bytes());
+    h.put(i.cmdline.as_bytes());
+    h.hex()
+}
+
+/// Where the snapshot for `key` lives.
+pub fn snapshot_dir(cache: &Path, key: &str) -> PathBuf {
+    cache.join("snapshots").join(key)
+}
+
+/// Whether `dir` holds a whole snapshot (renamed into place complete).
+pub fn is_complete(dir: &Path) -> bool {
+    use ember_vmm::snapshot::{MEMORY_FILE, STATE_FILE};
+    dir.join(STATE_FILE).is_file() && dir.join(MEMORY_FILE).is_file()
+}
+
+/// Writes `tree` as files under `dir` (device nodes are left out: the
+/// guest's devtmpfs is mounted over /dev).
+pub fn materialize(tree: &Tree, dir: &Path) -> Result<(), WarmError> {
+    for (rel, entry) in tree.entries() {
+        let at = dir.join(rel);
+        if let Some(parent) = at.parent() {
+            fs::create_dir_all(parent).map_err(io_err(parent))?;
+        }
+        let mode = match entry {
+            Entry::Dir => {
+                fs::create_dir_all(&at).map_err(io_err(&at))?;
+                continue;
+            }
+            Entry::Symlink(t) => {
+                std::os::unix::fs::symlink(t, &at).map_err(io_err(&at))?;
+                continue;
+            }
+            Entry::CharDev(..) => continue,
+            Entry::File { source, mode } => {
+                fs::copy(source, &at).map_err(io_err(source))?;
+                *mode
+            }
+            Entry::Data(d, mode) => {
+                fs::write(&at, d).map_err(io_err(&at))?;
+                *mode
+            }
+        };
+        fs::set_permissions(&at, fs::Permissions::from_mode(mode)).map_err(io_err(&at))?;
+    }
+    Ok(())
+}
+
+/// Makes `image`, a [`SLOT_BYTES`] ext4 file system holding `tree`: 4 KiB
+/// blocks (DAX maps pages), no journal and inode tables zeroed here, so the
+/// guest kernel neither replays nor zeroes anything.
+pub fn root_image(tree: &Tree, image: &Path) -> Result<(), WarmError> {
+    let staging = image.with_extension("d");
+    let _ = fs::remove_dir_all(&staging);
+    let result = (|| {
+        materialize(tree, &staging)?;
+        let f = fs::File::create(image).map_err(io_err(image))?;
+        f.set_len(SLOT_BYTES).map_err(io_err(image))?;
+        drop(f);
+        let out = Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-b", "4096", "-m", "0", "-O", "^has_journal"])
+            .args(["-E", "lazy_itable_init=0", "-d"])
+            .arg(&staging)
+            .arg(image)
+            .output()
+            .map_err(|e| WarmError::Mkfs(format!("mkfs.ext4: {e} (install e2fsprogs)")))?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            return Err(WarmError::Mkfs(format!(
+                "mkfs.ext4: {}",
+                err.lines().last().unwrap_or("failed")
+            )));
+        }
+        Ok(())
+    })();
+    let _ = fs::remove_dir_all(&staging);
+    if result.is_err() {
+        let _ = fs::remove_file(image);
+    }
+    result
+}
+
+/// Snapshots the VM behind control socket `api` into `dir` (which must not
+/// exist yet) and lets it run on. Written beside `dir` and renamed into
+/// place, read-only; if another run got there first, its snapshot stays.
+pub fn save(api: &Path, dir: &Path) -> Result<(), WarmError> {
+    use serde_json::json;
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    super::cache::private_dir(parent).map_err(io_err(parent))?;
+    let tmp = parent.join(format!(
+        ".{}.{}.tmp",
+        dir.file_name().unwrap_or_default().to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = fs::remove_dir_all(&tmp);
+    let call = |req: serde_json::Value| -> Result<serde_json::Value, WarmError> {
+        let r = crate::api::call(api, &req).map_err(|e| WarmError::Snapshot(e.to_string()))?;
+        if r["ok"] == true {
+            Ok(r)
+        } else {
+            Err(WarmError::Snapshot(
+                r["error"].as_str().unwrap_or("refused").to_owned(),
+            ))
+        }
+    };
+    call(json!({"op": "pause"}))?;
+    let taken = call(json!({"op": "snapshot", "dir": tmp}));
+    // The run goes on whether or not the snapshot was written.
+    let resumed = call(json!({"op": "resume"}));
+    let sealed = taken.and_then(|_| {
+        for f in [
+            ember_vmm::snapshot::STATE_FILE,
+            ember_vmm::snapshot::MEMORY_FILE,
+        ] {
+            let p = tmp.join(f);
+            fs::set_permissions(&p, fs::Permissions::from_mode(0o400)).map_err(io_err(&p))?;
+        }
+        match fs::rename(&tmp, dir) {
+            Ok(()) => Ok(()),
+            // A concurrent first run renamed its own first: keep that one.
+            Err(_) if is_complete(dir) => Ok(()),
+            Err(e) => Err(WarmError::Io(dir.to_owned(), e)),
+        }
+    });
+    let _ = fs::remove_dir_all(&tmp);
+    resumed?;
+    sealed?;
+    evict(parent, dir);
+    Ok(())
+}
+
+/// Removes the oldest snapshot directories of `parent` beyond [`KEEP`],
+/// never `keep`. A run restoring one being removed keeps its mapping (the
+/// files are unlinked, not truncated).
+fn evict(parent: &Path, keep: &Path) {
+    let Ok(rd) = fs::read_dir(parent) else {
+        return;
+    };
+    let mut dirs: Vec<_> = rd
+        .flatten()
+        .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .filter(|(_, p)| p != keep)
+        .collect();
+    dirs.sort();
+    let excess = (dirs.len() + 1).saturating_sub(KEEP);
+    for (_, d) in dirs.into_iter().take(excess) {
+        let _ = fs::remove_dir_all(d);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs<'a>(kernel: &'a Path, ember: &'a Path) -> Inputs<'a> {
+        Inputs {
+            kernel,
+            initrd: Path::new("/cache/appliances/abc.cpio"),
+            ember,
+            mem_mib: 128,
+            cpus: 1,
+            cmdline: "console=ttyS0",
+        }
+    }
+
+    /// Each input of the snapshot is in its key: a changed kernel, init (the
+    /// base initramfs' name), ember binary, memory, vCPUs or command line is
+    /// a different snapshot.
+    #[test]
+    fn the_key_changes_with_every_input() {
+        let dir = crate::appliance::test_dir("warm-key");
+        let (k, e) = (dir.join("vmlinux"), dir.join("ember"));
+        fs::write(&k, b"kernel").unwrap();
+        fs::write(&e, b"ember").unwrap();
+        let base = key(&inputs(&k, &e));
+        assert_eq!(base, key(&inputs(&k, &e)), "stable");
+        let mut i = inputs(&k, &e);
+        i.initrd = Path::new("/cache/appliances/def.cpio");
+        assert_ne!(key(&i), base, "init");
+        let mut i = inputs(&k, &e);
+        i.mem_mib = 256;
+        assert_ne!(key(&i), base, "memory");
+        let mut i = inputs(&k, &e);
+        i.cpus = 2;
+        assert_ne!(key(&i), base, "cpus");
+        let mut i = inputs(&k, &e);
+        i.cmdline = "console=ttyS0 quiet";
+        assert_ne!(key(&i), base, "cmdline");
+        // Rewritten files are other files (new size or mtime).
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        fs::write(&k, b"kernel 2").unwrap();
+        let after_kernel = key(&inputs(&k, &e));
+        assert_ne!(after_kernel, base, "kernel");
+        fs::write(&e, b"ember 2").unwrap();
+        assert_ne!(key(&inputs(&k, &e)), after_kernel, "ember");
+        let _ = fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn eviction_keeps_the_newest_and_the_current() {
+        let dir = crate::appliance::test_dir("warm-evict");
+        for n in 0..6 {
+            fs::create_dir(dir.join(format!("k{n}"))).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(15));
+        }
+        evict(&dir, &dir.join("k0"));
+        let mut left: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["k0", "k3", "k4", "k5"]);
+        let _ = fs::remove_dir_all(dir);
+    }
+}

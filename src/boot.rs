@@ -1,0 +1,368 @@
+//! `ember boot`: boot a kernel directly on KVM with ember-vmm, wait for the
+//! guest to end and turn how it ended into the process exit status.
+
+use crate::backend::DeviceArgs;
+use crate::exit::{EXIT_GUEST_CRASHED, EXIT_SECCOMP, EXIT_TIMEOUT, guest_end_status};
+use clap::Args;
+use ember_vmm::builder::{self, VmConfig, Vmm};
+use ember_vmm::devices::legacy::Serial;
+use ember_vmm::devices::virtio::DiskConfig;
+use ember_vmm::events::{Recorder, kind};
+use ember_vmm::seccomp;
+use ember_vmm::snapshot::restore::{self, RestoreConfig};
+use ember_vmm::vstate::commit::MemoryOptions;
+use ember_vmm::vstate::end::GuestEnd;
+use ember_vmm::vstate::memory;
+use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Arguments of `ember boot`.
+#[derive(Debug, Clone, Args)]
+pub struct BootArgs {
+    /// Kernel: ELF vmlinux (with or without a PVH note) or bzImage.
+    #[arg(long, required_unless_present = "restore")]
+    pub kernel: Option<PathBuf>,
+    /// Initramfs.
+    #[arg(long)]
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line. ember adds `pci=off` (it has no PCI bus) unless
+    /// a `pci=` option is given.
+    #[arg(long)]
+    pub cmdline: Option<String>,
+    /// Guest memory, with an optional K/M/G suffix (bytes without one).
+    #[arg(long, default_value = "256M")]
+    pub mem: String,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1)]
+    pub cpus: u32,
+    /// Where the guest's COM1 goes.
+    #[arg(long, value_enum, default_value_t = ConsoleMode::Serial)]
+    pub console: ConsoleMode,
+    #[command(flatten)]
+    pub devices: DeviceArgs,
+    /// The balloon's initial target (memory the guest gives back), e.g. 256M; adds the balloon.
+    #[arg(long, value_name = "SIZE")]
+    pub balloon_target: Option<String>,
+    /// The balloon without free page reporting: the guest's free memory is given
+    /// back to the host only when the balloon inflates (always so with --prefault).
+    #[arg(long)]
+    pub balloon_no_reporting: bool,
+    /// Commit guest memory up front: `sync` (all of it before the guest starts) or
+    /// `async[,window=SIZE][,chunk=SIZE]` (a boot window before, the rest in the
+    /// background, fenced by the balloon); `,threads=N` for either.
+    #[arg(long, value_name = "off|sync|async[,window=SIZE]")]
+    pub prefault: Option<String>,
+    /// Lock guest memory in host RAM (mlock; pages lock as they are committed).
+    #[arg(long)]
+    pub mem_lock: bool,
+    /// Back guest memory with huge pages: hugetlbfs where the host reserved enough, THP otherwise.
+    #[arg(long)]
+    pub hugepages: bool,
+    /// Connect a virtio-console port to this unix socket (the appliance's data channel).
+    /// With --restore: where a snapshotted channel connects.
+    #[arg(long)]
+    pub channel: Option<PathBuf>,
+    /// Give up after this many seconds (the VM is killed; exit status 124).
+    #[arg(long)]
+    pub timeout: Option<f64>,
+    /// Serve pause, resume, snapshot, shutdown, status and balloon requests on
+    /// this unix socket (`ember ctl`, `ember snapshot`); made 0600, removed at exit.
+    #[arg(long, value_name = "PATH")]
+    pub api_socket: Option<PathBuf>,
+    /// Resume the VM saved in this snapshot directory (`ember snapshot`)
+    /// instead of booting a kernel.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "initrd", "cmdline", "disk", "rng", "balloon"])]
+    pub restore: Option<PathBuf>,
+    /// Seccomp filters on every thread (allow-lists in ember-vmm's seccomp.rs):
+    /// `trap` stops a forbidden system call and exits with status 4, naming it;
+    /// `log` lets it through and has the kernel log it; `off` filters nothing.
+    #[arg(long, value_enum, default_value_t = SeccompMode::Trap)]
+    pub seccomp: SeccompMode,
+}
+
+/// `--seccomp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SeccompMode {
+    /// A forbidden system call ends ember (status 4) with a line naming it.
+    Trap,
+    /// Forbidden system calls are allowed and logged by the kernel (audit log, dmesg).
+    Log,
+    /// No filters.
+    Off,
+}
+
+impl From<SeccompMode> for seccomp::Mode {
+    fn from(m: SeccompMode) -> Self {
+        match m {
+            SeccompMode::Trap => seccomp::Mode::Trap,
+            SeccompMode::Log => seccomp::Mode::Log,
+            SeccompMode::Off => seccomp::Mode::Off,
+        }
+    }
+}
+
+/// Where the guest's serial console goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ConsoleMode {
+    /// COM1 to stdout, and stdin to COM1.
+    Serial,
+    /// No console device.
+    None,
+}
+
+/// The command line used when `--cmdline` is not given: the console on COM1,
+/// reboot through the keyboard controller (which ember turns into an exit),
+/// reboot at once on panic, and no probing for hardware ember does not have
+/// (the Firecracker findings: every probe is a trap to the VMM).
+pub const DEFAULT_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=-1 pci=off 8250.nr_uarts=1 i8042.noaux i8042.nomux i8042.dumbkbd";
+
+/// Runs `ember boot`; returns the process exit status.
+pub fn main(args: BootArgs) -> anyhow::Result<i32> {
+    if let Some(t) = args.timeout {
+        // Durations from floats panic on NaN, infinity and overflow: refuse them here.
+        if !(t.is_finite() && t > 0.0 && t < 1e9) {
+            anyhow::bail!("--timeout must be a positive number of seconds, not {t}");
+        }
+    }
+    // Bound before any thread starts: binding sets the process's umask.
+    let api = match &args.api_socket {
+        Some(path) => Some(crate::api::ApiSocket::bind(path)?),
+        None => None,
+    };
+    // Filters are compiled, and the SIGSYS handler installed, before any
+    // thread starts; each thread installs its own (`ember_vmm::seccomp`).
+    seccomp::init(args.seccomp.into(), EXIT_SECCOMP)?;
+    // A forbidden call on a raw terminal leaves it as it was found.
+    seccomp::on_violation(crate::terminal::restore);
+    let recorder = Arc::new(Recorder::new(args.devices.events.is_some()));
+    let console: Option<Box<dyn Write + Send>> = match args.console {
+        ConsoleMode::Serial => Some(Box::new(std::io::stdout())),
+        ConsoleMode::None => None,
+    };
+    let vmm = match &args.restore {
+        Some(dir) => {
+            let cfg = RestoreConfig {
+                dir: dir.clone(),
+                console,
+                channel: args.channel.clone(),
+                pmem: args.devices.pmem.clone(),
+            };
+            restore::restore(cfg, recorder.clone())?
+        }
+        None => boot(&args, console, recorder.clone())?,
+    };
+    if let Some(api) = &api {
+        api.serve(crate::api::ApiContext {
+            machine: vmm.machine.clone(),
+            balloon: vmm.balloon.clone(),
+        })?;
+    }
+    // Whatever stdin is (a terminal, a pipe; /dev/null ends at once) feeds
+    // COM1: a restored guest waiting at a prompt takes its command there.
+    if args.console == ConsoleMode::Serial {
+        // A terminal goes raw: keys reach the guest as typed, Ctrl-A x quits.
+        let raw = crate::terminal::enter_raw()?;
+        if api.is_some() {
+            // enter_raw installed its own signal handlers; ours do both.
+            crate::api::install_signal_handlers();
+        }
+        forward_stdin(vmm.serial.clone(), raw.then(|| vmm.vm.fd().as_raw_fd()));
+    }
+    let outcome = wait(&vmm, args.timeout);
+    let code = match &outcome {
+        Some(Ok(end)) => {
+            recorder.mark(end.event_kind());
+            if *end == GuestEnd::TripleFault {
+                eprintln!("ember: the guest crashed (triple fault)");
+            }
+            guest_end_status(*end)
+        }
+        Some(Err(why)) => {
+            eprintln!("ember: {why}");
+            EXIT_GUEST_CRASHED
+        }
+        None => {
+            eprintln!(
+                "ember: the guest did not finish within {:.1} s",
+                args.timeout.unwrap_or_default()
+            );
+            EXIT_TIMEOUT
+        }
+    };
+    finish_console(&vmm);
+    if let Some(path) = &args.devices.events {
+        record_memory(&recorder, &vmm);
+        recorder.mark(kind::PROCESS_EXIT);
+        // The guest's status is the answer the caller asked for: a timeline that cannot be
+        // written is reported, and the status kept.
+        let written = serde_json::to_vec_pretty(&recorder.snapshot())
+            .map_err(io::Error::other)
+            .and_then(|json| std::fs::write(path, json));
+        if let Err(e) = written {
+            eprintln!("ember: cannot write the events to {}: {e}", path.display());
+        }
+    }
+    if let Some(api) = &api {
+        // `exit` runs no destructors.
+        api.remove();
+    }
+    // `exit` runs no destructors: the terminal goes back first.
+    crate::terminal::restore();
+    // The VM's teardown is left to a process nobody waits for.
+    ember_vmm::vstate::teardown::exit(code, vmm.vm.fd().as_raw_fd())
+}
+
+/// Boots the kernel `args` name.
+fn boot(
+    args: &BootArgs,
+    console: Option<Box<dyn Write + Send>>,
+    recorder: Arc<Recorder>,
+) -> anyhow::Result<Vmm> {
+    let Some(kernel) = args.kernel.clone() else {
+        anyhow::bail!("give a kernel (--kernel FILE) or a snapshot (--restore DIR)");
+    };
+    let mem_size = memory::parse_size(&args.mem)?;
+    let cfg = VmConfig {
+        kernel,
+        initrd: args.initrd.clone(),
+        cmdline: args
+            .cmdline
+            .clone()
+            .unwrap_or_else(|| DEFAULT_CMDLINE.to_owned()),
+        mem_size,
+        vcpus: args.cpus,
+        console,
+        acpi: !args.devices.no_acpi,
+        disks: args
+            .devices
+            .disk
+            .iter()
+            .map(|d| DiskConfig::parse(d))
+            .collect::<Result<_, _>>()?,
+        channel: args.channel.clone(),
+        rng: args.devices.rng,
+        pmem: args.devices.pmem.clone(),
+        balloon: args.devices.balloon,
+        balloon_target: match &args.balloon_target {
+            Some(t) => memory::parse_size(t)?,
+            None => 0,
+        },
+        balloon_reporting: !args.balloon_no_reporting,
+        memory: memory_options(args)?,
+    };
+    builder::build(cfg, recorder).map_err(|e| anyhow::anyhow!(builder::error_chain(&e)))
+}
+
+/// `--prefault`, `--mem-lock`, `--hugepages` as memory options.
+fn memory_options(args: &BootArgs) -> anyhow::Result<MemoryOptions> {
+    let mut opts = MemoryOptions {
+        mem_lock: args.mem_lock,
+        hugepages: args.hugepages,
+        ..MemoryOptions::default()
+    };
+    if let Some(p) = &args.prefault {
+        opts.set_prefault(p)?;
+    }
+    Ok(opts)
+}
+
+/// Waits for the guest to end; `None` when `timeout` (seconds) passes first.
+fn wait(vmm: &Vmm, timeout: Option<f64>) -> Option<Result<GuestEnd, String>> {
+    let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+    loop {
+        if let Some(outcome) = vmm.end.outcome() {
+            return Some(outcome);
+        }
+        let wait_ms = match deadline {
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return None;
+                }
+                i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1)
+            }
+            None => -1,
+        };
+        let mut pfd = libc::pollfd {
+            fd: vmm.end.eventfd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `pfd` is a valid pollfd for the duration of the call and the count is 1.
+        unsafe { libc::poll(&mut pfd, 1, wait_ms) };
+    }
+}
+
+/// Records the VMM's peak RSS and how much of it is guest memory, so the
+/// VMM's own overhead can be told apart (`memory` event, sizes in KiB).
+fn record_memory(recorder: &Recorder, vmm: &Vmm) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let hwm = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    let guest = memory::resident_bytes(&vmm.mem) / 1024;
+    recorder.mark_text(
+        kind::MEMORY,
+        &format!("vm_hwm_kib={hwm} guest_resident_kib={guest}"),
+    );
+}
+
+/// Flushes a trailing partial console line into the timeline.
+fn finish_console(vmm: &Vmm) {
+    let mut serial = vmm.serial.lock().unwrap_or_else(|p| p.into_inner());
+    serial.0.writer_mut().finish();
+}
+
+/// Feeds stdin to COM1 from a helper thread. On a raw terminal (`raw_vm` is
+/// the VM's descriptor) the escape keys are ember's: Ctrl-A x restores the
+/// terminal and ends the VM as a guest power-off would.
+fn forward_stdin(serial: Arc<Mutex<Serial>>, raw_vm: Option<std::os::fd::RawFd>) {
+    let spawned = std::thread::Builder::new()
+        .name("ember-stdin".into())
+        .spawn(move || {
+            seccomp::confine_or_exit(seccomp::Thread::Stdin);
+            let mut buf = [0u8; 64];
+            let mut stdin = std::io::stdin().lock();
+            let mut escape = crate::terminal::Escape::default();
+            while let Ok(n @ 1..) = stdin.read(&mut buf) {
+                let keys = match raw_vm {
+                    Some(_) => escape.feed(&buf[..n]),
+                    None => crate::terminal::Keys {
+                        guest: buf[..n].to_vec(),
+                        ..Default::default()
+                    },
+                };
+                if keys.help {
+                    eprint!("{}", crate::terminal::HELP);
+                }
+                let mut rest = &keys.guest[..];
+                while !rest.is_empty() {
+                    let taken = serial
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                        .enqueue_raw_bytes(rest)
+                        .unwrap_or(0);
+                    rest = &rest[taken..];
+                    if !rest.is_empty() {
+                        // The UART's FIFO is full: let the guest drain it.
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+                if let (true, Some(vm)) = (keys.quit, raw_vm) {
+                    crate::terminal::restore();
+                    eprintln!("\nember: quit (Ctrl-A x)");
+                    ember_vmm::vstate::teardown::exit(0, vm);
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        log::warn!("no console input: {e}");
+    }
+}

@@ -1,0 +1,161 @@
+#!/bin/busybox sh
+# /init of the L2 guests of the nested rig (tests/nested_rig.rs): Debian's
+# unmodified cloud kernel, booted by ember inside the L1 guest. It prints
+# facts as `@KEY VALUE` lines on the console; the test harness judges them.
+# RIGCASE (from the kernel command line) says what to exercise; RIGTOKEN is
+# a per-run value written to the data disk and looked for afterwards.
+b=/bin/busybox
+$b mount -t proc proc /proc
+$b mount -t sysfs sys /sys
+$b mount -t devtmpfs dev /dev
+echo "@init reached"
+echo "@cpus $($b cat /sys/devices/system/cpu/online)"
+# Which entry path the kernel came through, from its own copy of the zero
+# page: type_of_loader (0x210) is 0xb0 after a PVH entry (Linux sets it in
+# init_pvh_bootparams; ember writes 0xff into a zero page); setup_sects
+# (0x1f1) is non-zero only when the setup header came from a bzImage.
+byte() {
+  $b dd if=/sys/kernel/boot_params/data bs=1 skip="$1" count=1 2>/dev/null | $b od -An -tu1 | $b tr -d ' '
+}
+echo "@loader $(byte 528)"
+echo "@setup_sects $(byte 497)"
+
+# insmod the modules of group $1, in dependency order (the harness resolved it).
+load() {
+  for m in $($b cat "/lib/ko/$1.list"); do
+    $b insmod "$m" || echo "@insmod-failed $m"
+  done
+}
+# The block device (vdX) whose virtio serial is $1.
+by_serial() {
+  for x in /sys/block/vd*; do
+    [ "$($b cat "$x/serial" 2>/dev/null)" = "$1" ] && $b basename "$x"
+  done
+}
+
+if [ "$RIGCASE" = virtio ]; then
+  load core
+  for d in /sys/bus/virtio/devices/*; do
+    [ -e "$d/device" ] && echo "@virtio-device $($b cat "$d/device")"
+  done
+
+  load blk
+  data=$(by_serial rigdata)
+  ro=$(by_serial rigro)
+  echo "@blk-devices data=$data ro=$ro"
+  $b mkdir -p /mnt/data /mnt/ro /mnt/root
+  if [ -n "$data" ] && $b mount -t ext4 "/dev/$data" /mnt/data; then
+    # Written and fsync'd (busybox-static has no fsync applet: dd's conv=fsync).
+    echo "$RIGTOKEN" | $b dd of=/mnt/data/token conv=fsync 2>/dev/null && $b sync &&
+      echo "@blk-readback $($b cat /mnt/data/token)" &&
+      $b umount /mnt/data && echo "@blk-write ok"
+  fi
+  if [ -n "$ro" ]; then
+    echo "@blk-ro-flag $($b cat "/sys/block/$ro/ro")"
+    if $b dd if=/dev/zero of="/dev/$ro" bs=4096 count=1 conv=fsync 2>/dev/null; then
+      echo "@blk-ro-write accepted"
+    else
+      echo "@blk-ro-write refused"
+    fi
+    $b mount -t ext4 -o ro "/dev/$ro" /mnt/ro && echo "@blk-ro-marker $($b cat /mnt/ro/marker)"
+    $b umount /mnt/ro 2>/dev/null
+  fi
+
+  load rng
+  echo "@rng-current $($b cat /sys/class/misc/hw_random/rng_current 2>/dev/null)"
+  echo "@rng-bytes $($b dd if=/dev/hwrng bs=64 count=1 2>/dev/null | $b wc -c)"
+  for i in 1 2; do
+    echo "@rng-sample $($b dd if=/dev/hwrng bs=16 count=1 2>/dev/null | $b od -An -tx1 | $b tr -d ' \n')"
+  done
+
+  load pmem
+  echo "@pmem-queue-dax $($b cat /sys/block/pmem0/queue/dax 2>/dev/null)"
+  if $b mount -t ext4 -o dax /dev/pmem0 /mnt/root; then
+    echo "@pmem-mount $($b grep ' /mnt/root ' /proc/mounts)"
+    # The pmem file system serves as a root: its own busybox runs in it.
+    echo "@pmem-root $($b chroot /mnt/root /bin/busybox cat /marker)"
+    $b umount /mnt/root
+  fi
+
+  load balloon
+  for d in /sys/bus/virtio/drivers/virtio_balloon/virtio*; do
+    [ -e "$d" ] && echo "@balloon-bound $($b basename "$d") features=$($b cat "$d/features")"
+  done
+fi
+# The balloon's page counters (/proc/vmstat counts pages inflated and deflated).
+vm() { $b awk -v k="$1" '$1 == k { print $2 }' /proc/vmstat; }
+# Uses 150 MiB of memory (more than the prefault window, and more than the
+# guest has while the socket case's balloon is inflated).
+touch_memory() {
+  $b mkdir -p /mnt/t
+  $b grep -q ' /mnt/t ' /proc/mounts || $b mount -t tmpfs -o size=200m tmpfs /mnt/t
+  $b dd if=/dev/zero of=/mnt/t/fill bs=1M count=150 2>/dev/null &&
+    echo "@touched $($b du -k /mnt/t/fill | $b cut -f1)"
+}
+if [ "$RIGCASE" = balloon ]; then
+  load core
+  load balloon
+  # Resident free memory for the balloon to take (ember offers no free page
+  # reporting here, so freed memory stays resident until the balloon takes it).
+  touch_memory >/dev/null
+  $b rm /mnt/t/fill
+  echo "@filled free_kib=$($b awk '/^MemFree:/ { print $2 }' /proc/meminfo)"
+  # The host inflates the balloon to 160 MiB (40960 pages), then deflates it.
+  n=0
+  until [ "$(vm balloon_inflate)" -ge 40960 ] && [ "$(vm balloon_deflate)" -ge "$(vm balloon_inflate)" ]; do
+    n=$((n + 1))
+    [ $n -gt 3000 ] && break
+    $b sleep 0.2
+  done
+  echo "@balloon-vmstat inflate=$(vm balloon_inflate) deflate=$(vm balloon_deflate)"
+  touch_memory
+  # The host measures, then shuts the VM down through its socket.
+  $b sleep 600
+fi
+if [ "$RIGCASE" = prefault ]; then
+  load core
+  load balloon
+  echo "@balloon-loaded inflate=$(vm balloon_inflate)"
+  # The commit ends when the balloon has given back all it took: wait until
+  # the counts agree and stay so.
+  n=0
+  same=0
+  while [ $n -lt 600 ] && [ $same -lt 6 ]; do
+    i=$(vm balloon_inflate)
+    if [ "$i" -gt 0 ] && [ "$i" = "$(vm balloon_deflate)" ]; then same=$((same + 1)); else same=0; fi
+    $b sleep 0.5
+    n=$((n + 1))
+  done
+  echo "@balloon-vmstat inflate=$(vm balloon_inflate) deflate=$(vm balloon_deflate)"
+  touch_memory
+fi
+if [ "$RIGCASE" = snapshot ]; then
+  # Bound at boot: the DSDT's VGEN device, matched by its _HID.
+  echo "@vmgenid-bound $($b ls /sys/bus/acpi/drivers/vmgenid 2>/dev/null | $b grep -c '^VMGENCTR')"
+  echo "@snapshot-ready"
+  # The host snapshots here; each restore feeds one command line.
+  read -r cmd
+  # The new generation ID arrives as an interrupt whose handling (GED
+  # thread, ACPI notify queue, vmgenid) runs asynchronously: wait for the
+  # reseed before drawing randomness (at most 60 s).
+  i=0
+  while [ $i -lt 600 ] && ! $b dmesg | $b grep -q 'virtual machine fork'; do
+    $b usleep 100000
+    i=$((i + 1))
+  done
+  echo "@vmfork $($b dmesg | $b grep -c 'crng reseeded due to virtual machine fork') waited=$((i * 100))ms"
+  echo "@urandom $($b dd if=/dev/urandom bs=16 count=1 2>/dev/null | $b od -An -tx1 | $b tr -d ' \n')"
+  echo "@uuid $($b cat /proc/sys/kernel/random/uuid)"
+  eval "$cmd"
+fi
+if [ "$RIGCASE" = uart ]; then
+  # The console is COM1 (console=ttyS0): read what the host sends through
+  # ember's stdin, without the tty echoing it back.
+  $b stty -echo 2>/dev/null
+  echo "@uart-ready"
+  IFS= read -r first
+  echo "@uart-got $first"
+  echo "@uart-md5 $($b head -n 20 | $b md5sum | $b cut -d' ' -f1)"
+fi
+echo "@done"
+$b poweroff -f
