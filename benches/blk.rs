@@ -14,6 +14,9 @@
 //! - `EMBER_BLK_DIRECT=1`: O_DIRECT everywhere (ember `,direct`, QEMU `cache=none`, host
 //!   `O_DIRECT`) instead of the page cache (ember default, QEMU `cache=writeback`).
 //! - `EMBER_BLK_SEQ_QD` (default 4): queue depth of the 1 MiB sequential rows.
+//! - `EMBER_BLK_SECCOMP_OFF=1`: also ember with `--seccomp off` (what the filters cost).
+//! - `EMBER_BLK_BASE_BIN=PATH`: also another ember build (an older commit's, to check a
+//!   change cost nothing); one that predates `ember boot` is run as `ember run --kernel`.
 //!
 //! The guest times itself with the TSC at the rate it believes; the rate is calibrated
 //! here against the host clock (`spin=` runs) and every guest figure is corrected by it.
@@ -51,6 +54,10 @@ enum Subject {
     Qemu,
     /// The host with the engine ember does not use for this cache mode, for reference.
     HostOther,
+    /// ember with `--seccomp off`.
+    EmberNoSeccomp,
+    /// Another ember build (`EMBER_BLK_BASE_BIN`).
+    EmberBase,
 }
 
 impl Subject {
@@ -60,10 +67,16 @@ impl Subject {
             Subject::Host => "host",
             Subject::Qemu => "QEMU",
             Subject::HostOther => "host, other engine",
+            Subject::EmberNoSeccomp => "ember, seccomp off",
+            Subject::EmberBase => "ember-base",
         }
     }
     fn is_vmm(self) -> bool {
-        matches!(self, Subject::Ember | Subject::Qemu)
+        !matches!(self, Subject::Host | Subject::HostOther)
+    }
+    /// ember under another name: measured alongside, reported against ember.
+    fn is_ember_variant(self) -> bool {
+        matches!(self, Subject::EmberNoSeccomp | Subject::EmberBase)
     }
 }
 
@@ -242,6 +255,8 @@ fn run_measured(cmd: &mut Command) -> Finished {
 
 struct Setup {
     ember: PathBuf,
+    /// `EMBER_BLK_BASE_BIN`'s subcommand for booting a kernel, and the binary.
+    base: Option<(&'static str, PathBuf)>,
     qemu: PathBuf,
     guest: PathBuf,
     disk: PathBuf,
@@ -252,22 +267,25 @@ struct Setup {
 impl Setup {
     fn vmm_command(&self, who: Subject, cmdline: &str) -> Command {
         match who {
-            Subject::Ember => {
-                let mut c = Command::new(&self.ember);
+            Subject::Ember | Subject::EmberNoSeccomp | Subject::EmberBase => {
+                let (bin, sub) = match (&self.base, who) {
+                    (Some((sub, b)), Subject::EmberBase) => (b, *sub),
+                    _ => (&self.ember, "boot"),
+                };
+                let mut c = Command::new(bin);
                 let disk = format!(
                     "{}{}",
                     self.disk.display(),
                     if self.direct { ",direct" } else { "" }
                 );
-                c.args([
-                    "boot",
-                    "--mem",
-                    &format!("{GUEST_MEM_MIB}M"),
-                    "--disk",
-                    &disk,
-                ])
-                .args(["--cmdline", cmdline, "--kernel"])
-                .arg(&self.guest);
+                if who == Subject::EmberNoSeccomp {
+                    c.args(["boot", "--seccomp", "off"]);
+                } else {
+                    c.arg(sub);
+                }
+                c.args(["--mem", &format!("{GUEST_MEM_MIB}M"), "--disk", &disk])
+                    .args(["--cmdline", cmdline, "--kernel"])
+                    .arg(&self.guest);
                 c
             }
             Subject::Qemu => {
@@ -703,6 +721,29 @@ fn print_report(workloads: &[Workload], subjects: &[Subject], r: &Results) {
             eb / qb
         );
     }
+    let variants: Vec<Subject> = subjects
+        .iter()
+        .copied()
+        .filter(|s| s.is_ember_variant())
+        .collect();
+    if !variants.is_empty() {
+        println!(
+            "\nember variants, measured in the same rounds (median (min–max); ratio to ember):"
+        );
+        for (i, w) in workloads.iter().enumerate() {
+            let (unit, digits) = if w.small() {
+                ("kIOPS", 1)
+            } else {
+                ("MiB/s", 0)
+            };
+            let metric = |s: &Sample| Some(if w.small() { s.iops / 1e3 } else { s.mibps });
+            let (_, em) = cell(collect(r, i, Subject::Ember, metric), digits);
+            for &v in &variants {
+                let (c, m) = cell(collect(r, i, v, metric), digits);
+                println!("- {}, {}: {c} {unit}, {:.2}×", w.label, v.name(), m / em);
+            }
+        }
+    }
     if subjects.contains(&Subject::HostOther) {
         println!("\nReference, the host with the other engine:");
         for (i, w) in workloads.iter().enumerate() {
@@ -801,8 +842,12 @@ fn main() {
     let dir = PathBuf::from(std::env::var("EMBER_BLK_DIR").unwrap_or_else(|_| "/var/tmp".into()));
     let qemu = ember::backend::find_binary("qemu-system-x86_64")
         .expect("qemu-system-x86_64 must be installed for this benchmark");
+    let base = std::env::var_os("EMBER_BLK_BASE_BIN")
+        .map(PathBuf::from)
+        .map(|b| (ember_testing::boot_subcommand(&b), b));
     let setup = Setup {
         ember: PathBuf::from(env!("CARGO_BIN_EXE_ember")),
+        base,
         qemu,
         guest: ember_testing::test_guest().expect("build the test guest"),
         disk: dir.join(format!("ember-blkbench-{}.img", std::process::id())),
@@ -839,12 +884,18 @@ fn main() {
             qd: seq_qd,
         },
     ];
-    let subjects = [
+    let mut subjects = vec![
         Subject::Ember,
         Subject::Qemu,
         Subject::Host,
         Subject::HostOther,
     ];
+    if std::env::var("EMBER_BLK_SECCOMP_OFF").is_ok_and(|v| v == "1") {
+        subjects.push(Subject::EmberNoSeccomp);
+    }
+    if setup.base.is_some() {
+        subjects.push(Subject::EmberBase);
+    }
     eprintln!(
         "disk {} ({disk_mib} MiB, {}), {rounds} rounds × {secs} s, 1 MiB rows at QD{seq_qd}",
         setup.disk.display(),
@@ -857,7 +908,7 @@ fn main() {
     let load_before = load_average();
     prepare_disk(&setup.disk, disk_mib);
     let mut corr = HashMap::new();
-    for who in [Subject::Ember, Subject::Qemu] {
+    for &who in subjects.iter().filter(|s| s.is_vmm()) {
         let c = Correction {
             clock: setup.calibrate(who),
             boot_cpu: setup.boot_cpu(who),

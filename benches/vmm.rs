@@ -4,7 +4,9 @@
 //! `cargo bench --bench vmm` measures the dynamically linked build; ember as
 //! shipped (statically linked against musl, see scripts/build-release) with
 //! `cargo bench --target x86_64-unknown-linux-musl --bench vmm`.
-//! EMBER_BENCH_RUNS=N changes the run count. The guest is ember's test guest
+//! EMBER_BENCH_RUNS=N changes the run count; EMBER_BENCH_BASE_BIN=PATH also
+//! measures another ember build (an older commit's) in the same rounds, to
+//! show a change cost nothing. The guest is ember's test guest
 //! told to end at once (`halt`): a null guest. Two floors put ember's start-up
 //! in proportion: how long this host takes to exec a static process that does
 //! nothing, and the KVM calls no VMM can skip before a guest runs.
@@ -73,7 +75,7 @@ fn ember_internals(ember: &Path, guest: &Path, dir: &Path) -> (f64, f64, f64) {
     let t0 = monotonic_ns();
     let st = Command::new(ember)
         .args([
-            "boot",
+            ember_testing::boot_subcommand(ember),
             "--mem",
             "512M",
             "--cmdline",
@@ -210,10 +212,11 @@ fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     let qemu = ember::backend::find_binary("qemu-system-x86_64");
 
-    let ember_cmd = |mem: &str| {
-        let mut c = Command::new(&ember);
+    let base = std::env::var_os("EMBER_BENCH_BASE_BIN").map(PathBuf::from);
+    let ember_cmd_of = |bin: &Path, mem: &str| {
+        let mut c = Command::new(bin);
         c.args([
-            "boot",
+            ember_testing::boot_subcommand(bin),
             "--mem",
             mem,
             "--cmdline",
@@ -223,6 +226,7 @@ fn main() {
         .arg(&guest);
         c
     };
+    let ember_cmd = |mem: &str| ember_cmd_of(&ember, mem);
     let qemu_cmd = |q: &Path| {
         let mut c = Command::new(q);
         c.args([
@@ -265,6 +269,7 @@ fn main() {
     let (mut e, mut e64g, mut ver, mut q) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut first_insn, mut vmm_rss, mut overhead) = (Vec::new(), Vec::new(), Vec::new());
     let (mut exec_floors, mut kvm_floors) = (Vec::new(), Vec::new());
+    let (mut b, mut b_first_insn, mut b_overhead) = (Vec::new(), Vec::new(), Vec::new());
     let this = std::env::current_exe().expect("the bench's own path");
     for i in 0..runs {
         eprint!("\rrun {}/{runs}", i + 1);
@@ -280,6 +285,12 @@ fn main() {
         first_insn.push(fi);
         vmm_rss.push(rss / 1024.0);
         overhead.push(oh / 1024.0);
+        if let Some(base) = &base {
+            b.push(measure(&mut ember_cmd_of(base, "512M")));
+            let (fi, _, oh) = ember_internals(base, &guest, &dir);
+            b_first_insn.push(fi);
+            b_overhead.push(oh / 1024.0);
+        }
     }
     eprintln!();
     let ms = |v: &[Run]| v.iter().map(|r| r.exit_ms).collect::<Vec<_>>();
@@ -300,7 +311,7 @@ fn main() {
     let e64 = row("ember: exec → exit, 64 GiB guest", "ms", ms(&e64g));
     let v = row("ember --version: exec → exit", "ms", ms(&ver));
     row("ember: VMM process peak RSS", "MiB", vmm_rss);
-    row(
+    let e_oh = row(
         "ember: VMM overhead (VMM peak RSS − guest resident)",
         "MiB",
         overhead,
@@ -325,6 +336,27 @@ fn main() {
         );
     } else {
         println!("\nQEMU not found: no comparison");
+    }
+    if let Some(base) = &base {
+        println!(
+            "\nthe base build, {} ({}), in the same rounds:\n",
+            base.display(),
+            linking(base)
+        );
+        println!("| measure | median | min – max |");
+        println!("| --- | --- | --- |");
+        let b_first = row("base: exec → first guest instruction", "ms", b_first_insn);
+        let b_line = row("base: exec → first console line", "ms", line(&b));
+        let b_exit = row("base: exec → exit", "ms", ms(&b));
+        let b_oh = row("base: VMM overhead", "MiB", b_overhead);
+        println!(
+            "\nratios (ember / base, medians): first instruction {:.2}×, first line {:.2}×, \
+             exit {:.2}×, VMM overhead {:.2}×",
+            e_first / b_first,
+            e_line / b_line,
+            e_exit / b_exit,
+            e_oh / b_oh
+        );
     }
     println!("\nthe host's floor under the first instruction:\n");
     println!("| measure | median | min – max |");

@@ -516,6 +516,19 @@ pub fn static_elf(base: u64, code: &[u8]) -> Vec<u8> {
     elf
 }
 
+/// The subcommand an ember binary boots a kernel with: `boot`, or `run` for
+/// a build from before `ember boot` existed (benchmarks compare against older
+/// builds in the same run).
+pub fn boot_subcommand(ember: &Path) -> &'static str {
+    let help = std::process::Command::new(ember).arg("--help").output();
+    let has_boot = help.is_ok_and(|h| {
+        String::from_utf8_lossy(&h.stdout)
+            .lines()
+            .any(|l| l.trim_start().starts_with("boot "))
+    });
+    if has_boot { "boot" } else { "run" }
+}
+
 /// Reports a test that could not run here. Written straight to the process's
 /// stderr, not through `eprintln!`, which the test harness captures (and hides
 /// for a passing test): a skipped test must be seen.
