@@ -4,7 +4,7 @@
 use crate::backend::DeviceArgs;
 use crate::exit::{EXIT_GUEST_CRASHED, EXIT_SECCOMP, EXIT_TIMEOUT, guest_end_status};
 use clap::Args;
-use ember_vmm::builder::{self, VmConfig, Vmm};
+use ember_vmm::builder::{self, BeforeGo, VmConfig, Vmm};
 use ember_vmm::devices::legacy::Serial;
 use ember_vmm::devices::virtio::DiskConfig;
 use ember_vmm::events::{Recorder, kind};
@@ -130,7 +130,7 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
     }
     // Bound before any thread starts: binding sets the process's umask.
     let api = match &args.api_socket {
-        Some(path) => Some(crate::api::ApiSocket::bind(path)?),
+        Some(path) => Some(Arc::new(crate::api::ApiSocket::bind(path)?)),
         None => None,
     };
     // Filters are compiled, and the SIGSYS handler installed, before any
@@ -143,6 +143,35 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
         ConsoleMode::Serial => Some(Box::new(std::io::stdout())),
         ConsoleMode::None => None,
     };
+    // A terminal goes raw: keys reach the guest as typed, Ctrl-A x quits.
+    let serial = args.console == ConsoleMode::Serial;
+    let raw = serial && crate::terminal::enter_raw()?;
+    if raw && api.is_some() {
+        // enter_raw installed its own signal handlers; ours do both.
+        crate::api::install_signal_handlers();
+    }
+    // The control socket's and stdin's threads start once the VM is complete
+    // and before it runs, from this thread while it is not yet filtered: each
+    // takes its own seccomp filter instead of running under this thread's.
+    let before_go: BeforeGo = {
+        let api = api.clone();
+        Box::new(move |vmm: &Vmm| {
+            if let Some(api) = &api {
+                api.serve(crate::api::ApiContext {
+                    machine: vmm.machine.clone(),
+                    balloon: vmm.balloon.clone(),
+                })
+                .map_err(io::Error::other)?;
+            }
+            // Whatever stdin is (a terminal, a pipe; /dev/null ends at once)
+            // feeds COM1: a restored guest waiting at a prompt takes its
+            // command there.
+            if serial {
+                forward_stdin(vmm.serial.clone(), raw.then(|| vmm.vm.fd().as_raw_fd()));
+            }
+            Ok(())
+        })
+    };
     let vmm = match &args.restore {
         Some(dir) => {
             let cfg = RestoreConfig {
@@ -150,28 +179,12 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
                 console,
                 channel: args.channel.clone(),
                 pmem: args.devices.pmem.clone(),
+                before_go: Some(before_go),
             };
             restore::restore(cfg, recorder.clone())?
         }
-        None => boot(&args, console, recorder.clone())?,
+        None => boot(&args, console, before_go, recorder.clone())?,
     };
-    if let Some(api) = &api {
-        api.serve(crate::api::ApiContext {
-            machine: vmm.machine.clone(),
-            balloon: vmm.balloon.clone(),
-        })?;
-    }
-    // Whatever stdin is (a terminal, a pipe; /dev/null ends at once) feeds
-    // COM1: a restored guest waiting at a prompt takes its command there.
-    if args.console == ConsoleMode::Serial {
-        // A terminal goes raw: keys reach the guest as typed, Ctrl-A x quits.
-        let raw = crate::terminal::enter_raw()?;
-        if api.is_some() {
-            // enter_raw installed its own signal handlers; ours do both.
-            crate::api::install_signal_handlers();
-        }
-        forward_stdin(vmm.serial.clone(), raw.then(|| vmm.vm.fd().as_raw_fd()));
-    }
     let outcome = wait(&vmm, args.timeout);
     let code = match &outcome {
         Some(Ok(end)) => {
@@ -220,6 +233,7 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
 fn boot(
     args: &BootArgs,
     console: Option<Box<dyn Write + Send>>,
+    before_go: BeforeGo,
     recorder: Arc<Recorder>,
 ) -> anyhow::Result<Vmm> {
     let Some(kernel) = args.kernel.clone() else {
@@ -253,6 +267,7 @@ fn boot(
         },
         balloon_reporting: !args.balloon_no_reporting,
         memory: memory_options(args)?,
+        before_go: Some(before_go),
     };
     builder::build(cfg, recorder).map_err(|e| anyhow::anyhow!(builder::error_chain(&e)))
 }
@@ -319,10 +334,24 @@ fn finish_console(vmm: &Vmm) {
     serial.0.writer_mut().finish();
 }
 
+/// Whether stdin is /dev/null (character device 1:3), which ends at once.
+fn stdin_is_dev_null() -> bool {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    // stat (not open) through the descriptor's link.
+    let Ok(stdin) = std::fs::metadata("/proc/self/fd/0") else {
+        return false;
+    };
+    stdin.file_type().is_char_device() && stdin.rdev() == libc::makedev(1, 3)
+}
+
 /// Feeds stdin to COM1 from a helper thread. On a raw terminal (`raw_vm` is
 /// the VM's descriptor) the escape keys are ember's: Ctrl-A x restores the
 /// terminal and ends the VM as a guest power-off would.
 fn forward_stdin(serial: Arc<Mutex<Serial>>, raw_vm: Option<std::os::fd::RawFd>) {
+    if stdin_is_dev_null() {
+        // Nothing to forward: no thread (nor its seccomp filter) to start.
+        return;
+    }
     let spawned = std::thread::Builder::new()
         .name("ember-stdin".into())
         .spawn(move || {

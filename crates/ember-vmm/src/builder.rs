@@ -149,6 +149,9 @@ pub enum BuildError {
     /// The handler of the signal that kicks vCPUs out of KVM_RUN.
     #[error("cannot install the vCPU kick handler")]
     KickHandler(#[source] crate::vstate::control::ControlError),
+    /// The caller's work before the vCPUs start ([`BeforeGo`]).
+    #[error("cannot start the VM's helper threads")]
+    BeforeGo(#[source] std::io::Error),
     /// Eventfd/thread plumbing.
     #[error("VMM plumbing failed")]
     Io(#[from] std::io::Error),
@@ -186,7 +189,17 @@ pub struct VmConfig {
     pub balloon_reporting: bool,
     /// How guest memory is backed and committed (`--prefault`, `--mem-lock`, `--hugepages`).
     pub memory: MemoryOptions,
+    /// Run once the VM is complete, before the vCPUs start (see [`BeforeGo`]).
+    pub before_go: Option<BeforeGo>,
 }
+
+/// Work the caller does on the building thread once the VM is complete, just
+/// before that thread takes its seccomp filter and the vCPUs start: the place
+/// to start the caller's own threads (console input, the control socket).
+/// Started here they are not under the building thread's filter (each takes
+/// its own), so that filter stays short: installing one costs kernel time in
+/// proportion to its length, on the way to the guest's first instruction.
+pub type BeforeGo = Box<dyn FnOnce(&Vmm) -> std::io::Result<()> + Send>;
 
 /// What a parked vCPU thread receives when the VM is complete.
 struct Start {
@@ -286,30 +299,14 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         join(t)?;
     }
 
-    // 8. Go: this thread takes its seccomp filter (each vCPU takes its own as
-    // it starts running); every vCPU gets the finished buses; the boot vCPU
-    // also its entry. The vCPU kick handler is installed first, here: the
-    // control socket pauses vCPUs from threads whose lists have no
-    // `rt_sigaction`, and may do so before any vCPU has run.
-    crate::vstate::control::install_kick_handler().map_err(BuildError::KickHandler)?;
-    crate::seccomp::confine(crate::seccomp::Thread::Main)?;
+    // 8. Go. Every thread this one starts is started first (the background
+    // commit, the caller's), so none runs under this thread's filter; then
+    // this thread takes its filter (the vCPUs took theirs while they waited);
+    // every vCPU gets the finished buses, the boot vCPU also its entry. The
+    // vCPU kick handler is installed before the filter: the control socket
+    // pauses vCPUs from threads whose lists have no `rt_sigaction`, and may
+    // do so before any vCPU has run.
     let (io, mmio) = devices.into_buses();
-    let start = Arc::new(Start {
-        mem: mem.clone(),
-        io,
-        mmio,
-        entry,
-    });
-    for tx in vcpus.starts {
-        // A vCPU thread that already failed has hung up; its error is in `end`.
-        let _ = tx.send(start.clone());
-    }
-    if let Some(c) = committer
-        .as_ref()
-        .filter(|_| cfg.memory.prefault == Prefault::Async)
-    {
-        c.start_background(balloon.clone(), &cfg.memory, recorder)?;
-    }
     let machine = Arc::new(Machine {
         control,
         devices: attached,
@@ -323,8 +320,8 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         serial: serial.clone(),
         end: end.clone(),
     });
-    Ok(Vmm {
-        mem,
+    let vmm = Vmm {
+        mem: mem.clone(),
         end,
         serial,
         vm,
@@ -333,7 +330,30 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         balloon,
         committer,
         machine,
-    })
+    };
+    if let Some(c) = vmm
+        .committer
+        .as_ref()
+        .filter(|_| cfg.memory.prefault == Prefault::Async)
+    {
+        c.start_background(vmm.balloon.clone(), &cfg.memory, recorder)?;
+    }
+    if let Some(f) = cfg.before_go {
+        f(&vmm).map_err(BuildError::BeforeGo)?;
+    }
+    crate::vstate::control::install_kick_handler().map_err(BuildError::KickHandler)?;
+    crate::seccomp::confine(crate::seccomp::Thread::Main)?;
+    let start = Arc::new(Start {
+        mem,
+        io,
+        mmio,
+        entry,
+    });
+    for tx in vcpus.starts {
+        // A vCPU thread that already failed has hung up; its error is in `end`.
+        let _ = tx.send(start.clone());
+    }
+    Ok(vmm)
 }
 
 /// Refuses more vCPUs than KVM, or the MP table, can describe.
@@ -400,6 +420,9 @@ fn start_vcpu_threads(
             .spawn(move || {
                 let result = (|| -> Result<(), BuildError> {
                     let supported = kvm::supported_cpuid(&kvm)?;
+                    // Filtered while it would otherwise wait for the VM:
+                    // everything it does from here on is on the vCPU list.
+                    Vcpu::confine_thread(id)?;
                     // A closed channel means the build failed: just leave.
                     let Ok(vm) = ready_rx.recv() else {
                         return Ok(());

@@ -46,6 +46,9 @@ pub enum DeviceManagerError {
     /// An eventfd could not be made.
     #[error("cannot create an interrupt eventfd")]
     Io(#[from] std::io::Error),
+    /// The thread that starts device I/O threads could not be started.
+    #[error(transparent)]
+    Seccomp(#[from] crate::seccomp::SeccompError),
 }
 
 /// Makes a device's MMIO transport once guest memory and its interrupt line exist.
@@ -92,6 +95,9 @@ impl DeviceManager {
         if i >= layout::VIRTIO_MMIO_MAX_DEVICES {
             return Err(DeviceManagerError::TooManyDevices);
         }
+        // Its I/O thread will be started by the spawner (a driver activates
+        // the device from a filtered vCPU thread).
+        crate::seccomp::start_spawner()?;
         let base = layout::VIRTIO_MMIO_START + i as u64 * layout::VIRTIO_MMIO_SIZE;
         let gsi = layout::VIRTIO_IRQ_BASE + i as u32;
         let irq = self.irq_line(gsi)?;

@@ -522,8 +522,9 @@ pub fn rules(thread: Thread) -> Rules {
             r
         }
         Thread::Main => {
+            // Every thread it starts is started before it is filtered
+            // (`builder::BeforeGo`), but the keeper.
             let mut r = base();
-            merge(&mut r, &thread_start());
             merge(&mut r, &ending());
             merge(&mut r, &fatal_signals());
             allow(
@@ -534,10 +535,8 @@ pub fn rules(thread: Thread) -> Rules {
                     libc::SYS_ppoll,
                     libc::SYS_read,
                     libc::SYS_writev,
-                    // The terminal (raw mode), and a restore's devices.
-                    libc::SYS_ioctl,
-                    // The --events file and /proc/self/status at the end
-                    // (musl's open is open, glibc's openat).
+                    // The --events file and /proc/self/status and smaps at
+                    // the end (musl's open is open, glibc's openat).
                     libc::SYS_open,
                     // musl's stat and lstat of a path are stat and lstat.
                     libc::SYS_stat,
@@ -552,10 +551,9 @@ pub fn rules(thread: Thread) -> Rules {
                     libc::SYS_fcntl,
                 ],
             );
-            // The threads it starts once filtered inherit its filter.
-            for t in [Thread::Api, Thread::Stdin, Thread::Committer, Thread::Vcpu] {
-                merge(&mut r, &rules(t));
-            }
+            // The terminal: musl's isatty asks for the window size (raw
+            // mode's TCGETS and TCSETS are in base).
+            allow_arg(&mut r, libc::SYS_ioctl, 1, &[request(libc::TIOCGWINSZ)]);
             r
         }
     }

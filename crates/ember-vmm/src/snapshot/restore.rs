@@ -61,6 +61,9 @@ pub struct RestoreConfig {
     /// the recorded ones (each of the recorded size; see
     /// [`super::load_replacing`]).
     pub pmem: Vec<PathBuf>,
+    /// Run once the VM is complete, before the vCPUs start
+    /// ([`builder::BeforeGo`]).
+    pub before_go: Option<builder::BeforeGo>,
 }
 
 fn step(e: impl std::error::Error) -> SnapshotError {
@@ -140,6 +143,8 @@ fn spawn_vcpu(
         .name(format!("ember-vcpu{}", state.id))
         .spawn(move || {
             let set_up = (|| {
+                // Filtered first thing (see `Vcpu::confine_thread`).
+                Vcpu::confine_thread(state.id).map_err(step)?;
                 let v = Vcpu::new(vm.fd(), state.id).map_err(step)?;
                 if let (Some(then), Some(now)) = (state.tsc_khz, v.tsc_khz()) {
                     if then != now {
@@ -377,28 +382,17 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, Snaps
             .map_err(step)?;
     }
 
-    // 8. Go: this thread takes its seccomp filter first (the vCPU threads,
-    // waiting for the buses since step 4, take their own as they start running). The vCPU kick handler is installed
-    // before it, here: `ember snapshot` may pause the VM the moment its
-    // control socket exists, from a thread whose list has no `rt_sigaction`,
-    // before any restored vCPU has run (it used to be the vCPUs that
-    // installed it; the control socket's thread then died of SIGSYS).
-    crate::vstate::control::install_kick_handler().map_err(step)?;
-    crate::seccomp::confine(crate::seccomp::Thread::Main).map_err(step)?;
+    // 8. Go: the caller's threads are started first (`before_go`: not under
+    // this thread's filter, each takes its own), then this thread takes its
+    // filter (the vCPU threads, waiting for the buses since step 4, took
+    // theirs). The vCPU kick handler is installed before it, here: `ember
+    // snapshot` may pause the VM the moment its control socket exists, from
+    // a thread whose list has no `rt_sigaction`, before any restored vCPU has
+    // run.
     let control = Control::new(n_vcpus);
     let buses = Arc::new(devices.into_buses());
-    for go in starts {
-        // A thread that failed already reported it on `ready`.
-        let _ = go.send(VcpuStart {
-            buses: buses.clone(),
-            end: end.clone(),
-            mem: mem.clone(),
-            control: control.clone(),
-            recorder: recorder.clone(),
-        });
-    }
     let machine = Arc::new(Machine {
-        control,
+        control: control.clone(),
         devices: attached,
         mem_size: state.mem_size,
         vcpus: n_vcpus as u32,
@@ -410,9 +404,9 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, Snaps
         serial: serial.clone(),
         end: end.clone(),
     });
-    Ok(Vmm {
-        mem,
-        end,
+    let vmm = Vmm {
+        mem: mem.clone(),
+        end: end.clone(),
         serial,
         vm,
         vcpu_threads,
@@ -420,7 +414,23 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, Snaps
         balloon,
         committer: None,
         machine,
-    })
+    };
+    if let Some(f) = cfg.before_go {
+        f(&vmm).map_err(step)?;
+    }
+    crate::vstate::control::install_kick_handler().map_err(step)?;
+    crate::seccomp::confine(crate::seccomp::Thread::Main).map_err(step)?;
+    for go in starts {
+        // A thread that failed already reported it on `ready`.
+        let _ = go.send(VcpuStart {
+            buses: buses.clone(),
+            end: end.clone(),
+            mem: mem.clone(),
+            control: control.clone(),
+            recorder: recorder.clone(),
+        });
+    }
+    Ok(vmm)
 }
 
 /// The balloon of a VM snapshotted while `--prefault async` was still

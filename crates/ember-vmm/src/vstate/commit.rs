@@ -120,7 +120,8 @@ pub struct MemoryOptions {
     pub window: u64,
     /// `async`: bytes committed per background step.
     pub chunk: u64,
-    /// Populate threads.
+    /// Populate threads; 0: one per CPU, at most 8 (counted only when memory
+    /// is committed: asking costs a dozen system calls on every start).
     pub threads: usize,
     /// `async`: how long a balloon driver may take to show up.
     pub driver_timeout: Duration,
@@ -139,7 +140,7 @@ impl Default for MemoryOptions {
             prefault: Prefault::Off,
             window: DEFAULT_WINDOW,
             chunk: DEFAULT_CHUNK,
-            threads: default_threads(),
+            threads: 0,
             driver_timeout: DEFAULT_DRIVER_TIMEOUT,
             rate: 0,
             mem_lock: false,
@@ -367,7 +368,11 @@ impl Committer {
                 ram: host_ranges(mem),
                 committed: Mutex::new(RangeSet::new()),
                 fence_up: AtomicBool::new(false),
-                threads: threads.max(1),
+                threads: if threads == 0 {
+                    default_threads()
+                } else {
+                    threads
+                },
             }),
         }
     }

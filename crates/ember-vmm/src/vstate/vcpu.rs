@@ -119,6 +119,11 @@ pub struct Vcpu {
     id: u32,
 }
 
+thread_local! {
+    /// [`Vcpu::confine_thread`] ran on this thread (filters are per thread).
+    static CONFINED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 impl Vcpu {
     /// Creates vCPU `id` (also its APIC id).
     pub fn new(vm: &VmFd, id: u32) -> Result<Vcpu, VcpuError> {
@@ -216,24 +221,36 @@ impl Vcpu {
         mem: &GuestMemoryMmap,
         control: &Control,
     ) -> Result<(), VcpuError> {
-        control::install_kick_handler().map_err(|e| VcpuError::Unexpected {
-            id: self.id,
-            exit: e.to_string(),
-            rip: 0,
-        })?;
-        // Before the guest's first instruction on this vCPU.
-        crate::seccomp::confine(crate::seccomp::Thread::Vcpu).map_err(|e| {
-            VcpuError::Unexpected {
-                id: self.id,
-                exit: e.to_string(),
-                rip: 0,
-            }
-        })?;
+        // Before the guest's first instruction on this vCPU, if its thread
+        // was not filtered yet.
+        Self::confine_thread(self.id)?;
         control::enter_run_loop(std::ptr::from_mut(self.fd.get_kvm_run()));
         control.register(self.id);
         let result = self.run_loop(io, mmio, end, vm, mem, control);
         control::leave_run_loop();
         result
+    }
+
+    /// Installs the vCPU kick handler and the vCPU list's seccomp filter on
+    /// the calling thread, the one that will run vCPU `id`: best as soon as
+    /// it starts, while it waits for the rest of the VM. Installing a filter
+    /// costs ~0.15 ms of kernel time (checking, JIT-compiling and caching
+    /// the program), which is then off the way to the guest's first
+    /// instruction. Creating, configuring, restoring and running a vCPU are
+    /// all on the list.
+    pub fn confine_thread(id: u32) -> Result<(), VcpuError> {
+        if CONFINED.get() {
+            return Ok(());
+        }
+        let err = |e: &dyn std::fmt::Display| VcpuError::Unexpected {
+            id,
+            exit: e.to_string(),
+            rip: 0,
+        };
+        control::install_kick_handler().map_err(|e| err(&e))?;
+        crate::seccomp::confine(crate::seccomp::Thread::Vcpu).map_err(|e| err(&e))?;
+        CONFINED.set(true);
+        Ok(())
     }
 
     fn run_loop(
