@@ -8,8 +8,9 @@
 //! EMBER_BENCH_RUNS=N changes the run count (default 20). The guest is
 //! ember's test guest printing one line and ending (`print=up halt`), 512 MiB,
 //! 1 vCPU, as in the VMM-core bench (`benches/vmm.rs`). It also times, in
-//! this process, compiling every thread's filter (what `seccomp::init` did
-//! once per process).
+//! this process, what installing each kind of thread's filter costs the
+//! thread (the kernel checks, JIT-compiles and caches the program: the
+//! reason ember installs each where its thread would otherwise wait).
 
 use ember::lab::stats::Summary;
 use ember_vmm::events::{EventFile, monotonic_ns};
@@ -108,16 +109,30 @@ fn main() {
         }
     }
     eprintln!();
-    // Compiling every list, as `seccomp::init` did once per process before
-    // the build script compiled them (`crates/ember-vmm/build.rs`).
-    let mut compile = Vec::new();
-    for _ in 0..runs {
-        let t0 = monotonic_ns();
-        for t in Thread::ALL {
-            std::hint::black_box(seccomp::compile(t, Mode::Trap).expect("compile"));
-        }
-        compile.push((monotonic_ns() - t0) as f64 / 1e3);
-    }
+    // Installing each kind's filter as ember does (`seccomp::confine`: the
+    // built-in program, and the clone3 filter for kinds that start threads),
+    // each time on a fresh thread. Not the keeper's: it would stop a thread
+    // from ending (and is 20-odd instructions).
+    seccomp::init(Mode::Trap, 99).expect("seccomp::init");
+    let installs: Vec<(Thread, usize, Vec<f64>)> = Thread::ALL
+        .into_iter()
+        .filter(|&t| t != Thread::Keeper)
+        .map(|t| {
+            let program = seccomp::compile(t, Mode::Trap).expect("compile");
+            let times = (0..runs)
+                .map(|_| {
+                    std::thread::spawn(move || {
+                        let t0 = monotonic_ns();
+                        seccomp::confine(t).expect("install");
+                        (monotonic_ns() - t0) as f64 / 1e3
+                    })
+                    .join()
+                    .expect("install thread")
+                })
+                .collect();
+            (t, program.len(), times)
+        })
+        .collect();
 
     println!(
         "\nember boot with --seccomp trap vs off, {runs} interleaved pairs (test guest, 512 MiB, 1 vCPU)"
@@ -148,11 +163,12 @@ fn main() {
     );
     let on_exit = row("seccomp trap: exec → exit", "ms", &pick(&on, |b| b.exit));
     let off_exit = row("seccomp off: exec → exit", "ms", &pick(&off, |b| b.exit));
-    row(
-        "compiling all 12 filters (in process, once per ember)",
-        "µs",
-        &compile,
-    );
+    println!("\ninstalling one filter on a thread (in process, {runs} fresh threads each):\n");
+    println!("| thread kind (BPF instructions) | median | min – max |");
+    println!("| --- | --- | --- |");
+    for (t, len, times) in &installs {
+        row(&format!("{} ({len})", t.name()), "µs", times);
+    }
     println!(
         "\nratios (trap / off, medians): first instruction {:.3}×, first line {:.3}×, exit {:.3}×",
         on_insn / off_insn,

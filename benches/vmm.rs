@@ -273,7 +273,35 @@ fn main() {
     let this = std::env::current_exe().expect("the bench's own path");
     for i in 0..runs {
         eprint!("\rrun {}/{runs}", i + 1);
-        e.push(measure(&mut ember_cmd("512M")));
+        // ember and the base build, each a plain run then one with its
+        // timeline, take turns going first: whatever ran just before (a VM
+        // still being torn down) weighs on both alike.
+        let ember_turn = |e: &mut Vec<Run>,
+                          first_insn: &mut Vec<f64>,
+                          vmm_rss: &mut Vec<f64>,
+                          overhead: &mut Vec<f64>| {
+            e.push(measure(&mut ember_cmd("512M")));
+            let (fi, rss, oh) = ember_internals(&ember, &guest, &dir);
+            first_insn.push(fi);
+            vmm_rss.push(rss / 1024.0);
+            overhead.push(oh / 1024.0);
+        };
+        let base_turn =
+            |b: &mut Vec<Run>, b_first_insn: &mut Vec<f64>, b_overhead: &mut Vec<f64>| {
+                if let Some(base) = &base {
+                    b.push(measure(&mut ember_cmd_of(base, "512M")));
+                    let (fi, _, oh) = ember_internals(base, &guest, &dir);
+                    b_first_insn.push(fi);
+                    b_overhead.push(oh / 1024.0);
+                }
+            };
+        if i % 2 == 0 {
+            ember_turn(&mut e, &mut first_insn, &mut vmm_rss, &mut overhead);
+            base_turn(&mut b, &mut b_first_insn, &mut b_overhead);
+        } else {
+            base_turn(&mut b, &mut b_first_insn, &mut b_overhead);
+            ember_turn(&mut e, &mut first_insn, &mut vmm_rss, &mut overhead);
+        }
         e64g.push(measure(&mut ember_cmd("64G")));
         ver.push(measure(Command::new(&ember).arg("--version")));
         if let Some(qb) = &qemu {
@@ -281,16 +309,6 @@ fn main() {
         }
         exec_floors.push(exec_floor(&this));
         kvm_floors.push(kvm_floor());
-        let (fi, rss, oh) = ember_internals(&ember, &guest, &dir);
-        first_insn.push(fi);
-        vmm_rss.push(rss / 1024.0);
-        overhead.push(oh / 1024.0);
-        if let Some(base) = &base {
-            b.push(measure(&mut ember_cmd_of(base, "512M")));
-            let (fi, _, oh) = ember_internals(base, &guest, &dir);
-            b_first_insn.push(fi);
-            b_overhead.push(oh / 1024.0);
-        }
     }
     eprintln!();
     let ms = |v: &[Run]| v.iter().map(|r| r.exit_ms).collect::<Vec<_>>();
