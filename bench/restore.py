@@ -2,8 +2,10 @@
 """Restore -> first guest instruction: two ember builds, interleaved.
 
 One snapshot of the test guest (256 MiB, 200 MiB touched, spinning) per vCPU
-count, taken with ember A; then ROUNDS rounds, each restoring it once with A
-and once with B (order alternating), in fresh processes, with --events. The
+count and build (each restores its own: the state format may differ); then
+ROUNDS rounds, each restoring once with A and once with B (order
+alternating), in fresh processes, with --events. A restore that fails stops
+the bench with its message. The
 figure is the `first_guest_entry` event (us from ember's start: recorded on
 vCPU 0's thread just before its first KVM_RUN), with the steps before it
 (`kvm_open`: the state file read and checked; `memory_ready`: the VM, guest
@@ -32,24 +34,30 @@ WORK = tempfile.mkdtemp(prefix="ember-restore-bench.")
 STEPS = ["kvm_open", "memory_ready", "vcpus_created", "first_guest_entry"]
 
 
-def snapshot(cpus):
-    sock = os.path.join(WORK, f"api{cpus}.sock")
-    vm = subprocess.Popen([A, "boot", "--kernel", GUEST, "--mem", "256M", "--cpus", str(cpus),
+def snapshot(cpus, ember, name):
+    sock = os.path.join(WORK, f"api{cpus}{name}.sock")
+    vm = subprocess.Popen([ember, "boot", "--kernel", GUEST, "--mem", "256M", "--cpus", str(cpus),
                            "--cmdline", "print=up touch=200 print=touched spin=600000",
                            "--api-socket", sock], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     for line in vm.stdout:
         if b"touched" in line:
             break
-    to = os.path.join(WORK, f"snap{cpus}")
-    subprocess.run([A, "snapshot", "--api-socket", sock, "--to", to], check=True, capture_output=True)
+    to = os.path.join(WORK, f"snap{cpus}{name}")
+    subprocess.run([ember, "snapshot", "--api-socket", sock, "--to", to], check=True,
+                   capture_output=True)
     vm.wait()
     return to
 
 
 def restore(ember, snap):
     ev = os.path.join(WORK, "ev.json")
-    subprocess.run([ember, "boot", "--restore", snap, "--timeout", "0.05", "--events", ev],
-                   capture_output=True)
+    if os.path.exists(ev):
+        os.remove(ev)
+    done = subprocess.run([ember, "boot", "--restore", snap, "--timeout", "0.05", "--events", ev],
+                          capture_output=True)
+    # 124: the timeout ended the spinning guest, as meant.
+    if done.returncode != 124 or not os.path.exists(ev):
+        sys.exit(f"{ember} --restore {snap}: status {done.returncode}: {done.stderr.decode()}")
     with open(ev) as f:
         events = json.load(f)["events"]
     return {k: next(e["t_us"] for e in events if e["kind"] == k) for k in STEPS}
@@ -63,11 +71,11 @@ print(f"A={A}\nB={B}\nROUNDS={ROUNDS}; load {os.getloadavg()[0]:.1f} at start\n"
 print("| test guest, 256 MiB | step (µs from ember's start) | A | B | B / A |")
 print("| --- | --- | --- | --- | --- |")
 for cpus in (1, 2):
-    snap = snapshot(cpus)
+    snaps = {A: snapshot(cpus, A, "a"), B: snapshot(cpus, B, "b")}
     runs = {A: [], B: []}
     for r in range(ROUNDS):
         for ember in ((A, B) if r % 2 == 0 else (B, A)):
-            runs[ember].append(restore(ember, snap))
+            runs[ember].append(restore(ember, snaps[ember]))
     for k in STEPS:
         a = [x[k] for x in runs[A]]
         b = [x[k] for x in runs[B]]

@@ -46,7 +46,7 @@ use crate::vstate::vm::Vm;
 pub const MAGIC: &[u8; 8] = b"EMBERSNP";
 /// The state format this ember writes and reads. Bump it whenever a
 /// serialized type changes.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// magic, version (u32), payload length (u64), CRC-32 (u32).
 const HEADER_LEN: usize = 8 + 4 + 8 + 4;
 /// The state file's name in a snapshot directory.
@@ -314,7 +314,8 @@ pub struct SnapshotState {
     pub ember_version: String,
     /// Guest RAM in bytes (the memory file's size).
     pub mem_size: u64,
-    /// KVM_GET_SUPPORTED_CPUID of the host it was taken on.
+    /// The CPU signature of the host it was taken on
+    /// (`arch::x86_64::cpuid::host_signature`).
     pub host_cpuid: Vec<kvm_cpuid_entry2>,
     /// Each vCPU, by index.
     pub vcpus: Vec<vcpu::VcpuState>,
@@ -459,18 +460,31 @@ pub fn load(
     dir: &Path,
     host_cpuid: impl FnOnce() -> Result<Vec<kvm_cpuid_entry2>, SnapshotError>,
 ) -> Result<(SnapshotState, PathBuf), SnapshotError> {
-    load_replacing(dir, &[], host_cpuid)
+    let (state, mem_path) = load_replacing(dir, &[])?;
+    check_host_cpu(&state, &host_cpuid()?)?;
+    Ok((state, mem_path))
 }
 
-/// [`load`], with the first `pmem.len()` pmem devices backed by these files
-/// instead of the recorded ones. A replacement must have the recorded size
-/// (the guest sized its region by it); its contents are the caller's
-/// business: the guest must hold nothing of the old file in its caches (the
-/// appliance's per-run slot is never mounted before its snapshot).
+/// Refuses a snapshot taken on a CPU whose features differ from this host's
+/// (`host_cpuid`: this host's `arch::x86_64::cpuid::host_signature`).
+/// [`load`] checks it; a caller of [`load_replacing`] must, before the VM
+/// runs.
+pub fn check_host_cpu(
+    state: &SnapshotState,
+    host_cpuid: &[kvm_cpuid_entry2],
+) -> Result<(), SnapshotError> {
+    compare_cpuid(&state.host_cpuid, host_cpuid).map_err(SnapshotError::Cpu)
+}
+
+/// [`load`] but for the CPU, which the caller checks with
+/// [`check_host_cpu`] before the VM runs, and with the first `pmem.len()`
+/// pmem devices backed by these files instead of the recorded ones. A replacement must have the recorded size (the guest sized
+/// its region by it); its contents are the caller's business: the guest must
+/// hold nothing of the old file in its caches (the appliance's per-run slot
+/// is never mounted before its snapshot).
 pub fn load_replacing(
     dir: &Path,
     pmem: &[PathBuf],
-    host_cpuid: impl FnOnce() -> Result<Vec<kvm_cpuid_entry2>, SnapshotError>,
 ) -> Result<(SnapshotState, PathBuf), SnapshotError> {
     let state_path = dir.join(STATE_FILE);
     let bytes = std::fs::read(&state_path).map_err(io_err(&state_path))?;
@@ -487,7 +501,6 @@ pub fn load_replacing(
             want: state.mem_size,
         });
     }
-    compare_cpuid(&state.host_cpuid, &host_cpuid()?).map_err(SnapshotError::Cpu)?;
     for d in &state.devices {
         if let (Some(path), Some(rec)) = (d.spec.path(), &d.file) {
             let now = FileIdentity::of(path).map_err(io_err(path))?;
@@ -684,11 +697,7 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
     let vcpus = machine.control.collect(end).map_err(|e| step(&e))?;
     let vm_state = vm::save(vm.fd()).map_err(|e| step(&e))?;
     let serial_state = serial.lock().unwrap_or_else(|p| p.into_inner()).0.state();
-    let kvm = crate::vstate::kvm::open().map_err(|e| step(&e))?;
-    let host_cpuid = crate::vstate::kvm::supported_cpuid(&kvm)
-        .map_err(|e| step(&e))?
-        .as_slice()
-        .to_vec();
+    let host_cpuid = crate::arch::x86_64::cpuid::host_signature();
     let mut devices = Vec::new();
     for d in &machine.devices {
         let file = match d.spec.path() {

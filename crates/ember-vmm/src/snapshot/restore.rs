@@ -1,15 +1,14 @@
 //! Restore: a VM built from a snapshot directory instead of a kernel.
 //!
-//! 1. open KVM; on helper threads, read what this host's CPU offers (the
-//!    snapshot must have been taken on the same), and ([`spawn_vm`]) create
-//!    the VM, map the memory file privately as guest RAM (nothing is read:
+//! 1. open KVM; on a helper thread ([`spawn_vm`]) create the VM, map the memory file privately as guest RAM (nothing is read:
 //!    pages fault in from the file as the guest touches them, and its writes
 //!    go to private copies), give it to KVM, create the irqchip and then the
 //!    PIT: none of this needs the state file, and it costs as much as
 //!    reading and checking it;
-//! 2. meanwhile read and check the snapshot ([`super::load`]): a state file
-//!    that fails a check is refused before any vCPU exists (the VM made
-//!    meanwhile is dropped; nothing ran);
+//! 2. meanwhile read and check the snapshot ([`super::load_replacing`]) and
+//!    this host's CPU signature against the snapshot's
+//!    ([`super::check_host_cpu`]): a snapshot that fails a check is refused
+//!    before any vCPU exists (the VM made meanwhile is dropped; nothing ran);
 //! 3. map pmem files at their recorded addresses;
 //! 4. create each vCPU and set its state, each on its own thread (the
 //!    thread it will run on); then the irqchip's, PIT's and clock's state
@@ -22,7 +21,8 @@
 //! 6. COM1 from its state, the other legacy devices fresh (they hold none);
 //! 7. a new VM generation ID, announced to the guest (`devices::vmgenid`),
 //!    so no two restores of one snapshot share their RNG state;
-//! 8. hand the vCPU threads, waiting since step 4, the finished buses.
+//! 8. hand the vCPU threads, waiting since step 4 (each took its seccomp
+//!    filter meanwhile), the finished buses.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -143,8 +143,6 @@ fn spawn_vcpu(
         .name(format!("ember-vcpu{}", state.id))
         .spawn(move || {
             let set_up = (|| {
-                // Filtered first thing (see `Vcpu::confine_thread`).
-                Vcpu::confine_thread(state.id).map_err(step)?;
                 let v = Vcpu::new(vm.fd(), state.id).map_err(step)?;
                 if let (Some(then), Some(now)) = (state.tsc_khz, v.tsc_khz()) {
                     if then != now {
@@ -169,8 +167,15 @@ fn spawn_vcpu(
                 }
             };
             drop(ready);
+            // Filtered while the rest of the VM is restored (the filter's
+            // cost is then off the way to the first instruction).
+            let confined = Vcpu::confine_thread(v.id());
             // The restore gave up (its error is the caller's) when no start comes.
             let Ok(start) = go.recv() else { return };
+            if let Err(e) = confined {
+                start.end.fail(builder::error_chain(&e));
+                return;
+            }
             if v.id() == 0 {
                 start.recorder.mark(kind::FIRST_GUEST_ENTRY);
             }
@@ -196,23 +201,9 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, Snaps
     // 1-2. KVM; this host's CPU and the VM on helper threads while the
     // state file is read and checked here.
     let kvm = Arc::new(kvm::open().map_err(step)?);
-    let cpuid = {
-        let kvm = kvm.clone();
-        std::thread::Builder::new()
-            .name("ember-cpuid".into())
-            .spawn(move || {
-                kvm::supported_cpuid(&kvm)
-                    .map(|c| c.as_slice().to_vec())
-                    .map_err(step)
-            })
-            .map_err(step)?
-    };
     let (early, pit) = spawn_vm(kvm.clone(), cfg.dir.join(super::MEMORY_FILE))?;
-    let (mut state, mem_path) = super::load_replacing(&cfg.dir, &cfg.pmem, || {
-        cpuid
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-    })?;
+    let (mut state, mem_path) = super::load_replacing(&cfg.dir, &cfg.pmem)?;
+    super::check_host_cpu(&state, &crate::arch::x86_64::cpuid::host_signature())?;
     recorder.mark(kind::KVM_OPEN);
 
     // The channel is connected before anything is built: a snapshot with
@@ -276,9 +267,10 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, Snaps
     }
     drop(ready_tx);
     for _ in 0..n_vcpus {
-        ready
+        let set = ready
             .recv()
-            .map_err(|_| SnapshotError::Step("a vCPU thread ended early".into()))??;
+            .map_err(|_| SnapshotError::Step("a vCPU thread ended early".into()))?;
+        set?;
     }
     // The irqchips', PIT's and clock's state once the PIT is there (the
     // clock set after the vCPUs' MSRs, as on any running VM).

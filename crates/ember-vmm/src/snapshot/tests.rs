@@ -494,3 +494,43 @@ fn pmem_backing_files_are_replaced_only_by_files_of_the_same_size() {
     assert!(e.to_string().contains("fewer pmem devices"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The CPU signature a snapshot records reads the same on every CPU of this
+/// host (what differs between CPUs, their APIC ids, is left out of the
+/// comparison), and a changed feature bit is another CPU.
+#[test]
+fn the_cpu_signature_is_the_same_on_every_cpu_of_a_host() {
+    use crate::arch::x86_64::cpuid::host_signature;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let on_cpu = |cpu: usize| {
+        std::thread::spawn(move || {
+            // SAFETY: a zeroed cpu_set_t is valid; CPU_SET and
+            // sched_setaffinity only read and write it and this thread.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(cpu, &mut set);
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            }
+            host_signature()
+        })
+        .join()
+        .unwrap()
+    };
+    let first = on_cpu(0);
+    assert!(
+        first.iter().any(|e| e.function == 0 && e.ebx != 0),
+        "{first:?}"
+    );
+    assert!(first.iter().any(|e| e.function == 0x7 && e.index == 0));
+    for cpu in 1..cpus {
+        compare_cpuid(&first, &on_cpu(cpu)).unwrap();
+    }
+    let mut other = first.clone();
+    let features = other.iter_mut().find(|e| e.function == 0x1).unwrap();
+    features.ecx ^= 1 << 28; // AVX
+    assert!(
+        compare_cpuid(&first, &other)
+            .unwrap_err()
+            .contains("leaf 0x1.0 differs")
+    );
+}

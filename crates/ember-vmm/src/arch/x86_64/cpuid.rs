@@ -183,6 +183,48 @@ fn leaf(function: u32, index: u32, flags: u32, regs: [u32; 4]) -> kvm_cpuid_entr
     }
 }
 
+/// The CPUID leaves that say which CPU this is and what it offers: vendor
+/// and model (0x0, 0x1, 0x80000000), features (0x1, 0x7, 0x80000001), XSAVE
+/// layout (0xd), invariant TSC (0x80000007) and address sizes (0x80000008).
+const SIGNATURE_LEAVES: [(u32, u32); 10] = [
+    (0x0, 0),
+    (0x1, 0),
+    (0x7, 0),
+    (0x7, 1),
+    (0xd, 0),
+    (0xd, 1),
+    (0x8000_0000, 0),
+    (0x8000_0001, 0),
+    (0x8000_0007, 0),
+    (0x8000_0008, 0),
+];
+
+/// This host CPU's signature: [`SIGNATURE_LEAVES`] as the CPUID instruction
+/// answers them here (those past the CPU's highest leaf left out). A
+/// snapshot records it and a restore compares it before anything runs. Ten
+/// instructions: KVM's supported CPUID, which says the same of the CPU, runs
+/// several for each of its ~75 leaves, ~0.4 ms where CPUID traps to a
+/// hypervisor (as in a cloud VM). What the host's *kernel* adds or hides
+/// shows when the vCPU state is set: KVM refuses what it cannot give.
+pub fn host_signature() -> Vec<kvm_cpuid_entry2> {
+    use std::arch::x86_64::__cpuid_count;
+    let max_basic = __cpuid_count(0, 0).eax;
+    let max_ext = __cpuid_count(0x8000_0000, 0).eax;
+    SIGNATURE_LEAVES
+        .iter()
+        .filter(|&&(f, _)| f <= if f >= 0x8000_0000 { max_ext } else { max_basic })
+        .map(|&(f, i)| {
+            let r = __cpuid_count(f, i);
+            let flags = if matches!(f, 0x7 | 0xd) {
+                KVM_CPUID_FLAG_SIGNIFCANT_INDEX
+            } else {
+                0
+            };
+            leaf(f, i, flags, [r.eax, r.ebx, r.ecx, r.edx])
+        })
+        .collect()
+}
+
 /// Leaf 0xb / 0x1f subleaves: SMT level (1 thread), core level (all vCPUs),
 /// then an invalid level that ends the list. EDX is the x2APIC ID everywhere.
 fn topology_leaves(function: u32, apic_id: u32, cores: u32) -> [kvm_cpuid_entry2; 3] {
