@@ -54,8 +54,12 @@ const DEFAULT_ENV: &[&str] = &[
 /// wired, and under TCG on a loaded host (a starved vCPU thread while
 /// QEMU's timer runs on) the check can miss its ticks and panic with
 /// "IO-APIC + timer doesn't work" — seen at load 20, once in three
-/// parallel boots (the nested rig's L1 met it first).
-const BASE_CMDLINE: &str = "console=ttyS0 panic=-1 cryptomgr.notests no_timer_check";
+/// parallel boots (the nested rig's L1 met it first). And one UART, the only
+/// one either backend gives the appliance: Debian's 8250 driver registers and
+/// probes four (the doctor's `8250.nr_uarts` advice; 3.4 ms of guest work
+/// under `-icount`, BENCHMARKS.md §8).
+const BASE_CMDLINE: &str =
+    "console=ttyS0 panic=-1 cryptomgr.notests no_timer_check 8250.nr_uarts=1";
 
 /// Arguments of `ember run [OPTIONS] -- CMD…`: only what the appliance
 /// honours. The devices a command can use ([`backend::DeviceArgs`]: disks
@@ -398,7 +402,7 @@ pub fn assemble(
             let busybox = if extras.bare {
                 None
             } else {
-                let bb = userland::Busybox::find(&path_var);
+                let bb = userland::Busybox::find_cached(&path_var, Some(&cache.join("busybox")));
                 if bb.is_none() {
                     eprintln!(
                         "ember: no busybox on PATH: the appliance carries only the command's \

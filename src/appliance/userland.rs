@@ -31,12 +31,32 @@ impl Busybox {
     /// The busybox on `path_var` (a PATH), asked for its applets; `None` when
     /// there is none or it does not answer `--list`.
     pub fn find(path_var: &str) -> Option<Busybox> {
+        Self::find_cached(path_var, None)
+    }
+
+    /// [`Busybox::find`], keeping the applet list in `cache` (a directory),
+    /// keyed by the binary's identity (path, device, inode, size, mtime): a
+    /// `busybox --list` writes each name with a system call of its own, ~10
+    /// ms of every `ember run` for a list that changes only with busybox.
+    pub fn find_cached(path_var: &str, cache: Option<&Path>) -> Option<Busybox> {
         let path = closure::find_command("busybox", path_var, None).ok()?;
-        let out = Command::new(&path).arg("--list").output().ok()?;
-        if !out.status.success() {
-            return None;
-        }
-        let applets: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        let cached = cache.and_then(|dir| Some(dir.join(list_key(&path)?)));
+        let text = match cached.as_deref().map(std::fs::read) {
+            Some(Ok(text)) if !text.is_empty() => text,
+            _ => {
+                let out = Command::new(&path).arg("--list").output().ok()?;
+                if !out.status.success() {
+                    return None;
+                }
+                if let (Some(file), Some(dir)) = (&cached, cache) {
+                    // A cache that cannot be written only costs the next run the --list.
+                    let _ = super::cache::private_dir(dir)
+                        .and_then(|()| super::cache::write_atomic(file, &out.stdout));
+                }
+                out.stdout
+            }
+        };
+        let applets: Vec<String> = String::from_utf8_lossy(&text)
             .lines()
             .map(str::trim)
             // Applet names are plain file names; anything else is not one.
@@ -105,6 +125,25 @@ pub fn with_links(tree: &Tree) -> Tree {
     t
 }
 
+/// The applet list's cache file name for the busybox at `path`: a hash of
+/// its path and identity, so a new or changed busybox is asked again.
+fn list_key(path: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    let mut h = super::cache::KeyHasher::new();
+    h.put(path.as_os_str().as_encoded_bytes());
+    for v in [
+        m.dev(),
+        m.ino(),
+        m.size(),
+        m.mtime() as u64,
+        m.mtime_nsec() as u64,
+    ] {
+        h.put(&v.to_le_bytes());
+    }
+    Some(format!("{}.applets", h.hex()))
+}
+
 /// [`applets::LIST`] as a host string, without its NUL.
 fn list_path() -> String {
     let l = applets::LIST;
@@ -114,6 +153,25 @@ fn list_path() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_applet_list_is_cached_by_the_binarys_identity() {
+        let dir = crate::appliance::test_dir("busybox-applets");
+        let cache = dir.join("cache");
+        let fresh = Busybox::find_cached("/usr/bin:/bin", Some(&cache)).expect("busybox-static");
+        let files: Vec<_> = std::fs::read_dir(&cache).unwrap().flatten().collect();
+        assert_eq!(files.len(), 1, "one list file");
+        // The cached list is the one used: an edited file shows through.
+        std::fs::write(files[0].path(), "only\n").unwrap();
+        let cached = Busybox::find_cached("/usr/bin:/bin", Some(&cache)).unwrap();
+        assert_eq!(cached.applets, ["only"]);
+        // An empty (truncated) entry is asked again and rewritten.
+        std::fs::write(files[0].path(), "").unwrap();
+        let again = Busybox::find_cached("/usr/bin:/bin", Some(&cache)).unwrap();
+        assert_eq!(again.applets, fresh.applets);
+        assert!(!std::fs::read(files[0].path()).unwrap().is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn applets_are_listed_for_init_to_link_to_the_carried_busybox() {
