@@ -676,6 +676,19 @@ fn cell(v: Vec<f64>, digits: usize) -> (String, f64) {
 
 type Results = HashMap<(usize, &'static str), Vec<Sample>>;
 
+/// A sample's figure, where it has one.
+type Metric = fn(&Sample) -> Option<f64>;
+
+/// How a workload's throughput is reported: unit, decimals, and the figure
+/// of a sample (kIOPS for small requests, MiB/s for large ones).
+fn throughput(w: &Workload) -> (&'static str, usize, Metric) {
+    if w.small() {
+        ("kIOPS", 1, |s| Some(s.iops / 1e3))
+    } else {
+        ("MiB/s", 0, |s| Some(s.mibps))
+    }
+}
+
 fn collect(r: &Results, w: usize, who: Subject, f: impl Fn(&Sample) -> Option<f64>) -> Vec<f64> {
     r.get(&(w, who.name()))
         .map(|v| v.iter().filter_map(&f).collect())
@@ -693,12 +706,7 @@ fn print_report(workloads: &[Workload], subjects: &[Subject], r: &Results) {
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     for (i, w) in workloads.iter().enumerate() {
-        let (unit, digits) = if w.small() {
-            ("kIOPS", 1)
-        } else {
-            ("MiB/s", 0)
-        };
-        let metric = |s: &Sample| Some(if w.small() { s.iops / 1e3 } else { s.mibps });
+        let (unit, digits, metric) = throughput(w);
         let best = |s| {
             collect(r, i, s, metric)
                 .into_iter()
@@ -731,12 +739,7 @@ fn print_report(workloads: &[Workload], subjects: &[Subject], r: &Results) {
             "\nember variants, measured in the same rounds (median (min–max); ratio to ember):"
         );
         for (i, w) in workloads.iter().enumerate() {
-            let (unit, digits) = if w.small() {
-                ("kIOPS", 1)
-            } else {
-                ("MiB/s", 0)
-            };
-            let metric = |s: &Sample| Some(if w.small() { s.iops / 1e3 } else { s.mibps });
+            let (unit, digits, metric) = throughput(w);
             let (_, em) = cell(collect(r, i, Subject::Ember, metric), digits);
             for &v in &variants {
                 let (c, m) = cell(collect(r, i, v, metric), digits);
@@ -747,12 +750,7 @@ fn print_report(workloads: &[Workload], subjects: &[Subject], r: &Results) {
     if subjects.contains(&Subject::HostOther) {
         println!("\nReference, the host with the other engine:");
         for (i, w) in workloads.iter().enumerate() {
-            let (unit, digits) = if w.small() {
-                ("kIOPS", 1)
-            } else {
-                ("MiB/s", 0)
-            };
-            let metric = |s: &Sample| Some(if w.small() { s.iops / 1e3 } else { s.mibps });
+            let (unit, digits, metric) = throughput(w);
             let (o, _) = cell(collect(r, i, Subject::HostOther, metric), digits);
             println!("- {}: {o} {unit}", w.label);
         }

@@ -44,6 +44,28 @@ impl KeyHasher {
     }
 
     /// The key as 32 hex digits (a file name).
+    /// Adds a file's path and identity (device, inode, size, mtime) — not
+    /// its bytes: stat is cheap, reading a 12 MB kernel or ember binary is
+    /// not. Returns whether the file could be stat'ed (its path is added
+    /// either way).
+    pub fn put_identity(&mut self, path: &Path) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        self.put(path.as_os_str().as_encoded_bytes());
+        let Ok(m) = fs::metadata(path) else {
+            return false;
+        };
+        for v in [
+            m.dev(),
+            m.ino(),
+            m.size(),
+            m.mtime() as u64,
+            m.mtime_nsec() as u64,
+        ] {
+            self.put(&v.to_le_bytes());
+        }
+        true
+    }
+
     pub fn hex(&self) -> String {
         format!("{:032x}", self.0)
     }

@@ -128,20 +128,8 @@ pub fn with_links(tree: &Tree) -> Tree {
 /// The applet list's cache file name for the busybox at `path`: a hash of
 /// its path and identity, so a new or changed busybox is asked again.
 fn list_key(path: &Path) -> Option<String> {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(path).ok()?;
     let mut h = super::cache::KeyHasher::new();
-    h.put(path.as_os_str().as_encoded_bytes());
-    for v in [
-        m.dev(),
-        m.ino(),
-        m.size(),
-        m.mtime() as u64,
-        m.mtime_nsec() as u64,
-    ] {
-        h.put(&v.to_le_bytes());
-    }
-    Some(format!("{}.applets", h.hex()))
+    h.put_identity(path).then(|| format!("{}.applets", h.hex()))
 }
 
 /// [`applets::LIST`] as a host string, without its NUL.

@@ -27,7 +27,7 @@ use super::builder::{Entry, Tree};
 use super::cache::KeyHasher;
 use std::fs;
 use std::io;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use thiserror::Error;
@@ -60,23 +60,6 @@ fn io_err(p: &Path) -> impl Fn(io::Error) -> WarmError + '_ {
     move |e| WarmError::Io(p.to_owned(), e)
 }
 
-/// Hashes a file's identity (not its bytes: stat is cheap, a 12 MB kernel
-/// or ember binary is not).
-fn put_identity(h: &mut KeyHasher, path: &Path) {
-    h.put(path.as_os_str().as_encoded_bytes());
-    if let Ok(m) = fs::metadata(path) {
-        for v in [
-            m.dev(),
-            m.ino(),
-            m.size(),
-            m.mtime() as u64,
-            m.mtime_nsec() as u64,
-        ] {
-            h.put(&v.to_le_bytes());
-        }
-    }
-}
-
 /// What a snapshot depends on.
 #[derive(Debug, Clone)]
 pub struct Inputs<'a> {
@@ -99,9 +82,9 @@ pub fn key(i: &Inputs) -> String {
     let mut h = KeyHasher::new();
     h.put(&FORMAT.to_le_bytes());
     h.put(&SLOT_BYTES.to_le_bytes());
-    put_identity(&mut h, i.kernel);
+    h.put_identity(i.kernel);
     h.put(i.initrd.as_os_str().as_encoded_bytes());
-    put_identity(&mut h, i.ember);
+    h.put_identity(i.ember);
     h.put(&i.mem_mib.to_le_bytes());
     h.put(&i.cpus.to_le_bytes());
     h.put(i.cmdline.as_bytes());
