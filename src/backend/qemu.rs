@@ -30,6 +30,9 @@ pub struct QemuBackend {
     /// Mirror the firmware's debug port (0x402, where SeaBIOS logs) onto
     /// the console, so the boot lab sees the firmware's own steps.
     pub firmware_log: bool,
+    /// TCG only: `-icount shift=0,sleep=off`, so the guest's clock counts
+    /// its instructions (1 ns each) instead of following the host's.
+    pub icount: bool,
 }
 
 /// Whether /dev/kvm can run guest kernels at native speed: it must be
@@ -68,6 +71,7 @@ impl QemuBackend {
             accel,
             bios: None,
             firmware_log: false,
+            icount: false,
         })
     }
 
@@ -205,6 +209,16 @@ impl Backend for QemuBackend {
             Accel::Kvm => c.args(["-accel", "kvm", "-cpu", "host"]),
             _ => c.args(["-accel", "tcg", "-cpu", "max"]),
         };
+        if self.icount {
+            if self.accel != Accel::Tcg {
+                return Err(unsupported(
+                    "count instructions (-icount) under KVM: it needs --accel tcg",
+                ));
+            }
+            // The guest's clock advances 1 ns per instruction and skips
+            // idle time: what the guest does, whatever the host's load.
+            c.args(["-icount", "shift=0,sleep=off"]);
+        }
         let pmem = self.pmem_sizes(spec).map_err(|what| unsupported(&what))?;
         // virtio-pmem regions are memory devices: they live in the machine's
         // device-memory area, which `maxmem` above the RAM size makes.
@@ -362,6 +376,7 @@ mod tests {
             accel,
             bios: None,
             firmware_log: false,
+            icount: false,
         }
     }
 
@@ -453,6 +468,22 @@ mod tests {
             ),
             "{s}"
         );
+    }
+
+    #[test]
+    fn icount_counts_instructions_under_tcg_only() {
+        let spec = GuestSpec::new("/k");
+        let mut q = qemu("q35", Accel::Tcg);
+        assert!(!args(&q.command(&spec).unwrap()).contains(&"-icount".to_string()));
+        q.icount = true;
+        let s = args(&q.command(&spec).unwrap()).join(" ");
+        assert!(
+            s.contains("-accel tcg -cpu max -icount shift=0,sleep=off"),
+            "{s}"
+        );
+        q.accel = Accel::Kvm;
+        let e = q.command(&spec).unwrap_err().to_string();
+        assert!(e.contains("--accel tcg"), "{e}");
     }
 
     #[test]

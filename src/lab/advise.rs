@@ -127,14 +127,60 @@ pub struct Advice {
     pub verified: Option<Verification>,
 }
 
+/// What `--verify` times of each boot.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VerifyClock {
+    /// Spawn to exit, on the host's clock.
+    #[default]
+    Wall,
+    /// The guest kernel's clock at its last console line: under `--icount`
+    /// it counts the guest's instructions (1 ns each), whatever the host's
+    /// load. Not for a firmware change (the firmware runs before the
+    /// kernel's clock starts).
+    Guest,
+}
+
+impl VerifyClock {
+    /// The clock for `change`: the guest's where it counts instructions
+    /// (`icount`) and sees the change.
+    pub fn for_change(icount: bool, change: &Change) -> Self {
+        if icount && !matches!(change, Change::Bios { .. }) {
+            VerifyClock::Guest
+        } else {
+            VerifyClock::Wall
+        }
+    }
+
+    /// This clock's reading of a boot, ms.
+    pub fn of(self, r: &BootRecord) -> Option<f64> {
+        match self {
+            VerifyClock::Wall => Some(r.exit_us / 1e3),
+            VerifyClock::Guest => guest_end_ms(r),
+        }
+    }
+}
+
+/// The guest kernel's clock at its last timestamped console line, ms.
+pub fn guest_end_ms(r: &BootRecord) -> Option<f64> {
+    r.lines
+        .iter()
+        .filter_map(|l| split_printk(&l.text).0)
+        .reduce(f64::max)
+        .map(|us| us / 1e3)
+}
+
 /// What `--verify` measured for one suggestion.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Verification {
     /// Pairs booted (A without, B with the change), interleaved.
     pub pairs: usize,
-    /// A's spawn-to-exit, ms.
+    /// What was timed.
+    #[serde(default)]
+    pub clock: VerifyClock,
+    /// A's time, ms (spawn to exit, or the guest's clock).
     pub without_ms: Option<Summary>,
-    /// B's spawn-to-exit, ms.
+    /// B's time, ms.
     pub with_ms: Option<Summary>,
     /// Saving A − B per pair, mean with its 95 % t-interval, ms.
     pub saving_ms: Option<Interval>,
@@ -843,21 +889,47 @@ fn memory_rule(i: &Inputs<'_>) -> Option<Advice> {
     }
     static MEM: OnceLock<Regex> = OnceLock::new();
     let re = MEM.get_or_init(|| Regex::new(r"^Memory: (\d+)K/(\d+)K available").unwrap());
-    // Printed before the guest clock runs: measured on arrival (the host
-    // clock), which is real where the console is already up.
-    let (ms, source) = host_span(i.boots, r"^Zone ranges:", r"^Memory: \d+K/\d+K available")
-        .map(|ms| (ms, "arrival times in the analysed boots"))
+    // On the kernel's clock where it runs by then (a TSC it can read early:
+    // TCG, or KVM with kvm-clock): only the work that grows with memory.
+    // Else on arrival (the host's clock), zones → `Memory:`, which is real
+    // only where the console is already up (lines buffered until it is
+    // arrive together) and holds fixed work too.
+    let (zones, memory) = (r"^Zone ranges:", r"^Memory: \d+K/\d+K available");
+    let guest = |boots: &[&BootRecord]| {
+        let spans: Vec<f64> = boots.iter().filter_map(|r| memory_work_ms(r)).collect();
+        (!spans.is_empty()).then(|| stats::mean(&spans))
+    };
+    let (ms, source) = guest(i.boots)
+        .map(|ms| (ms, "the kernel's clock, in the analysed boots"))
+        .or_else(|| guest(i.profile).map(|ms| (ms, "the kernel's clock, in the profile boot")))
+        .map(|(ms, s)| {
+            (
+                ms,
+                format!("page structures set up, then every page freed to the allocator: {s}"),
+            )
+        })
         .or_else(|| {
-            host_span(i.profile, r"^Zone ranges:", r"^Memory: \d+K/\d+K available")
-                .map(|ms| (ms, "arrival times in the profile boot"))
-        })?;
+            host_span(i.boots, zones, memory).map(|ms| {
+                (
+                    ms,
+                    "zones → `Memory:`, arrival times in the analysed boots".to_owned(),
+                )
+            })
+        })
+        .or_else(|| {
+            host_span(i.profile, zones, memory).map(|ms| {
+                (
+                    ms,
+                    "zones → `Memory:`, arrival times in the profile boot".to_owned(),
+                )
+            })
+        })
+        .filter(|(ms, _)| *ms > 0.0)?;
     let line = first_line(i.boots, re.as_str()).or_else(|| first_line(i.profile, re.as_str()))?;
     let to = (mem / 2).max(128);
     let deferred = first_line(i.profile, r"deferred pages initialised in \d+ms");
     let mut evidence = vec![
-        format!(
-            "memory map set-up and page freeing (zones → `Memory:`): {ms:.1} ms for {mem} MiB ({source})"
-        ),
+        format!("memory-size-dependent kernel work: {ms:.1} ms for {mem} MiB ({source})"),
         format!("`{line}`"),
     ];
     evidence.extend(deferred.map(|l| format!("`{l}`")));
@@ -870,6 +942,36 @@ fn memory_rule(i: &Inputs<'_>) -> Option<Advice> {
         change: Change::Mem { mib: to },
         verified: None,
     })
+}
+
+/// The kernel's work that grows with guest memory, on its own clock (ms):
+/// initialising the page structures (`Initmem setup node` to the first line
+/// after its `… pages in unavailable ranges` reports) and freeing every page
+/// to the allocator (the gap just before `Memory: …K/…K available`). `None`
+/// where those lines are missing or not yet timestamped.
+fn memory_work_ms(r: &BootRecord) -> Option<f64> {
+    let lines: Vec<(f64, String)> = r
+        .lines
+        .iter()
+        .filter_map(|l| {
+            let (t, body) = split_printk(&l.text);
+            Some((t?, body))
+        })
+        .collect();
+    let init = lines
+        .iter()
+        .position(|(_, b)| b.starts_with("Initmem setup node"))?;
+    let holes = lines[init..]
+        .iter()
+        .rposition(|(_, b)| b.contains("pages in unavailable ranges"))
+        .map_or(init, |k| init + k);
+    let memmap = lines.get(holes + 1)?.0 - lines[init].0;
+    let freed = lines
+        .iter()
+        .position(|(_, b)| b.starts_with("Memory: ") && b.contains("K available"))?;
+    let freeing = lines[freed].0 - lines.get(freed.checked_sub(1)?)?.0;
+    let total = (memmap + freeing) / 1e3;
+    (lines[init].0 > 0.0 && total > 0.0).then_some(total)
 }
 
 /// Slow initcalls → the config symbols that own them (a custom kernel).
@@ -1055,9 +1157,13 @@ pub fn verification_text(v: &Verification) -> String {
         VerifyVerdict::Broke => "BROKE THE BOOT",
         VerifyVerdict::Inconclusive => "INCONCLUSIVE",
     };
+    let unit = match v.clock {
+        VerifyClock::Wall => "ms",
+        VerifyClock::Guest => "guest ms",
+    };
     let mut text = match (&v.saving_ms, &v.without_ms, &v.with_ms) {
         (Some(i), Some(a), Some(b)) => format!(
-            "{verdict}: −{:.1} ms (95% CI {:.1} … {:.1}) over {} pairs; {:.0} → {:.0} ms",
+            "{verdict}: −{:.1} {unit} (95% CI {:.1} … {:.1}) over {} pairs; {:.1} → {:.1} {unit}",
             i.estimate, i.low, i.high, v.pairs, a.mean, b.mean
         ),
         _ => format!("{verdict} ({} pairs)", v.pairs),
@@ -1548,6 +1654,72 @@ mod tests {
         assert_eq!(info.compression, None);
         assert_eq!(info.compressed_modules, 1);
         assert_eq!(info.debug_module_bytes, 35);
+    }
+
+    #[test]
+    fn memory_work_is_the_memmap_set_up_and_the_page_freeing() {
+        let r = record(
+            &[
+                (1.0, "[    0.003700] Zone ranges:"),
+                (
+                    2.0,
+                    "[    0.003744] Initmem setup node 0 [mem 0x1000-0xfffffff]",
+                ),
+                (
+                    3.0,
+                    "[    0.003760] On node 0, zone DMA: 1 pages in unavailable ranges",
+                ),
+                (
+                    4.0,
+                    "[    0.003984] On node 0, zone DMA: 97 pages in unavailable ranges",
+                ),
+                (5.0, "[    0.007865] ACPI: PM-Timer IO Port: 0x608"),
+                (6.0, "[    0.026883] setup_percpu: NR_CPUS:8192"),
+                (7.0, "[    0.029893] mem auto-init: stack:all(zero)"),
+                (
+                    8.0,
+                    "[    0.033316] Memory: 212948K/261752K available (14343K kernel code)",
+                ),
+            ],
+            10.0,
+        );
+        // 7.865 − 3.744 ms of memmap, 33.316 − 29.893 ms of freeing: not
+        // the per-CPU set-up between them, which does not grow with memory.
+        let ms = memory_work_ms(&r).unwrap();
+        assert!((ms - (4.121 + 3.423)).abs() < 1e-6, "{ms}");
+        // Lines printed before the kernel's clock runs do not count.
+        let early = record(
+            &[
+                (1.0, "[    0.000000] Initmem setup node 0"),
+                (2.0, "[    0.000000] Foo"),
+                (3.0, "[    0.000000] Memory: 1K/2K available"),
+            ],
+            4.0,
+        );
+        assert_eq!(memory_work_ms(&early), None);
+    }
+
+    #[test]
+    fn icount_verifies_on_the_guests_clock_but_a_firmware_change() {
+        let mem = Change::Mem { mib: 128 };
+        let bios = Change::Bios {
+            path: QBOOT.to_owned(),
+        };
+        assert_eq!(VerifyClock::for_change(true, &mem), VerifyClock::Guest);
+        assert_eq!(VerifyClock::for_change(true, &bios), VerifyClock::Wall);
+        assert_eq!(VerifyClock::for_change(false, &mem), VerifyClock::Wall);
+        // The guest's clock: the last kernel timestamp, whatever arrives after it.
+        let r = record(
+            &[
+                (1000.0, "[    0.500000] a"),
+                (2000.0, "[    0.712345] reboot: Power down"),
+                (2100.0, "no stamp"),
+            ],
+            9000.0,
+        );
+        assert_eq!(VerifyClock::Guest.of(&r), Some(712.345));
+        assert_eq!(VerifyClock::Wall.of(&r), Some(9.0));
+        assert_eq!(guest_end_ms(&record(&[(1.0, "plain")], 5.0)), None);
     }
 
     #[test]

@@ -104,6 +104,14 @@ pub struct GuestOpts {
     /// too, so SeaBIOS's own log is timestamped with the kernel's.
     #[arg(long)]
     pub firmware_log: bool,
+    /// QEMU backend under TCG: count the guest's instructions (`-icount
+    /// shift=0,sleep=off`). The guest's clock then advances 1 ns per
+    /// instruction, so the kernel's timestamps, the initcall times and
+    /// `--verify`'s savings (but a firmware's, which runs before the kernel's
+    /// clock) measure the work the guest does, the same on a loaded machine
+    /// as on a quiet one. Wall times are then not the guest's.
+    #[arg(long)]
+    pub icount: bool,
     /// Extra boot mark: NAME=REGEX on console lines (printk prefix stripped).
     /// Repeatable; reported in the given order.
     #[arg(long = "mark", value_name = "NAME=REGEX")]
@@ -190,7 +198,13 @@ pub fn backend(opts: &GuestOpts) -> Result<Arc<dyn Backend>, ConfigError> {
             })
         })
     };
-    match opts.backend.resolve() {
+    let backend = opts.backend.resolve();
+    if opts.icount && backend != BackendKind::Qemu {
+        return Err(ConfigError::Invalid(
+            "--icount counts instructions under QEMU's TCG: it needs --backend qemu".into(),
+        ));
+    }
+    match backend {
         BackendKind::Ember | BackendKind::Auto => {
             let binary = match &opts.vmm {
                 Some(p) => check("ember", p)?,
@@ -216,11 +230,13 @@ pub fn backend(opts: &GuestOpts) -> Result<Arc<dyn Backend>, ConfigError> {
                     accel,
                     bios: None,
                     firmware_log: false,
+                    icount: false,
                 },
                 None => QemuBackend::detect(&opts.machine, accel).map_err(ConfigError::Backend)?,
             };
             q.bios = opts.bios.clone();
             q.firmware_log = opts.firmware_log;
+            q.icount = opts.icount;
             if q.accel == Accel::Auto {
                 q.accel = if crate::backend::qemu::hardware_kvm_usable() {
                     Accel::Kvm
@@ -467,5 +483,9 @@ mod tests {
         let e = milestones(&opts(&["--mark", "x=("])).unwrap_err();
         assert_eq!(e.to_string(), "bad regex in --mark x: unclosed group");
         assert!(milestones(&opts(&["--mark", "nonsense"])).is_err());
+        let e = backend(&opts(&["--backend", "ember", "--icount"]))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("--backend qemu"), "{e}");
     }
 }

@@ -599,7 +599,8 @@ fn doctor(
                 a.change.describe(),
                 args.verify_pairs
             );
-            a.verified = Some(verify_one(&args.guest, &b, args.verify_pairs, m)?);
+            let clock = advise::VerifyClock::for_change(args.guest.icount, &a.change);
+            a.verified = Some(verify_one(&args.guest, &b, args.verify_pairs, m, clock)?);
         }
         let auto: Vec<&advise::Advice> = advice.iter().filter(|a| chosen(a)).collect();
         if auto.len() > 1 && args.verify_only.is_empty() {
@@ -611,10 +612,20 @@ fn doctor(
                 "ember: --verify: all {} automatic changes together",
                 auto.len()
             );
+            // The guest's clock only if it sees every change.
+            let guest = advise::VerifyClock::Guest;
+            let clock = if auto
+                .iter()
+                .all(|a| advise::VerifyClock::for_change(args.guest.icount, &a.change) == guest)
+            {
+                guest
+            } else {
+                advise::VerifyClock::Wall
+            };
             combined = Some(advise::Combined {
                 changes: auto.iter().map(|a| a.change.describe()).collect(),
                 predicted_ms: auto.iter().map(|a| a.predicted_ms).sum(),
-                verified: verify_one(&args.guest, &b, args.verify_pairs, m)?,
+                verified: verify_one(&args.guest, &b, args.verify_pairs, m, clock)?,
             });
         }
     }
@@ -628,12 +639,13 @@ fn doctor(
 }
 
 /// Boots `a` and `b` interleaved, `pairs` times each, and measures the
-/// per-pair saving of `b` (spawn to exit).
+/// per-pair saving of `b` on `clock` (spawn to exit, or the guest's own).
 fn verify_one(
     a: &GuestOpts,
     b: &GuestOpts,
     pairs: usize,
     m: &Milestones,
+    clock: advise::VerifyClock,
 ) -> anyhow::Result<advise::Verification> {
     let configs = [config::build(a, "A")?, config::build(b, "B")?];
     let series = runner::run_series(&configs, 0, pairs, signal::flag())?;
@@ -643,7 +655,7 @@ fn verify_one(
         .filter(|(x, y)| {
             runner::verdict(x, m) == Verdict::Ok && runner::verdict(y, m) == Verdict::Ok
         })
-        .map(|(x, y)| (x.exit_us / 1e3, y.exit_us / 1e3))
+        .filter_map(|(x, y)| Some((clock.of(x)?, clock.of(y)?)))
         .unzip();
     let b_ok = series.records[1]
         .iter()
@@ -651,6 +663,7 @@ fn verify_one(
     let saving = advise::paired_saving(&xa, &xb, 0.95);
     Ok(advise::Verification {
         pairs: xa.len(),
+        clock,
         without_ms: Summary::of(&xa),
         with_ms: Summary::of(&xb),
         verdict: if b_ok || series.records[1].is_empty() {
