@@ -5,12 +5,12 @@ use crate::backend::DeviceArgs;
 use crate::exit::{EXIT_GUEST_CRASHED, EXIT_SECCOMP, EXIT_TIMEOUT, guest_end_status};
 use clap::Args;
 use ember_vmm::builder::{self, BeforeGo, VmConfig, Vmm};
+use ember_vmm::commit::MemoryOptions;
 use ember_vmm::devices::legacy::Serial;
 use ember_vmm::devices::virtio::DiskConfig;
 use ember_vmm::events::{Recorder, kind};
 use ember_vmm::seccomp;
 use ember_vmm::snapshot::restore::{self, RestoreConfig};
-use ember_vmm::vstate::commit::MemoryOptions;
 use ember_vmm::vstate::end::GuestEnd;
 use ember_vmm::vstate::memory;
 use std::io::{self, Read, Write};
@@ -269,7 +269,7 @@ fn boot(
         memory: memory_options(args)?,
         before_go: Some(before_go),
     };
-    builder::build(cfg, recorder).map_err(|e| anyhow::anyhow!(builder::error_chain(&e)))
+    builder::build(cfg, recorder).map_err(|e| anyhow::anyhow!(ember_vmm::error_chain(&e)))
 }
 
 /// `--prefault`, `--mem-lock`, `--hugepages` as memory options.

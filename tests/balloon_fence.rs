@@ -9,11 +9,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ember_vmm::commit::{self, Committer, MemoryOptions};
 use ember_vmm::devices::CountingInterrupt;
 use ember_vmm::devices::virtio::{Balloon, BalloonHandle, MmioTransport};
 use ember_vmm::events::Recorder;
 use ember_vmm::vstate::bus::BusDevice;
-use ember_vmm::vstate::commit::{self, Committer, MemoryOptions};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 const PAGE: u64 = 4096;

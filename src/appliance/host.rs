@@ -5,7 +5,7 @@
 
 use super::protocol::{self, Decoder, Kind};
 use crate::backend::{Backend, BackendError, GuestSpec};
-use ember_vmm::builder::error_chain;
+use ember_vmm::error_chain;
 use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::CommandExt;

@@ -27,7 +27,7 @@ pub mod warm;
 use crate::backend::{self, ChannelKind, GuestSpec};
 pub use crate::exit::EXIT_TIMEOUT;
 use clap::Args;
-use ember_vmm::builder::error_chain;
+use ember_vmm::error_chain;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use thiserror::Error;
@@ -857,7 +857,7 @@ fn appliance_bios(args: &RunArgs) -> Option<PathBuf> {
         // microvm has its own minimal firmware.
         None if machine(args).starts_with("microvm") => None,
         None => {
-            let qboot = Path::new(crate::lab::advise::QBOOT);
+            let qboot = Path::new(crate::backend::qemu::QBOOT);
             qboot.is_file().then(|| qboot.to_path_buf())
         }
     }

@@ -5,6 +5,10 @@ use super::{Backend, BackendError, ChannelKind, GuestSpec, binary_version, find_
 use std::path::PathBuf;
 use std::process::Command;
 
+/// qboot, Debian's minimal firmware for QEMU: no boot-device search, no
+/// option ROMs; `-kernel` boots straight away.
+pub const QBOOT: &str = "/usr/share/qemu/qboot.rom";
+
 /// Accelerator choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Accel {

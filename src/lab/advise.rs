@@ -13,6 +13,7 @@ use super::config::{GuestOpts, Header};
 use super::kconfig::KconfigMap;
 use super::rules::Rule;
 use super::stats::{self, Interval, Summary};
+use crate::backend::qemu::QBOOT;
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -23,8 +24,7 @@ use std::sync::OnceLock;
 /// What `--advise` appends to the command line of its profile boots: every
 /// initcall reports its own duration, and every message reaches the console.
 pub const PROFILE_CMDLINE: &str = "initcall_debug ignore_loglevel";
-/// qboot, the minimal firmware Debian's QEMU ships.
-pub const QBOOT: &str = "/usr/share/qemu/qboot.rom";
+
 /// Suggestions predicted to save less than this are not listed.
 const MIN_SAVING_MS: f64 = 0.5;
 /// Initcall owners listed as Kconfig advice, at most.

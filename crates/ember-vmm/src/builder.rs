@@ -22,6 +22,7 @@
 //! the why.
 
 use crate::arch::x86_64::{acpi, boot, cpuid, layout, mptable, msr, regs};
+use crate::commit::{self, CommitError, Committer, MemoryOptions, Prefault};
 use crate::device_manager::{DeviceManager, DeviceManagerError, TransportFactory, transport_for};
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::pmem::PMEM_ALIGN;
@@ -30,9 +31,8 @@ use crate::devices::virtio::{
 };
 use crate::devices::vmgenid;
 use crate::events::{Recorder, kind};
-use crate::snapshot::{AttachedDevice, DeviceSpec, Machine};
+use crate::machine::{AttachedDevice, DeviceSpec, Machine};
 use crate::vstate::bus::Bus;
-use crate::vstate::commit::{self, CommitError, Committer, MemoryOptions, Prefault};
 use crate::vstate::end::VmEnd;
 use crate::vstate::kvm::{self, KvmError};
 use crate::vstate::memory::{self, MemoryError};
@@ -448,7 +448,7 @@ fn start_vcpu_threads(
                     Ok(vcpu.run(&start.io, &start.mmio, &end, &vm, &start.mem, &control)?)
                 })();
                 if let Err(e) = result {
-                    end.fail(error_chain(&e));
+                    end.fail(crate::error_chain(&e));
                 }
             })?;
         out.threads.push(thread);
@@ -495,8 +495,8 @@ fn map_pmem(paths: &[PathBuf], ram: &[(u64, u64)]) -> Result<Vec<MappedPmem>, Bu
         .next_multiple_of(PMEM_ALIGN);
     let mut out = Vec::new();
     for path in paths {
-        let region =
-            PmemRegion::map(path).map_err(|e| BuildError::Pmem(path.clone(), error_chain(&e)))?;
+        let region = PmemRegion::map(path)
+            .map_err(|e| BuildError::Pmem(path.clone(), crate::error_chain(&e)))?;
         let addr = next;
         next = (next + region.len()).next_multiple_of(PMEM_ALIGN);
         out.push(MappedPmem {
@@ -737,16 +737,4 @@ fn load_initrd(
     mem.read_exact_volatile_from(GuestAddress(addr), &mut file, len)
         .map_err(|e| io_err(std::io::Error::other(e.to_string())))?;
     Ok((addr, size))
-}
-
-/// Formats an error and its sources on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(cause) = src {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        src = cause.source();
-    }
-    s
 }

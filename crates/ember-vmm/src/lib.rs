@@ -1,20 +1,40 @@
 //! ember-vmm: ember's virtual machine monitor, with no command line.
 //!
 //! The boot path, top to bottom, is in [`builder`]; `ARCHITECTURE.md` walks it
-//! in numbered steps. The layers, each using only those below it:
-//! [`builder`] (the boot order) over [`devices`] (device models, which hold no
-//! KVM) over [`vstate`] (KVM, guest memory, vCPUs, the I/O bus and how the
-//! guest's end is signalled) over [`arch`] (x86-64 tables, registers and the
-//! guest memory layout). [`events`] is the boot timeline every layer records
-//! into.
+//! in numbered steps. The layers, each using only those below it (no module
+//! depends on one above it):
+//! [`snapshot`] (saving a VM, and [`snapshot::restore`] building one from a
+//! snapshot) over [`builder`] (the boot order) over [`device_manager`]
+//! (placing devices) and [`machine`] (the running VM as the control socket
+//! sees it) and [`commit`] (`--prefault`: committing guest memory, fenced by
+//! the balloon) over [`devices`] (device models, which hold no KVM) over
+//! [`vstate`] (KVM, guest memory, vCPUs, the I/O bus and how the guest's end
+//! is signalled) over [`arch`] (x86-64 tables, registers and the guest
+//! memory layout). [`events`], [`logger`], [`ranges`], [`seccomp`] and
+//! [`error_chain`] serve every layer.
 
 pub mod arch;
 pub mod builder;
+pub mod commit;
 pub mod device_manager;
 pub mod devices;
 pub mod events;
 pub mod logger;
+pub mod machine;
 pub mod ranges;
 pub mod seccomp;
 pub mod snapshot;
 pub mod vstate;
+
+/// Formats an error and its sources on one line (every layer reports
+/// errors this way; it depends on none of them).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(cause) = src {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        src = cause.source();
+    }
+    s
+}

@@ -26,21 +26,17 @@ pub use crate::vstate::vm_state as vm;
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvm_bindings::kvm_cpuid_entry2;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
-use vm_memory::GuestMemoryMmap;
+
+pub use crate::machine::{AttachedDevice, DeviceSpec, Machine};
 
 use crate::arch::x86_64::layout;
-use crate::devices::legacy::Serial;
 use crate::devices::virtio::mmio::TransportState;
-use crate::devices::virtio::{BalloonHandle, BalloonState, MmioTransport};
-use crate::vstate::end::VmEnd;
-use crate::vstate::vcpu::Control;
-use crate::vstate::vm::Vm;
+use crate::devices::virtio::{BalloonHandle, BalloonState};
 
 /// The state file's first bytes.
 pub const MAGIC: &[u8; 8] = b"EMBERSNP";
@@ -140,49 +136,6 @@ fn io_err(path: &Path) -> impl Fn(std::io::Error) -> SnapshotError + '_ {
     move |source| SnapshotError::Io {
         path: path.to_owned(),
         source,
-    }
-}
-
-/// What a virtio device is, to rebuild it in the same window with the same
-/// backing.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
-pub enum DeviceSpec {
-    /// virtio-blk.
-    Block {
-        /// The image.
-        path: PathBuf,
-        /// Offered read-only.
-        read_only: bool,
-        /// O_DIRECT.
-        direct: bool,
-        /// GET_ID's answer.
-        serial: Option<String>,
-        /// Busy-poll window, microseconds.
-        poll_us: u64,
-    },
-    /// virtio-rng.
-    Rng,
-    /// virtio-pmem.
-    Pmem {
-        /// The backing file.
-        path: PathBuf,
-        /// Where it sits in guest-physical memory.
-        guest_addr: u64,
-    },
-    /// The appliance's virtio-console channel. It holds no state beyond its
-    /// transport: a restore connects it to the channel socket it is given.
-    Console,
-    /// virtio-balloon; its own state is [`DeviceState::balloon`].
-    Balloon,
-}
-
-impl DeviceSpec {
-    fn path(&self) -> Option<&Path> {
-        match self {
-            DeviceSpec::Block { path, .. } | DeviceSpec::Pmem { path, .. } => Some(path),
-            _ => None,
-        }
     }
 }
 
@@ -589,43 +542,6 @@ fn compare_cpuid(then: &[kvm_cpuid_entry2], now: &[kvm_cpuid_entry2]) -> Result<
         return Err(format!("leaf {:#x}.{} is new here", n.function, n.index));
     }
     Ok(())
-}
-
-/// One virtio device of a running VM, as the snapshot sees it.
-pub struct AttachedDevice {
-    /// What it is.
-    pub spec: DeviceSpec,
-    /// Its register window.
-    pub transport: Arc<Mutex<MmioTransport>>,
-}
-
-/// What a snapshot needs of a running VM beyond its memory and KVM fds:
-/// built by the builder (or the restore), used by the control socket.
-pub struct Machine {
-    /// Pause control of the vCPUs.
-    pub control: Arc<Control>,
-    /// The virtio devices in window order.
-    pub devices: Vec<AttachedDevice>,
-    /// Guest RAM in bytes.
-    pub mem_size: u64,
-    /// vCPU count.
-    pub vcpus: u32,
-    /// Whether guest RAM is anonymous memory (a booted VM) or a private
-    /// mapping of a snapshot's memory file (a restored one).
-    pub anonymous_memory: bool,
-    /// Whether the guest was given a VM generation ID (its ACPI tables
-    /// describe one): a restore then writes a new one and notifies it.
-    pub vmgenid: bool,
-    /// The balloon's handle, when the VM has one (its state is saved).
-    pub balloon: Option<BalloonHandle>,
-    /// The VM (irqchip, PIT, clock).
-    pub vm: Arc<Vm>,
-    /// Guest memory.
-    pub mem: GuestMemoryMmap,
-    /// COM1.
-    pub serial: Arc<Mutex<Serial>>,
-    /// Where the VM's end is reported.
-    pub end: Arc<VmEnd>,
 }
 
 /// What [`create`] did.

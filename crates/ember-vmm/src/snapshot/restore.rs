@@ -67,7 +67,7 @@ pub struct RestoreConfig {
 }
 
 fn step(e: impl std::error::Error) -> SnapshotError {
-    SnapshotError::Step(builder::error_chain(&e))
+    SnapshotError::Step(crate::error_chain(&e))
 }
 
 fn build_err(e: BuildError) -> SnapshotError {
@@ -173,7 +173,7 @@ fn spawn_vcpu(
             // The restore gave up (its error is the caller's) when no start comes.
             let Ok(start) = go.recv() else { return };
             if let Err(e) = confined {
-                start.end.fail(builder::error_chain(&e));
+                start.end.fail(crate::error_chain(&e));
                 return;
             }
             if v.id() == 0 {
@@ -181,7 +181,7 @@ fn spawn_vcpu(
             }
             let (io, mmio) = &*start.buses;
             if let Err(e) = v.run(io, mmio, &start.end, &vm, &start.mem, &start.control) {
-                start.end.fail(builder::error_chain(&e));
+                start.end.fail(crate::error_chain(&e));
             }
         })
         .map_err(step)
@@ -445,7 +445,7 @@ pub(crate) fn restore_fence(balloon: &BalloonHandle, mem: &vm_memory::GuestMemor
     if balloon.fence_pages() == 0 {
         return;
     }
-    let committer = crate::vstate::commit::Committer::new(mem, 1);
+    let committer = crate::commit::Committer::new(mem, 1);
     balloon.set_fence(committer.fence());
     // The fence itself is down (inflations discard); only deflates commit.
     committer.set_fence_up(false);

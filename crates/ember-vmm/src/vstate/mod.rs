@@ -3,7 +3,6 @@
 //! ember-vmm's (guest-memory I/O; see ARCHITECTURE.md for the counts).
 
 pub mod bus;
-pub mod commit;
 pub mod control;
 pub mod end;
 pub mod kvm;

@@ -518,7 +518,7 @@ impl Committer {
                     // Host out of memory: the guest's pages fault in lazily instead.
                     eprintln!(
                         "ember: background commit of guest memory failed: {}",
-                        crate::builder::error_chain(&e)
+                        crate::error_chain(&e)
                     );
                 }
             })
@@ -727,7 +727,7 @@ impl MemoryFence for Inner {
     }
 
     fn commit(&self, addr: u64, len: u64) -> Result<(), String> {
-        Inner::commit(self, &[(addr, addr + len)]).map_err(|e| crate::builder::error_chain(&e))
+        Inner::commit(self, &[(addr, addr + len)]).map_err(|e| crate::error_chain(&e))
     }
 }
 
