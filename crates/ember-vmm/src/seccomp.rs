@@ -631,6 +631,114 @@ mod tests {
         }
     }
 
+    /// Runs classic BPF as seccomp does: the action `p` returns for a call.
+    fn run_bpf(p: &[sock_filter], nr: u32, arch: u32, args: [u64; 6]) -> u32 {
+        let word = |off: u32| -> u32 {
+            match off {
+                0 => nr,
+                4 => arch,
+                8 | 12 => 0,
+                16..=63 => {
+                    let a = args[((off - 16) / 8) as usize];
+                    if off % 8 == 0 {
+                        a as u32
+                    } else {
+                        (a >> 32) as u32
+                    }
+                }
+                _ => panic!("load from offset {off}"),
+            }
+        };
+        let (mut a, mut pc) = (0u32, 0usize);
+        loop {
+            let i = &p[pc];
+            pc += 1;
+            let skip = |t: bool| usize::from(if t { i.jt } else { i.jf });
+            match i.code {
+                0x20 => a = word(i.k),
+                0x54 => a &= i.k,
+                0x05 => pc += i.k as usize,
+                0x15 => pc += skip(a == i.k),
+                0x25 => pc += skip(a > i.k),
+                0x35 => pc += skip(a >= i.k),
+                0x45 => pc += skip(a & i.k != 0),
+                0x06 => return i.k,
+                c => panic!("opcode {c:#x} at {}", pc - 1),
+            }
+        }
+    }
+
+    /// Arguments that probe a call's rules: every value they name, near
+    /// misses in its low and its high half, and the extremes, one argument
+    /// at a time.
+    fn probes(rules: &[lists::Rule]) -> Vec<[u64; 6]> {
+        let mut out = vec![[0u64; 6], [u64::MAX; 6]];
+        for c in rules.iter().flatten() {
+            for v in [
+                c.value,
+                c.value ^ 1,
+                c.value ^ (1 << 40),
+                c.value | 0xffff_ffff_0000_0000,
+                c.value & 0xffff_ffff,
+                !c.value,
+                c.mask,
+                !c.mask,
+                0,
+                u64::MAX,
+            ] {
+                let mut a = [0u64; 6];
+                a[usize::from(c.arg)] = v;
+                out.push(a);
+            }
+        }
+        out
+    }
+
+    /// ember's compact programs allow, trap and log exactly what
+    /// seccompiler's programs for the same lists do, on every system call
+    /// number with arguments around every value the lists name, and kill a
+    /// foreign architecture's calls as they do; and they are shorter.
+    #[test]
+    fn compact_programs_agree_with_seccompilers() {
+        let check = |name: &str, ours: &[sock_filter], theirs: &[sock_filter], rules: &Rules| {
+            assert!(
+                ours.len() < theirs.len(),
+                "{name}: {} ≥ {}",
+                ours.len(),
+                theirs.len()
+            );
+            assert!(ours.len() <= 4096, "{name}: too long for the kernel");
+            for nr in (0..=1000u32).chain([0x4000_0000, u32::MAX]) {
+                let rs = rules.get(&i64::from(nr)).map_or(&[][..], Vec::as_slice);
+                for args in probes(rs) {
+                    for arch in [0xc000_003e, 0x4000_0003] {
+                        assert_eq!(
+                            run_bpf(ours, nr, arch, args),
+                            run_bpf(theirs, nr, arch, args),
+                            "{name}: {} ({nr}) {args:x?} arch {arch:#x}",
+                            syscall_name(nr as i32).unwrap_or("?")
+                        );
+                    }
+                }
+            }
+        };
+        for t in Thread::ALL {
+            for mode in [SeccompAction::Trap, SeccompAction::Log] {
+                let ours = lists::program(t, mode.clone()).unwrap();
+                let theirs = lists::reference::program(t, mode).unwrap();
+                check(t.name(), &ours, &theirs, &rules(t));
+            }
+        }
+        let mut clone3 = Rules::new();
+        clone3.insert(libc::SYS_clone3, Vec::new());
+        check(
+            "clone3",
+            &lists::no_clone3_program().unwrap(),
+            &lists::reference::no_clone3_program().unwrap(),
+            &clone3,
+        );
+    }
+
     /// Runs `call` in a forked child under `thread`'s compiled filter (trap,
     /// no handler: SIGSYS kills it); returns the child's wait status.
     fn in_filtered_child(thread: Thread, call: fn()) -> libc::c_int {

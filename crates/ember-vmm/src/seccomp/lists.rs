@@ -2,15 +2,24 @@
 //!
 //! This file is shared: `seccomp.rs` uses it at run time (the lists' unit
 //! tests, `compile`, the bench), and the crate's build script includes it to
-//! compile every list with seccompiler ahead of time, so that ember starts
-//! with its BPF programs as static data instead of compiling twelve of them
-//! at every start (0.6-1 ms, BENCHMARKS.md §10). It may therefore use only
+//! compile every list ahead of time, so that ember starts with its BPF
+//! programs as static data instead of compiling twelve of them at every
+//! start (0.6-1 ms, BENCHMARKS.md §10). It may therefore use only
 //! `seccompiler`, `libc` and `std`: nothing from the crate.
+//!
+//! Two compilers: seccompiler's ([`reference_program`]), and [`program`],
+//! which ember installs. Installing a filter costs the thread kernel time in
+//! proportion to its length (the program is checked, JIT-compiled, and run
+//! for every system call number to cache which ones are always allowed:
+//! ~0.7 µs an instruction here, BENCHMARKS.md §10), and seccompiler spends
+//! five instructions on each call allowed whatever its arguments (a
+//! comparison, two jumps and two returns, one of them unreachable) where one
+//! comparison does. [`program`] emits that one, shares the returns, and
+//! otherwise checks arguments as seccompiler does; a unit test runs both
+//! programs on every system call number with arguments around every value
+//! the lists name, and they must agree.
 
-use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen as Len, SeccompCmpOp as Op,
-    SeccompCondition as Cond, SeccompFilter, SeccompRule, TargetArch,
-};
+use seccompiler::{BpfProgram, SeccompAction, sock_filter};
 use std::collections::BTreeMap;
 
 /// The kinds of thread, each with its own list.
@@ -86,9 +95,38 @@ impl Thread {
     }
 }
 
-/// An allow-list: system call number to the argument conditions under which
-/// it is allowed (an empty vector: always).
-pub type Rules = BTreeMap<i64, Vec<SeccompRule>>;
+/// A condition on one argument: `arg & mask == value`, on the argument's low
+/// 32 bits (`wide: false`: seccompiler's `Dword`) or on all 64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cond {
+    /// Which argument (0-5).
+    pub arg: u8,
+    /// All 64 bits, not only the low 32.
+    pub wide: bool,
+    /// The bits compared.
+    pub mask: u64,
+    /// What they must be.
+    pub value: u64,
+}
+
+impl Cond {
+    /// The argument's low 32 bits equal `value`'s.
+    fn low_eq(arg: u8, value: u64) -> Self {
+        Cond {
+            arg,
+            wide: false,
+            mask: u64::from(u32::MAX),
+            value,
+        }
+    }
+}
+
+/// One rule: allowed when all its conditions hold.
+pub type Rule = Vec<Cond>;
+
+/// An allow-list: system call number to the rules under which it is
+/// allowed, any of them (none: always).
+pub type Rules = BTreeMap<i64, Vec<Rule>>;
 
 /// Adds `calls`, allowed whatever their arguments.
 fn allow(r: &mut Rules, calls: &[i64]) {
@@ -102,12 +140,7 @@ fn allow(r: &mut Rules, calls: &[i64]) {
 fn allow_arg(r: &mut Rules, call: i64, arg: u8, values: &[u64]) {
     // Built only from the constants in this file: a failure is a bug the
     // unit tests catch.
-    let new = values.iter().map(|&v| {
-        SeccompRule::new(vec![
-            Cond::new(arg, Len::Dword, Op::Eq, v).expect("valid seccomp condition"),
-        ])
-        .expect("valid seccomp rule")
-    });
+    let new = values.iter().map(|&v| vec![Cond::low_eq(arg, v)]);
     match r.get_mut(&call) {
         None => {
             r.insert(call, new.collect());
@@ -239,18 +272,12 @@ fn thread_start() -> Rules {
     allow(&mut r, &[libc::SYS_clone3]);
     r.insert(
         libc::SYS_clone,
-        vec![
-            SeccompRule::new(vec![
-                Cond::new(
-                    0,
-                    Len::Qword,
-                    Op::MaskedEq(libc::CLONE_THREAD as u64),
-                    libc::CLONE_THREAD as u64,
-                )
-                .expect("valid seccomp condition"),
-            ])
-            .expect("valid seccomp rule"),
-        ],
+        vec![vec![Cond {
+            arg: 0,
+            wide: true,
+            mask: libc::CLONE_THREAD as u64,
+            value: libc::CLONE_THREAD as u64,
+        }]],
     );
     // The thread's name (std sets it on the new thread).
     allow_arg(&mut r, libc::SYS_prctl, 0, &[libc::PR_SET_NAME as u64]);
@@ -297,12 +324,12 @@ fn ending() -> Rules {
     // clone for the keeper: exactly CLONE_VM | SIGCHLD, a process sharing
     // ember's memory, nothing else.
     let flags = (libc::CLONE_VM | libc::SIGCHLD) as u64;
-    r.entry(libc::SYS_clone).or_default().push(
-        SeccompRule::new(vec![
-            Cond::new(0, Len::Qword, Op::Eq, flags).expect("valid seccomp condition"),
-        ])
-        .expect("valid seccomp rule"),
-    );
+    r.entry(libc::SYS_clone).or_default().push(vec![Cond {
+        arg: 0,
+        wide: true,
+        mask: u64::MAX,
+        value: flags,
+    }]);
     r
 }
 
@@ -559,35 +586,273 @@ pub fn rules(thread: Thread) -> Rules {
     }
 }
 
-/// Compiles `thread`'s list: a call on it is allowed, any other gets
-/// `mismatch` (trap or log).
+// Classic BPF, as seccomp runs it (linux/filter.h, linux/seccomp.h).
+const BPF_LD_W_ABS: u16 = 0x20;
+const BPF_ALU_AND_K: u16 = 0x54;
+const BPF_JMP_JA: u16 = 0x05;
+const BPF_JMP_JEQ_K: u16 = 0x15;
+const BPF_RET_K: u16 = 0x06;
+/// `struct seccomp_data`: the call's number, its architecture, its arguments.
+const DATA_NR: u32 = 0;
+const DATA_ARCH: u32 = 4;
+const DATA_ARGS: u32 = 16;
+const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
+const RET_KILL_PROCESS: u32 = 0x8000_0000;
+
+/// Where a jump of [`compact`]'s goes before it is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum To {
+    /// The next instruction.
+    Next,
+    /// `k` instructions on, inside the same block.
+    Skip(u8),
+    /// The block after this one: the next call's comparison.
+    NextCall,
+    /// The `matched` return.
+    Matched,
+    /// The `mismatch` return.
+    Mismatch,
+}
+
+/// An instruction with symbolic jump targets.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Load(u32),
+    And(u32),
+    /// Compare A with `k`: on true and on false go to …
+    Jeq(u32, To, To),
+    Jump(To),
+}
+
+/// The instructions that test one call's number (A holds it) and, for a
+/// call with rules, its arguments; every path ends in `Matched`,
+/// `Mismatch` or (the number differs) `NextCall`.
+fn call_block(nr: i64, rules: &[Rule]) -> Vec<Op> {
+    let nr = nr as u32;
+    if rules.is_empty() {
+        return vec![Op::Jeq(nr, To::Matched, To::NextCall)];
+    }
+    let mut body = Vec::new();
+    for rule in rules {
+        // Each condition: load the word, mask it, compare; a miss goes to
+        // the next rule (patched below, once this rule's length is known).
+        let start = body.len();
+        for c in rule {
+            let off = DATA_ARGS + 8 * u32::from(c.arg);
+            let mut halves = vec![(off, c.mask as u32, c.value as u32)];
+            if c.wide {
+                halves.push((off + 4, (c.mask >> 32) as u32, (c.value >> 32) as u32));
+            }
+            // A half the mask leaves out always holds.
+            for (off, mask, value) in halves.into_iter().filter(|h| h.1 != 0) {
+                body.push(Op::Load(off));
+                if mask != u32::MAX {
+                    body.push(Op::And(mask));
+                }
+                body.push(Op::Jeq(value & mask, To::Next, To::Mismatch));
+            }
+        }
+        body.push(Op::Jump(To::Matched));
+        let end = body.len();
+        for (i, op) in body.iter_mut().enumerate().take(end).skip(start) {
+            if let Op::Jeq(k, t, To::Mismatch) = *op {
+                // To the first instruction after this rule.
+                let skip = u8::try_from(end - i - 1).expect("a rule fits a short jump");
+                *op = Op::Jeq(k, t, To::Skip(skip));
+            }
+        }
+    }
+    body.push(Op::Jump(To::Mismatch));
+    let mut block = vec![Op::Jeq(nr, To::Next, To::NextCall)];
+    block.extend(body);
+    block
+}
+
+/// Compiles `rules` compactly (see the module docs): check the
+/// architecture, then one comparison per allowed call, argument checks only
+/// where a call has rules, and the two returns shared (repeated every ~200
+/// instructions, as a conditional jump reaches at most 255 on).
+pub fn compact(rules: &Rules, mismatch: u32, matched: u32) -> BpfProgram {
+    let stmt = |code, k| sock_filter {
+        code,
+        jt: 0,
+        jf: 0,
+        k,
+    };
+    // Laid out from the end, so every target's position is known.
+    let mut rev: Vec<sock_filter> = vec![stmt(BPF_RET_K, matched), stmt(BPF_RET_K, mismatch)];
+    // Positions counted from the end: index i of `rev` is i from the end.
+    let (mut at_matched, mut at_mismatch) = (0usize, 1usize);
+    for (&nr, rs) in rules.iter().rev() {
+        let block = call_block(nr, rs);
+        // A fresh pair of returns when the shared ones would be out of reach.
+        if rev.len() + block.len() - at_matched.min(at_mismatch) > 250 {
+            rev.push(stmt(BPF_RET_K, matched));
+            at_matched = rev.len() - 1;
+            rev.push(stmt(BPF_RET_K, mismatch));
+            at_mismatch = rev.len() - 1;
+            // Falling through from the block above jumps over them.
+            rev.push(stmt(BPF_JMP_JA, 2));
+        }
+        // The next call's first instruction (or the island's jump over its
+        // returns, or at the very end the mismatch return): laid out last.
+        let next_call = rev.len() - 1;
+        let base = rev.len() + block.len() - 1;
+        let off = |i: usize, to: To| -> u8 {
+            // Instruction i of the block sits at `base - i` from the end;
+            // a jump of k lands at `base - i - 1 - k`.
+            let here = base - i;
+            let target = match to {
+                To::Next => here - 1,
+                To::Skip(k) => here - 1 - usize::from(k),
+                To::NextCall => next_call,
+                To::Matched => at_matched,
+                To::Mismatch => at_mismatch,
+            };
+            u8::try_from(here - 1 - target).expect("jump within reach")
+        };
+        let mut laid: Vec<sock_filter> = block
+            .iter()
+            .enumerate()
+            .map(|(i, op)| match *op {
+                Op::Load(k) => stmt(BPF_LD_W_ABS, k),
+                Op::And(k) => stmt(BPF_ALU_AND_K, k),
+                Op::Jeq(k, t, f) => sock_filter {
+                    code: BPF_JMP_JEQ_K,
+                    jt: off(i, t),
+                    jf: off(i, f),
+                    k,
+                },
+                Op::Jump(t) => stmt(BPF_JMP_JA, u32::from(off(i, t))),
+            })
+            .collect();
+        laid.reverse();
+        rev.extend(laid);
+    }
+    rev.extend([
+        stmt(BPF_LD_W_ABS, DATA_NR),
+        stmt(BPF_RET_K, RET_KILL_PROCESS),
+        sock_filter {
+            code: BPF_JMP_JEQ_K,
+            jt: 1,
+            jf: 0,
+            k: AUDIT_ARCH_X86_64,
+        },
+        stmt(BPF_LD_W_ABS, DATA_ARCH),
+    ]);
+    rev.reverse();
+    rev
+}
+
+/// The action code the kernel reads for `a`.
+fn code(a: SeccompAction) -> u32 {
+    a.into()
+}
+
+/// Compiles `thread`'s list ([`compact`]): a call on it is allowed, any
+/// other gets `mismatch` (trap or log).
 pub fn program(thread: Thread, mismatch: SeccompAction) -> Result<BpfProgram, String> {
-    let err = |e: seccompiler::BackendError| format!("the {} list: {e}", thread.name());
-    let filter = SeccompFilter::new(
-        rules(thread),
-        mismatch,
-        SeccompAction::Allow,
-        TargetArch::x86_64,
-    )
-    .map_err(err)?;
-    filter
-        .try_into()
-        .map_err(|e: seccompiler::BackendError| err(e))
+    Ok(compact(
+        &rules(thread),
+        code(mismatch),
+        code(SeccompAction::Allow),
+    ))
+}
+
+/// clone3 alone, for [`no_clone3_program`].
+fn clone3_only() -> Rules {
+    let mut r = Rules::new();
+    allow(&mut r, &[libc::SYS_clone3]);
+    r
 }
 
 /// The second filter of threads that create threads: clone3 fails with
 /// ENOSYS (its flags cannot be checked), so the C library uses clone.
 pub fn no_clone3_program() -> Result<BpfProgram, String> {
-    let err = |e: seccompiler::BackendError| format!("the clone3 filter: {e}");
-    let mut r = Rules::new();
-    allow(&mut r, &[libc::SYS_clone3]);
-    SeccompFilter::new(
-        r,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::ENOSYS as u32),
-        TargetArch::x86_64,
-    )
-    .map_err(err)?
-    .try_into()
-    .map_err(|e: seccompiler::BackendError| err(e))
+    Ok(compact(
+        &clone3_only(),
+        code(SeccompAction::Allow),
+        code(SeccompAction::Errno(libc::ENOSYS as u32)),
+    ))
+}
+
+/// seccompiler's compilation of the same lists, which [`program`] and
+/// [`no_clone3_program`] must agree with (the unit tests run both).
+#[cfg(test)]
+pub mod reference {
+    use super::{Cond, Rules, Thread, clone3_only, rules};
+    use seccompiler::{
+        BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+        SeccompRule, TargetArch,
+    };
+    use std::collections::BTreeMap;
+
+    /// `rules` as seccompiler's rules.
+    fn seccompiler_rules(rules: &Rules) -> Result<BTreeMap<i64, Vec<SeccompRule>>, String> {
+        let cond = |c: &Cond| {
+            let len = if c.wide {
+                SeccompCmpArgLen::Qword
+            } else {
+                SeccompCmpArgLen::Dword
+            };
+            let full = if c.wide {
+                u64::MAX
+            } else {
+                u64::from(u32::MAX)
+            };
+            let op = if c.mask == full {
+                SeccompCmpOp::Eq
+            } else {
+                SeccompCmpOp::MaskedEq(c.mask)
+            };
+            SeccompCondition::new(c.arg, len, op, c.value).map_err(|e| e.to_string())
+        };
+        rules
+            .iter()
+            .map(|(&call, rs)| {
+                let rs = rs
+                    .iter()
+                    .map(|r| {
+                        SeccompRule::new(r.iter().map(cond).collect::<Result<_, _>>()?)
+                            .map_err(|e| e.to_string())
+                    })
+                    .collect::<Result<_, _>>()?;
+                Ok((call, rs))
+            })
+            .collect()
+    }
+
+    /// seccompiler's program for `rules`: a call on the list (and its rules
+    /// holding) gets `matched`, any other `mismatch`.
+    fn seccompiler_program(
+        rules: &Rules,
+        mismatch: SeccompAction,
+        matched: SeccompAction,
+    ) -> Result<BpfProgram, String> {
+        SeccompFilter::new(
+            seccompiler_rules(rules)?,
+            mismatch,
+            matched,
+            TargetArch::x86_64,
+        )
+        .map_err(|e| e.to_string())?
+        .try_into()
+        .map_err(|e: seccompiler::BackendError| e.to_string())
+    }
+
+    /// seccompiler's program for `thread`'s list.
+    pub fn program(thread: Thread, mismatch: SeccompAction) -> Result<BpfProgram, String> {
+        seccompiler_program(&rules(thread), mismatch, SeccompAction::Allow)
+            .map_err(|e| format!("the {} list: {e}", thread.name()))
+    }
+
+    /// seccompiler's clone3 filter.
+    pub fn no_clone3_program() -> Result<BpfProgram, String> {
+        seccompiler_program(
+            &clone3_only(),
+            SeccompAction::Allow,
+            SeccompAction::Errno(libc::ENOSYS as u32),
+        )
+        .map_err(|e| format!("the clone3 filter: {e}"))
+    }
 }
