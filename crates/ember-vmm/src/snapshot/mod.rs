@@ -55,6 +55,10 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bounds on what a state file may claim, so a forged one cannot make
 /// ember allocate or loop without end.
 const MAX_MSRS: usize = 1024;
+/// The largest state file read: ~25 KiB a vCPU, so 64 MiB is far beyond any
+/// real one, and a damaged or hostile file cannot make ember allocate its
+/// size.
+pub const MAX_STATE_BYTES: u64 = 64 << 20;
 const MAX_CPUID: usize = kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 const MAX_QUEUES: usize = 64;
 
@@ -64,6 +68,14 @@ pub enum SnapshotError {
     /// The state file is shorter than its header or than its header says.
     #[error("{0}: the state file is truncated")]
     Truncated(PathBuf),
+    /// The state file is larger than any ember writes.
+    #[error("{path}: a state file of {size} bytes (ember writes at most {MAX_STATE_BYTES})")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Its size.
+        size: u64,
+    },
     /// Not an ember state file.
     #[error("{0}: not an ember snapshot state file")]
     NotASnapshot(PathBuf),
@@ -440,7 +452,7 @@ pub fn load_replacing(
     pmem: &[PathBuf],
 ) -> Result<(SnapshotState, PathBuf), SnapshotError> {
     let state_path = dir.join(STATE_FILE);
-    let bytes = std::fs::read(&state_path).map_err(io_err(&state_path))?;
+    let bytes = read_bounded(&state_path)?;
     let mut state = decode(&bytes, &state_path)?;
     replace_pmem(&mut state, pmem)?;
     let mem_path = dir.join(MEMORY_FILE);
@@ -466,6 +478,29 @@ pub fn load_replacing(
         }
     }
     Ok((state, mem_path))
+}
+
+/// The state file's bytes, refusing one larger than [`MAX_STATE_BYTES`]
+/// before reading it (or while: it may grow under us).
+fn read_bounded(path: &Path) -> Result<Vec<u8>, SnapshotError> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(io_err(path))?;
+    let size = file.metadata().map_err(io_err(path))?.len();
+    let too_large = |size| SnapshotError::TooLarge {
+        path: path.to_owned(),
+        size,
+    };
+    if size > MAX_STATE_BYTES {
+        return Err(too_large(size));
+    }
+    let mut bytes = Vec::with_capacity(size as usize);
+    file.take(MAX_STATE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io_err(path))?;
+    if bytes.len() as u64 > MAX_STATE_BYTES {
+        return Err(too_large(bytes.len() as u64));
+    }
+    Ok(bytes)
 }
 
 /// Points the first pmem devices of `state` at `files`, checking sizes.

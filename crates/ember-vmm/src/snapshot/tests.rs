@@ -250,6 +250,25 @@ fn every_truncation_is_refused() {
     }
 }
 
+/// A state file larger than any ember writes is refused before it is read:
+/// a damaged or hostile one cannot make ember allocate its size.
+#[test]
+fn a_huge_state_file_is_refused_unread() {
+    let dir = std::env::temp_dir().join(format!("ember-snap-huge-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = std::fs::File::create(dir.join(STATE_FILE)).unwrap();
+    // Sparse: 100 GiB long, nothing written.
+    f.set_len(100 << 30).unwrap();
+    let e = load(&dir, || Ok(Vec::new())).unwrap_err();
+    assert!(
+        matches!(e, SnapshotError::TooLarge { size, .. } if size == 100 << 30),
+        "{e}"
+    );
+    assert!(e.to_string().contains("ember writes at most"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn every_flipped_byte_is_refused() {
     let bytes = encode(&sample());
