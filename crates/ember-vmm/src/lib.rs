@@ -19,6 +19,7 @@ pub mod commit;
 pub mod device_manager;
 pub mod devices;
 pub mod events;
+pub mod hex;
 pub mod logger;
 pub mod machine;
 pub mod ranges;

@@ -42,7 +42,7 @@ use crate::devices::virtio::{BalloonHandle, BalloonState};
 pub const MAGIC: &[u8; 8] = b"EMBERSNP";
 /// The state format this ember writes and reads. Bump it whenever a
 /// serialized type changes.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// magic, version (u32), payload length (u64), CRC-32 (u32).
 const HEADER_LEN: usize = 8 + 4 + 8 + 4;
 /// The state file's name in a snapshot directory.
@@ -281,6 +281,7 @@ pub struct SnapshotState {
     pub mem_size: u64,
     /// The CPU signature of the host it was taken on
     /// (`arch::x86_64::cpuid::host_signature`).
+    #[serde(with = "crate::hex::vec")]
     pub host_cpuid: Vec<kvm_cpuid_entry2>,
     /// Each vCPU, by index.
     pub vcpus: Vec<vcpu::VcpuState>,

@@ -23,14 +23,19 @@ pub struct VmStateError {
 #[serde(deny_unknown_fields)]
 pub struct VmState {
     /// The master 8259.
+    #[serde(with = "crate::hex")]
     pub pic_master: kvm_irqchip,
     /// The slave 8259.
+    #[serde(with = "crate::hex")]
     pub pic_slave: kvm_irqchip,
     /// The IOAPIC (redirection table, IRR).
+    #[serde(with = "crate::hex")]
     pub ioapic: kvm_irqchip,
     /// The 8254 PIT's three channels.
+    #[serde(with = "crate::hex")]
     pub pit: kvm_pit_state2,
     /// The KVM clock (guest nanoseconds) at the snapshot.
+    #[serde(with = "crate::hex")]
     pub clock: kvm_clock_data,
 }
 
