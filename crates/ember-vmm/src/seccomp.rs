@@ -729,6 +729,36 @@ mod tests {
                 check(t.name(), &ours, &theirs, &rules(t));
             }
         }
+        // Conditions the lists do not use yet: a value with bits outside its
+        // mask (masked too, as seccompiler does), a mask leaving a half out,
+        // several conditions in a rule.
+        let mut odd = Rules::new();
+        let c = |arg, wide, mask, value| lists::Cond {
+            arg,
+            wide,
+            mask,
+            value,
+        };
+        odd.insert(1, vec![vec![c(0, true, 0x10000, 0x10001)]]);
+        odd.insert(
+            2,
+            vec![
+                vec![c(1, true, 0xff, 1 << 33)],
+                vec![c(2, false, 0xf0, 0x30)],
+            ],
+        );
+        odd.insert(
+            3,
+            vec![vec![
+                c(0, true, u64::MAX, 7),
+                c(5, false, u64::from(u32::MAX), 9),
+            ]],
+        );
+        for mode in [SeccompAction::Trap, SeccompAction::Log] {
+            let ours = lists::compact(&odd, mode.clone().into(), SeccompAction::Allow.into());
+            let theirs = lists::reference::compile(&odd, mode).unwrap();
+            check("odd", &ours, &theirs, &odd);
+        }
         let mut clone3 = Rules::new();
         clone3.insert(libc::SYS_clone3, Vec::new());
         check(

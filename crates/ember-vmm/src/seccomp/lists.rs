@@ -95,8 +95,9 @@ impl Thread {
     }
 }
 
-/// A condition on one argument: `arg & mask == value`, on the argument's low
-/// 32 bits (`wide: false`: seccompiler's `Dword`) or on all 64.
+/// A condition on one argument: `arg & mask == value & mask`, on the
+/// argument's low 32 bits (`wide: false`: seccompiler's `Dword`) or on all
+/// 64.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cond {
     /// Which argument (0-5).
@@ -643,7 +644,8 @@ fn call_block(nr: i64, rules: &[Rule]) -> Vec<Op> {
             if c.wide {
                 halves.push((off + 4, (c.mask >> 32) as u32, (c.value >> 32) as u32));
             }
-            // A half the mask leaves out always holds.
+            // A half the mask leaves out always holds (seccompiler's masked
+            // comparison masks the value too).
             for (off, mask, value) in halves.into_iter().filter(|h| h.1 != 0) {
                 body.push(Op::Load(off));
                 if mask != u32::MAX {
@@ -824,6 +826,11 @@ pub mod reference {
 
     /// seccompiler's program for `rules`: a call on the list (and its rules
     /// holding) gets `matched`, any other `mismatch`.
+    /// seccompiler's program for any `rules` (allowed, or `mismatch`).
+    pub fn compile(rules: &Rules, mismatch: SeccompAction) -> Result<BpfProgram, String> {
+        seccompiler_program(rules, mismatch, SeccompAction::Allow)
+    }
+
     fn seccompiler_program(
         rules: &Rules,
         mismatch: SeccompAction,
