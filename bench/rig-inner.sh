@@ -8,7 +8,7 @@
 # tracepoints histogrammed (reason, port, MMIO address, MSR):
 #   RIG-EXITS <vmm> <vcpus> <kind> <key> <count>
 # Times come from /proc/uptime (10 ms resolution; boots here take seconds).
-# Configuration (environment): ROUNDS, VCPUS ("1 2"), VMMS, CMDLINE, MEM, EXITS, DMESG.
+# Configuration (environment): ROUNDS, VCPUS ("1 2"), VMMS, CMDLINE, MEM, EXITS, DMESG, MARK.
 # bench/rig-memory-inner.sh sources this file with RIG_FUNCS_ONLY=1 for its
 # functions (vmm_cmd, boot) and runs its own loop; it sets PREFAULT (sync:
 # every VMM's own way of committing guest memory before boot; async: ember's)
@@ -26,7 +26,10 @@ MEM=${MEM:-256}
 CMDLINE=${CMDLINE:-"console=ttyS0 quiet panic=-1 reboot=k"}
 # DMESG=1: the guest prints its kernel log after the marker (RIG-DMESG lines).
 [ "${DMESG:-0}" = 1 ] && CMDLINE="$CMDLINE rig.dmesg"
-MARK=RIG-INIT-OK
+# MARK: the console text whose arrival is timed; with RIG_MARK="Linux version"
+# and earlyprintk=ttyS0 (no quiet) on the command line, the guest's first line:
+# exec -> that line is the VMM's own set-up plus the same early kernel work.
+MARK=${MARK:-RIG-INIT-OK}
 K=./vmlinux
 I=./initrd.cpio
 

@@ -25,6 +25,10 @@
 #                    marker (exec -> marker is unaffected; exec -> exit is not),
 #                    collected in FILE as `<vmm> <vcpus> <round> <line>`: where
 #                    a boot's time goes, VMM against VMM
+#   RIG_MARK         the console text timed instead of /init's marker: with
+#                    RIG_MARK="Linux version" and RIG_CMDLINE="console=ttyS0
+#                    earlyprintk=ttyS0 panic=-1 reboot=k" (no quiet), exec ->
+#                    the guest's first line, i.e. each VMM's own set-up
 # A VMM whose binary is not given is left out, and said so loudly.
 set -euo pipefail
 ROUNDS=${1:-3}
@@ -96,7 +100,7 @@ rig_l1 "$OUT" --mem 2G --timeout 3000 \
   --file "$R:/rig" --file "$QEMU:/usr/bin/qemu-system-x86_64" --file "$BUSYBOX:/bin/busybox" \
   --env "ROUNDS=$ROUNDS" --env "VMMS=$VMMS" --env "VCPUS=${RIG_VCPUS:-1 2}" \
   --env "EXITS=${RIG_EXITS:-1}" ${RIG_CMDLINE:+--env "CMDLINE=$RIG_CMDLINE"} \
-  ${RIG_DMESG:+--env "DMESG=1"} \
+  ${RIG_DMESG:+--env "DMESG=1"} ${RIG_MARK:+--env "MARK=$RIG_MARK"} \
   -- /bin/busybox sh -c 'cd /rig && exec /bin/busybox sh ./rig-inner.sh'
 grep -q '^RIG-BOOT' "$OUT" || { say "rig.sh: the rig produced no boot (output in $OUT above)"; cat "$OUT" >&2; exit 1; }
 if [ -n "${RIG_DMESG:-}" ]; then

@@ -64,6 +64,10 @@ struct Case {
     hung: Option<u64>,
     /// The suite said it started the case.
     started: bool,
+    /// The first attempt failed with a kernel panic of the L2 guest, and the
+    /// suite ran the case again (`retry`); its last console lines (`panic`).
+    retried: bool,
+    panic: Vec<String>,
 }
 
 impl Case {
@@ -88,8 +92,16 @@ impl Case {
             Some(s) => format!(" HUNG: killed at its limit of {s} s"),
             None => String::new(),
         };
+        let first = if self.retried {
+            format!(
+                "\n--- a first attempt ended in a guest kernel panic; its last lines ---\n{}",
+                self.panic.join("\n")
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "rc={:?} ms={:?}{hung}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+            "rc={:?} ms={:?}{hung}\n--- stdout ---\n{}\n--- stderr ---\n{}{first}",
             self.rc,
             self.ms,
             self.out.join("\n"),
@@ -483,6 +495,8 @@ fn run_rig() -> Result<Rig, String> {
                     }
                 }
                 "start" => case.started = true,
+                "panic" => case.panic.push(text.to_owned()),
+                "retry" => case.retried = true,
                 _ => other.push(line.to_owned()),
             }
         }
@@ -565,6 +579,13 @@ fn run_rig() -> Result<Rig, String> {
                 }
             );
         }
+    }
+    for (name, c) in rig.cases.iter().filter(|(_, c)| c.retried) {
+        eprintln!(
+            "nested rig: *** CASE `{name}` RAN TWICE: its first attempt ended in a kernel panic \
+             of its L2 guest; the first attempt's last lines:\n{}",
+            c.panic.join("\n")
+        );
     }
     if let Some(why) = &rig.l1_failure {
         eprintln!("nested rig: THE L1 DID NOT FINISH: {why}");
