@@ -8,6 +8,14 @@ mod common;
 
 use std::process::Command;
 
+/// The doctor's advice `id` in `ember analyze --advise --json`'s output `v`.
+fn advice_with_id<'a>(v: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {
+    let list = v["advice"]["advice"].as_array().expect("an advice list");
+    list.iter()
+        .find(|a| a["id"] == id)
+        .unwrap_or_else(|| panic!("no `{id}` advice in {list:#?}"))
+}
+
 #[test]
 fn advise_names_the_known_costs_and_verify_measures_them() {
     assert!(
@@ -53,13 +61,8 @@ fn advise_names_the_known_costs_and_verify_measures_them() {
         String::from_utf8_lossy(&out.stdout)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let find = |id: &str| advice_with_id(&v, id);
     let advice = v["advice"]["advice"].as_array().expect("an advice list");
-    let find = |id: &str| {
-        advice
-            .iter()
-            .find(|a| a["id"] == id)
-            .unwrap_or_else(|| panic!("no `{id}` advice in {advice:#?}"))
-    };
     assert_eq!(v["advice"]["profile_boots"], 1);
 
     // The console: its volume and the per-character cost of this boot.
@@ -149,13 +152,7 @@ fn icount_verifies_kernel_side_advice_on_the_guests_clock() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{}: {stderr}", out.status);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let advice = v["advice"]["advice"].as_array().expect("an advice list");
-    let find = |id: &str| {
-        advice
-            .iter()
-            .find(|a| a["id"] == id)
-            .unwrap_or_else(|| panic!("no `{id}` advice in {advice:#?}"))
-    };
+    let find = |id: &str| advice_with_id(&v, id);
     let mem = find("mem");
     let verified = &mem["verified"];
     assert_eq!(verified["clock"], "guest", "{verified}");
