@@ -86,7 +86,7 @@ pub fn oops_excerpt<'a>(lines: impl IntoIterator<Item = &'a str>) -> Vec<String>
             }
             *n += 1;
             out.push(quote(body));
-        } else if body.starts_with("Kernel panic") || out.len() > 40 {
+        } else if body.starts_with("Kernel panic") {
             break;
         }
     }
