@@ -87,6 +87,28 @@ fn uname_prints_the_guest_kernel() {
     assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
 }
 
+/// `--prepare-only` tells the command line the guest then boots with, and
+/// under TCG with one vCPU that line follows the doctor's `nolapic_timer`
+/// advice (the APIC timer's calibration is a fixed wait there).
+#[test]
+fn the_guest_boots_with_the_command_line_prepare_only_reports() {
+    let args = ["--cmdline", "ember.test=1", "--", "cat", "/proc/cmdline"];
+    let prep = ember(&["--prepare-only"]).args(args).output().unwrap();
+    assert!(prep.status.success(), "{}", text(&prep.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&prep.stdout).unwrap();
+    let cmdline = v["cmdline"].as_str().expect("a cmdline");
+    let backend = v["backend"].as_str().expect("a backend");
+    assert!(cmdline.ends_with(" ember.test=1"), "{cmdline}");
+    assert_eq!(
+        cmdline.contains("nolapic_timer"),
+        backend.contains("TCG"),
+        "{v}"
+    );
+    let out = run(&args, None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim_end(), cmdline);
+}
+
 /// ember-init loads Debian's signed modules without their signatures (the
 /// kernel's check is most of what module loading costs: src/appliance/
 /// module_sig.rs), which taints the kernel `E`; a kernel that enforces

@@ -139,7 +139,8 @@ pub struct RunArgs {
     #[arg(long)]
     pub bare: bool,
     /// Only build (or find) the appliance for CMD and print it as JSON (path,
-    /// size, cached, milliseconds); do not boot.
+    /// size, cached, milliseconds, the kernel command line and the backend
+    /// a cold boot would use); do not boot.
     #[arg(long)]
     pub prepare_only: bool,
     /// ember backend: boot the appliance cold instead of restoring (or
@@ -603,7 +604,7 @@ fn run_appliance(args: &RunArgs) -> Result<i32, ApplianceError> {
     // What this run removes when it ends (however it ends).
     let mut cleanup = Vec::new();
     let warm = if warm_wanted {
-        let cmdline = appliance_cmdline(args, channel_dev, &warm_groups());
+        let cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &warm_groups());
         warm_spec(args, &a, cmdline, &mut job, &mut cleanup)?
     } else {
         None
@@ -620,6 +621,8 @@ fn run_appliance(args: &RunArgs) -> Result<i32, ApplianceError> {
                 let info = serde_json::json!({
                     "initrd": p.initrd,
                     "kernel": p.kernel,
+                    "cmdline": appliance_cmdline(args, backend.as_ref(), channel_dev, &cold_groups),
+                    "backend": backend.describe(),
                     "exec": p.exec,
                     "bytes": size,
                     "cached": p.cached,
@@ -644,7 +647,7 @@ fn run_appliance(args: &RunArgs) -> Result<i32, ApplianceError> {
             spec.initrd = Some(p.initrd.clone());
             spec.mem_mib = mem_mib;
             spec.cpus = args.cpus;
-            spec.cmdline = appliance_cmdline(args, channel_dev, &cold_groups);
+            spec.cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &cold_groups);
             spec
         }
     };
@@ -722,13 +725,24 @@ fn carry_only(mods: &mut Vec<modules::GroupedModule>, groups: &[String]) {
     mods.retain(|m| groups.contains(&m.group));
 }
 
-/// The kernel command line of an appliance boot that loads module `groups`.
-fn appliance_cmdline(args: &RunArgs, channel_dev: &str, groups: &[&str]) -> String {
+/// The kernel command line of an appliance boot on `backend` that loads
+/// module `groups`.
+fn appliance_cmdline(
+    args: &RunArgs,
+    backend: &dyn backend::Backend,
+    channel_dev: &str,
+    groups: &[&str],
+) -> String {
     let mut cmdline = format!(
         "{BASE_CMDLINE}{} EMBER_CHANNEL={channel_dev} EMBER_MODULES={}",
         if args.verbose { "" } else { " quiet" },
         groups.join(",")
     );
+    let options = backend.kernel_options(args.cpus);
+    if !options.is_empty() {
+        cmdline.push(' ');
+        cmdline.push_str(options);
+    }
     if let Some(extra) = &args.cmdline {
         cmdline.push(' ');
         cmdline.push_str(extra);

@@ -273,6 +273,11 @@ pub trait Backend: Send + Sync {
     fn virtio_transports(&self) -> &'static [&'static str] {
         &["pci", "mmio"]
     }
+    /// Kernel options this backend's guests of `cpus` vCPUs boot faster
+    /// with (the boot doctor's advice where it holds for every guest).
+    fn kernel_options(&self, _cpus: u32) -> &'static str {
+        ""
+    }
 }
 
 /// ember itself, run as a child process (`ember boot --kernel …`).

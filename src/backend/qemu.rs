@@ -178,6 +178,24 @@ impl Backend for QemuBackend {
         }
     }
 
+    /// The doctor's advice for TCG guests (BENCHMARKS.md §8). TCG has no
+    /// TSC-deadline timer and no way to tell the guest its APIC timer's
+    /// frequency, so Linux calibrates that timer against HZ/10 ticks of the
+    /// PIT or HPET: with one vCPU the HPET can drive the tick alone (with
+    /// more, each CPU's timer would go through a broadcast, so they keep
+    /// theirs). And ftrace's boot-time check of its ~38 000 call sites
+    /// (kernel/trace/ftrace.c, a symbol lookup each) only matters to
+    /// function tracing. Together −225 ms of the busybox initramfs's 687 ms
+    /// under `-icount`. Not under KVM, where neither has been measured and
+    /// the timer has a TSC deadline.
+    fn kernel_options(&self, cpus: u32) -> &'static str {
+        match (self.accel, cpus) {
+            (Accel::Tcg, 1) => "nolapic_timer initcall_blacklist=ftrace_check_for_weak_functions",
+            (Accel::Tcg, _) => "initcall_blacklist=ftrace_check_for_weak_functions",
+            _ => "",
+        }
+    }
+
     fn command(&self, spec: &GuestSpec) -> Result<Command, BackendError> {
         let mut c = Command::new(&self.binary);
         let unsupported = |what: &str| BackendError::Unsupported {
@@ -382,6 +400,21 @@ mod tests {
             firmware_log: false,
             icount: false,
         }
+    }
+
+    /// Only a TCG guest with one vCPU skips the APIC timer's calibration:
+    /// under KVM the timer has a TSC deadline, and with more vCPUs each
+    /// keeps its own timer. Every TCG guest skips ftrace's check.
+    #[test]
+    fn only_a_one_vcpu_tcg_guest_boots_without_the_apic_timer() {
+        let tcg = qemu("q35", Accel::Tcg);
+        assert!(tcg.kernel_options(1).contains("nolapic_timer"));
+        assert!(!tcg.kernel_options(2).contains("nolapic_timer"));
+        assert!(
+            tcg.kernel_options(2)
+                .contains("initcall_blacklist=ftrace_check_for_weak_functions")
+        );
+        assert_eq!(qemu("q35", Accel::Kvm).kernel_options(1), "");
     }
 
     fn args(c: &Command) -> Vec<String> {

@@ -22,8 +22,13 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// What `--advise` appends to the command line of its profile boots: every
-/// initcall reports its own duration, and every message reaches the console.
-pub const PROFILE_CMDLINE: &str = "initcall_debug ignore_loglevel";
+/// initcall reports its own duration, every message reaches the console,
+/// the APIC code says when it calibrates its timer, and every work item
+/// the kernel runs in the background says when it starts and ends (about a
+/// hundred lines: boot work an initcall queues is invisible to
+/// `initcall_debug`).
+pub const PROFILE_CMDLINE: &str = "initcall_debug ignore_loglevel apic=verbose \
+     trace_event=workqueue:workqueue_execute_start,workqueue:workqueue_execute_end tp_printk";
 
 /// Suggestions predicted to save less than this are not listed.
 const MIN_SAVING_MS: f64 = 0.5;
@@ -345,6 +350,24 @@ fn host_span(boots: &[&BootRecord], start: &str, end: &str) -> Option<f64> {
     (!lens.is_empty()).then(|| stats::mean(&lens))
 }
 
+/// Mean span (ms) on the kernel's own clock (its printk stamps) from the
+/// first line matching `start` to the next matching `end`, over the boots
+/// that have both, stamped (the clock running) — the clock `--icount`
+/// makes count instructions, where arrival times stretch with TCG's.
+fn kernel_span(boots: &[&BootRecord], start: &str, end: &str) -> Option<f64> {
+    let (start, end) = (Regex::new(start).ok()?, Regex::new(end).ok()?);
+    let lens: Vec<f64> = boots
+        .iter()
+        .filter_map(|r| {
+            let mut stamped = r.lines.iter().map(|l| split_printk(&l.text));
+            let t0 = stamped.find(|(_, b)| start.is_match(b))?.0?;
+            let t1 = stamped.find(|(_, b)| end.is_match(b))?.0?;
+            (t0 > 0.0).then_some((t1 - t0) / 1e3)
+        })
+        .collect();
+    (!lens.is_empty()).then(|| stats::mean(&lens))
+}
+
 /// First console line (printk prefix stripped) matching `re` in any boot.
 fn first_line(boots: &[&BootRecord], re: &str) -> Option<String> {
     let re = Regex::new(re).ok()?;
@@ -361,6 +384,8 @@ pub fn advise(i: &Inputs<'_>) -> Vec<Advice> {
     out.extend(console_rule(i));
     out.extend(crypto_rule(i, &calls));
     out.extend(smp_rules(i));
+    out.extend(apic_timer_rule(i));
+    out.extend(ftrace_check_rule(i));
     out.extend(firmware_rule(i));
     out.extend(probe_rules(i, &calls));
     out.extend(initramfs_rule(i, &calls));
@@ -603,6 +628,93 @@ fn smp_rules(i: &Inputs<'_>) -> Vec<Advice> {
         verified: None,
     });
     out
+}
+
+/// The local APIC timer's calibration. Without a TSC-deadline timer (TCG
+/// has none) and without its frequency from the hypervisor, Linux counts the
+/// APIC timer against HZ/10 ticks of the PIT or HPET before it starts the
+/// first CPU's tick: a fixed wait of the guest's clock, whatever the VM
+/// does. With one vCPU the HPET or PIT can drive the tick alone; with more,
+/// every CPU's timer would become a broadcast from one device, so the rule
+/// says nothing there.
+fn apic_timer_rule(i: &Inputs<'_>) -> Option<Advice> {
+    let cmdline = &i.header.cmdline;
+    if i.header.cpus != 1
+        || ["nolapic_timer", "noapictimer", "nolapic", "disableapic"]
+            .iter()
+            .any(|o| has_option(cmdline, o))
+    {
+        return None;
+    }
+    let (start, end) = (r"^calibrating APIC timer", r"^\.\.\. lapic delta");
+    let (ms, source) = kernel_span(i.boots, start, end)
+        .map(|ms| (ms, "the kernel's clock, in the analysed boots"))
+        .or_else(|| {
+            kernel_span(i.profile, start, end)
+                .map(|ms| (ms, "the kernel's clock, in the profile boot"))
+        })
+        .or_else(|| span_either(i, start, end))?;
+    Some(Advice {
+        id: "nolapic_timer".into(),
+        title: "Do not calibrate the local APIC timer: one vCPU can take its tick from the HPET"
+            .into(),
+        evidence: vec![format!(
+            "`calibrating APIC timer ...` to `... lapic delta`: {ms:.1} ms ({source}, `apic=verbose`); \
+             the VM offers no TSC-deadline timer and no APIC timer frequency"
+        )],
+        predicted_ms: ms,
+        change: Change::CmdlineAdd {
+            option: "nolapic_timer".into(),
+        },
+        verified: None,
+    })
+}
+
+/// The initcall that blacklists its own follow-up work.
+const FTRACE_CHECK_INITCALL: &str = "ftrace_check_for_weak_functions";
+
+/// ftrace's check of its call sites (6.1 on x86 with IBT): a subsys initcall
+/// queues work that looks up the symbol of every traceable function (the
+/// `ftrace: allocating N entries` line) to disable the sites of overridden
+/// weak functions. Nothing waits for it until late in the boot, so
+/// `initcall_debug` cannot see it; with one vCPU it competes with every
+/// initcall after it. Skipping it loses nothing unless the guest enables
+/// function tracing, and then ftrace verifies each site before patching it
+/// and stops with a warning on one that is not a call.
+fn ftrace_check_rule(i: &Inputs<'_>) -> Option<Advice> {
+    // Every `initcall_blacklist=` word counts: the kernel takes them all.
+    if i.header
+        .cmdline
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("initcall_blacklist="))
+        .any(|v| v.split(',').any(|f| f == FTRACE_CHECK_INITCALL))
+    {
+        return None;
+    }
+    let (start, end) = (
+        r"^workqueue_execute_start: .*function ftrace_check_work_func",
+        r"^workqueue_execute_end: .*function ftrace_check_work_func",
+    );
+    let ms = kernel_span(i.profile, start, end).filter(|ms| *ms > 0.0)?;
+    let mut evidence = vec![format!(
+        "its work item ran {ms:.1} ms (the kernel's clock, profile boot, `tp_printk` workqueue events)"
+    )];
+    evidence.extend(
+        first_line(i.profile, r"^ftrace: allocating \d+ entries")
+            .map(|l| format!("`{l}`: one symbol lookup each")),
+    );
+    Some(Advice {
+        id: "ftrace-check".into(),
+        title:
+            "Skip ftrace's boot-time check of every call site (it only matters to function tracing)"
+                .into(),
+        evidence,
+        predicted_ms: ms,
+        change: Change::CmdlineAdd {
+            option: format!("initcall_blacklist={FTRACE_CHECK_INITCALL}"),
+        },
+        verified: None,
+    })
 }
 
 /// QEMU machines with SeaBIOS: the firmware's own time, from its debug log.
@@ -1697,6 +1809,128 @@ mod tests {
             4.0,
         );
         assert_eq!(memory_work_ms(&early), None);
+    }
+
+    /// A TCG boot's APIC timer calibration (the lines `apic=verbose`
+    /// prints, as a 6.1 kernel under QEMU/TCG printed them): one vCPU is
+    /// advised `nolapic_timer`; two are not, nor is a boot that has it.
+    #[test]
+    fn an_apic_timer_calibration_is_advised_away_on_one_vcpu() {
+        let r = record(
+            &[
+                // Arrival times ten times the kernel's, as under `-icount`.
+                (
+                    1_570_000.0,
+                    "[    0.157092] Mountpoint-cache hash table entries: 512",
+                ),
+                (
+                    1_620_000.0,
+                    "[    0.161995] Using local APIC timer interrupts.",
+                ),
+                (1_620_000.0, "[    0.161995] calibrating APIC timer ..."),
+                (3_780_000.0, "[    0.378006] ... lapic delta = 6249956"),
+                (
+                    3_781_000.0,
+                    "[    0.378078] smpboot: CPU0: AMD QEMU TCG CPU",
+                ),
+            ],
+            4_000_000.0,
+        );
+        let o = opts(&[]);
+        let advised = |cmdline: &str, cpus: u32| {
+            run(
+                &header(cmdline, cpus, 256, "qemu"),
+                &o,
+                &[],
+                std::slice::from_ref(&r),
+                None,
+                None,
+            )
+            .into_iter()
+            .find(|a| a.id == "nolapic_timer")
+        };
+        let a = advised("console=ttyS0 quiet", 1).expect("nolapic_timer advised");
+        // On the kernel's clock, not the arrivals'.
+        assert!((a.predicted_ms - 216.0).abs() < 0.1, "{a:?}");
+        assert_eq!(
+            a.change,
+            Change::CmdlineAdd {
+                option: "nolapic_timer".into()
+            }
+        );
+        assert!(advised("console=ttyS0 quiet", 2).is_none());
+        assert!(advised("console=ttyS0 quiet nolapic_timer", 1).is_none());
+        // No calibration (a TSC-deadline timer, as under KVM): no advice.
+        let kvm = record(&[(1.0, "[    0.1] smpboot: CPU0: AMD EPYC")], 2.0);
+        let a = run(
+            &header("console=ttyS0", 1, 256, "ember"),
+            &o,
+            &[],
+            &[kvm],
+            None,
+            None,
+        );
+        assert!(a.iter().all(|a| a.id != "nolapic_timer"), "{a:?}");
+    }
+
+    /// ftrace's background check, seen through the workqueue events the
+    /// profile boot prints (as a 6.1 kernel under TCG printed them).
+    #[test]
+    fn ftraces_background_check_is_measured_from_its_work_item() {
+        let p = record(
+            &[
+                (
+                    1.0,
+                    "[    0.020000] ftrace: allocating 37697 entries in 148 pages",
+                ),
+                (
+                    2.0,
+                    "[    0.933718] workqueue_execute_start: work struct (____ptrval____): function ftrace_check_work_func",
+                ),
+                (
+                    3.0,
+                    "[    0.950000] workqueue_execute_start: work struct (____ptrval____): function other_func",
+                ),
+                (
+                    4.0,
+                    "[    0.991517] workqueue_execute_end: work struct (____ptrval____): function ftrace_check_work_func",
+                ),
+            ],
+            5.0,
+        );
+        let o = opts(&[]);
+        let find = |cmdline: &str| {
+            run(
+                &header(cmdline, 1, 256, "qemu"),
+                &o,
+                &[],
+                std::slice::from_ref(&p),
+                None,
+                None,
+            )
+            .into_iter()
+            .find(|a| a.id == "ftrace-check")
+        };
+        let a = find("console=ttyS0").expect("advised");
+        assert!((a.predicted_ms - 57.799).abs() < 1e-6, "{a:?}");
+        assert!(
+            a.evidence.iter().any(|e| e.contains("37697 entries")),
+            "{a:?}"
+        );
+        assert_eq!(
+            a.change,
+            Change::CmdlineAdd {
+                option: "initcall_blacklist=ftrace_check_for_weak_functions".into()
+            }
+        );
+        assert!(
+            find("console=ttyS0 initcall_blacklist=foo,ftrace_check_for_weak_functions").is_none()
+        );
+        assert!(
+            find("initcall_blacklist=ftrace_check_for_weak_functions initcall_blacklist=x")
+                .is_none()
+        );
+        assert!(find("console=ttyS0 initcall_blacklist=foo").is_some());
     }
 
     #[test]
