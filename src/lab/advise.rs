@@ -1815,6 +1815,21 @@ mod tests {
         assert_eq!(memory_work_ms(&early), None);
     }
 
+    /// The advice `id` a qemu boot with `cmdline` and `cpus` vCPUs gets
+    /// from the profile boot `profile` alone.
+    fn profile_advice(profile: &BootRecord, cmdline: &str, cpus: u32, id: &str) -> Option<Advice> {
+        run(
+            &header(cmdline, cpus, 256, "qemu"),
+            &opts(&[]),
+            &[],
+            std::slice::from_ref(profile),
+            None,
+            None,
+        )
+        .into_iter()
+        .find(|a| a.id == id)
+    }
+
     /// A TCG boot's APIC timer calibration (the lines `apic=verbose`
     /// prints, as a 6.1 kernel under QEMU/TCG printed them): one vCPU is
     /// advised `nolapic_timer`; two are not, nor is a boot that has it.
@@ -1840,19 +1855,7 @@ mod tests {
             ],
             4_000_000.0,
         );
-        let o = opts(&[]);
-        let advised = |cmdline: &str, cpus: u32| {
-            run(
-                &header(cmdline, cpus, 256, "qemu"),
-                &o,
-                &[],
-                std::slice::from_ref(&r),
-                None,
-                None,
-            )
-            .into_iter()
-            .find(|a| a.id == "nolapic_timer")
-        };
+        let advised = |cmdline: &str, cpus: u32| profile_advice(&r, cmdline, cpus, "nolapic_timer");
         let a = advised("console=ttyS0 quiet", 1).expect("nolapic_timer advised");
         // On the kernel's clock, not the arrivals'.
         assert!((a.predicted_ms - 216.0).abs() < 0.1, "{a:?}");
@@ -1868,7 +1871,7 @@ mod tests {
         let kvm = record(&[(1.0, "[    0.1] smpboot: CPU0: AMD EPYC")], 2.0);
         let a = run(
             &header("console=ttyS0", 1, 256, "ember"),
-            &o,
+            &opts(&[]),
             &[],
             &[kvm],
             None,
@@ -1902,19 +1905,7 @@ mod tests {
             ],
             5.0,
         );
-        let o = opts(&[]);
-        let find = |cmdline: &str| {
-            run(
-                &header(cmdline, 1, 256, "qemu"),
-                &o,
-                &[],
-                std::slice::from_ref(&p),
-                None,
-                None,
-            )
-            .into_iter()
-            .find(|a| a.id == "ftrace-check")
-        };
+        let find = |cmdline: &str| profile_advice(&p, cmdline, 1, "ftrace-check");
         let a = find("console=ttyS0").expect("advised");
         assert!((a.predicted_ms - 57.799).abs() < 1e-6, "{a:?}");
         assert!(
