@@ -334,9 +334,15 @@ fn span_either(i: &Inputs<'_>, start: &str, end: &str) -> Option<(f64, &'static 
         })
 }
 
-/// Mean arrival-time span (ms) from the first line matching `start` to the
-/// next matching `end`, over the boots that have both.
-fn host_span(boots: &[&BootRecord], start: &str, end: &str) -> Option<f64> {
+/// Mean span (ms) from the first line matching `start` to the next matching
+/// `end`, over the boots that have both, on the clock `at` reads off a line
+/// (µs; `None` where it has no reading).
+fn span_on(
+    boots: &[&BootRecord],
+    start: &str,
+    end: &str,
+    at: impl Fn(&super::boot::ConsoleLine) -> Option<f64>,
+) -> Option<f64> {
     let (start, end) = (Regex::new(start).ok()?, Regex::new(end).ok()?);
     let lens: Vec<f64> = boots
         .iter()
@@ -344,28 +350,25 @@ fn host_span(boots: &[&BootRecord], start: &str, end: &str) -> Option<f64> {
             let body = |l: &super::boot::ConsoleLine| split_printk(&l.text).1;
             let s = r.lines.iter().position(|l| start.is_match(&body(l)))?;
             let e = r.lines[s..].iter().find(|l| end.is_match(&body(l)))?;
-            Some((e.t_us - r.lines[s].t_us) / 1e3)
+            let t0 = at(&r.lines[s])?;
+            Some((at(e)? - t0) / 1e3)
         })
         .collect();
     (!lens.is_empty()).then(|| stats::mean(&lens))
 }
 
-/// Mean span (ms) on the kernel's own clock (its printk stamps) from the
-/// first line matching `start` to the next matching `end`, over the boots
-/// that have both, stamped (the clock running) — the clock `--icount`
-/// makes count instructions, where arrival times stretch with TCG's.
+/// [`span_on`] the host's clock: arrival times.
+fn host_span(boots: &[&BootRecord], start: &str, end: &str) -> Option<f64> {
+    span_on(boots, start, end, |l| Some(l.t_us))
+}
+
+/// [`span_on`] the kernel's own clock (its printk stamps), once it runs
+/// (a line stamped 0 is not a reading) — the clock `--icount` makes count
+/// instructions, where arrival times stretch with TCG's.
 fn kernel_span(boots: &[&BootRecord], start: &str, end: &str) -> Option<f64> {
-    let (start, end) = (Regex::new(start).ok()?, Regex::new(end).ok()?);
-    let lens: Vec<f64> = boots
-        .iter()
-        .filter_map(|r| {
-            let mut stamped = r.lines.iter().map(|l| split_printk(&l.text));
-            let t0 = stamped.find(|(_, b)| start.is_match(b))?.0?;
-            let t1 = stamped.find(|(_, b)| end.is_match(b))?.0?;
-            (t0 > 0.0).then_some((t1 - t0) / 1e3)
-        })
-        .collect();
-    (!lens.is_empty()).then(|| stats::mean(&lens))
+    span_on(boots, start, end, |l| {
+        split_printk(&l.text).0.filter(|t| *t > 0.0)
+    })
 }
 
 /// First console line (printk prefix stripped) matching `re` in any boot.
