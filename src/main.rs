@@ -4,6 +4,19 @@
 use clap::{CommandFactory, Parser, Subcommand};
 use std::io::Write;
 
+/// The shipped build's allocator. musl's own (mallocng) maps a fresh page
+/// for a small size class and unmaps it as soon as its last block is freed:
+/// a restore made ~115 mmap/munmap calls before its first guest instruction,
+/// and each munmap, with the VM's other threads running, sends a TLB
+/// shootdown to the other CPUs (an IPI, which is expensive where ember itself
+/// runs in a VM). dlmalloc keeps freed memory for reuse: restore → first
+/// guest instruction 2.06 → 1.60 ms with 2 vCPUs, a cold boot's first
+/// instruction 1.56 → 1.38 ms, for ~5 % more VMM memory (BENCHMARKS.md §9.5).
+/// glibc builds keep glibc's allocator, which does not behave that way.
+#[cfg(target_env = "musl")]
+#[global_allocator]
+static ALLOCATOR: dlmalloc::GlobalDlmalloc = dlmalloc::GlobalDlmalloc;
+
 /// The environment variables ember reads, shown under every `--help`.
 const ENVIRONMENT: &str = "\
 Environment:

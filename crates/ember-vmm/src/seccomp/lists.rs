@@ -185,8 +185,8 @@ fn base() -> Rules {
             // Every Mutex, Condvar, channel and join.
             libc::SYS_futex,
             libc::SYS_sched_yield,
-            // The memory allocator; glibc also madvises a dead thread's stack
-            // away, and musl probes with mremap.
+            // The memory allocator (the shipped build's dlmalloc maps, remaps
+            // and unmaps; glibc's also madvises a dead thread's stack away).
             libc::SYS_mmap,
             libc::SYS_munmap,
             libc::SYS_mremap,
