@@ -691,11 +691,16 @@ impl BalloonHandler {
     /// Drops the host pages behind whole 4 KiB pages of `addr..addr+len` that lie in
     /// guest RAM; anything else is guest garbage and is logged and skipped.
     fn discard(&self, addr: GuestAddress, len: u64) {
-        let Some(end) = addr.0.checked_add(len) else {
+        // Both ends checked: a range in the last page below 2^64 would round its
+        // start up past the top, and a wrapped start of 0 would discard guest RAM
+        // from its first byte (the fuzzer's find).
+        let (Some(end), Some(mut at)) = (
+            addr.0.checked_add(len),
+            addr.0.checked_next_multiple_of(BALLOON_PAGE_SIZE),
+        ) else {
             crate::guest_warn!("{DEVICE}: range at {:#x} overflows", addr.0);
             return;
         };
-        let mut at = addr.0.next_multiple_of(BALLOON_PAGE_SIZE);
         let end = end - end % BALLOON_PAGE_SIZE;
         while at < end {
             let Some(region) = self.mem.find_region(GuestAddress(at)) else {
@@ -920,11 +925,21 @@ mod tests {
         rig.mem
             .write_slice(&[0xcd; 0x4000], GuestAddress(base))
             .unwrap();
+        rig.mem
+            .write_slice(&[0xcd; 0x1000], GuestAddress(0))
+            .unwrap();
         // 0x800 into the first page up to the end of the third: only pages 2 and 3 go.
+        // Then two ranges at the top of the address space: one whose end overflows,
+        // one whose start, rounded up to a page, would (it wrapped to 0 and took
+        // guest RAM from its first page with it).
         add_chain(
             &vqs[2],
             0,
-            &[w(base + 0x800, 0x2800), w(u64::MAX - 0x10, 0x100)],
+            &[
+                w(base + 0x800, 0x2800),
+                w(u64::MAX - 0x10, 0x100),
+                w(u64::MAX - 0x800, 0x10),
+            ],
         );
         let mut h = handler(
             &rig,
@@ -938,6 +953,7 @@ mod tests {
         assert_eq!(byte(&rig.mem, base + 0x1000), 0);
         assert_eq!(byte(&rig.mem, base + 0x2fff), 0);
         assert_eq!(byte(&rig.mem, base + 0x3000), 0xcd);
+        assert_eq!(byte(&rig.mem, 0), 0xcd);
     }
 
     #[test]
