@@ -10,8 +10,8 @@ use std::io::Write;
 /// and each munmap, with the VM's other threads running, sends a TLB
 /// shootdown to the other CPUs (an IPI, which is expensive where ember itself
 /// runs in a VM). dlmalloc keeps freed memory for reuse: restore → first
-/// guest instruction 2.06 → 1.60 ms with 2 vCPUs, a cold boot's first
-/// instruction 1.56 → 1.38 ms, for ~5 % more VMM memory (BENCHMARKS.md §9.5).
+/// guest instruction 2.08 → 1.62 ms with 2 vCPUs, a cold boot's 3.18 → 2.84
+/// ms, for 0.2 MiB more VMM memory (BENCHMARKS.md §9.5).
 /// glibc builds keep glibc's allocator, which does not behave that way.
 #[cfg(target_env = "musl")]
 #[global_allocator]
