@@ -169,6 +169,15 @@ fn a_hung_boot_times_out_and_is_not_averaged() {
     assert!(s.contains("2 timed out after 0.5 s"), "{s}");
     assert!(s.contains("last console line: `Linux version 6.1`"), "{s}");
     assert!(text(&out.stderr).contains("no boot reached userspace"));
+
+    // analyze says the same, with the timeout it ran under.
+    let mut args = vec!["analyze"];
+    args.extend(base(vmm.to_str().unwrap()));
+    args.extend(["-n", "1", "-w", "0", "--timeout", "0.5"]);
+    let out = ember(&args);
+    assert_eq!(out.status.code(), Some(1));
+    let s = text(&out.stdout);
+    assert!(s.contains("1 timed out after 0.5 s"), "{s}");
 }
 
 #[test]

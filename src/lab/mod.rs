@@ -388,6 +388,7 @@ pub fn analyze_records(
         header,
         boots: all.len(),
         failures: Failures::of(all, m),
+        timeout_s: None,
         total,
         activities: analysis::aggregate(&per_boot, total_ms),
         console: analysis::console_cost(&good, char_cost_us, total_ms),
@@ -458,6 +459,7 @@ pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
         .char_cost_us
         .unwrap_or_else(|| default_char_cost_us(&header.backend));
     let mut report = analyze_records(header, &records, &milestones, &rules, cost, interrupted);
+    report.timeout_s = args.load.is_none().then_some(args.guest.timeout);
     if args.advise && !interrupted && report.total.is_some() {
         report.advice = Some(doctor(&args, &report, &records, &milestones)?);
     }

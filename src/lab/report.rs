@@ -31,9 +31,10 @@ pub struct Failures {
     /// says where it got stuck.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_line: Option<String>,
-    /// That boot's first kernel oops, when it printed one: what went wrong,
-    /// where (`RIP:`) and the first frames of its call trace. A panic's last
-    /// line ("Fatal exception") says only that something did.
+    /// That boot's first kernel oops (or warning, or RCU stall report), when
+    /// it printed one: what went wrong, where (`RIP:`) and the first frames
+    /// of its call trace. A panic's last line ("Fatal exception") says only
+    /// that something did.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub oops: Vec<String>,
 }
@@ -41,9 +42,13 @@ pub struct Failures {
 /// Longest `last_line` we quote, in characters.
 const MAX_QUOTE: usize = 100;
 
-/// How a kernel oops starts (x86 Linux's own words).
-const OOPS_STARTS: [&str; 7] = [
+/// How a kernel oops starts (x86 Linux's own words), or a warning or an
+/// RCU stall, whose register dumps and traces have the same shape: a boot
+/// that stalls prints no oops, and its last line is only the dump's `Code:`.
+const OOPS_STARTS: [&str; 9] = [
     "BUG:",
+    "WARNING: CPU:",
+    "detected stall",
     "Oops:",
     "general protection fault",
     "kernel BUG at",
@@ -171,10 +176,14 @@ fn mean_sd(s: &Summary, unit: &str) -> String {
     format!("{}{unit} ±{}{unit}", num(s.mean), num(s.sd))
 }
 
-fn failures_line(label: &str, f: &Failures, timeout_s: f64) -> Option<String> {
+/// `timeout_s`: the timeout the boots ran under, when known (not for a
+/// recording loaded from a file, which does not keep it).
+fn failures_line(label: &str, f: &Failures, timeout_s: Option<f64>) -> Option<String> {
     let mut parts = Vec::new();
-    if f.timed_out > 0 {
-        parts.push(format!("{} timed out after {timeout_s} s", f.timed_out));
+    match (f.timed_out, timeout_s) {
+        (0, _) => {}
+        (n, Some(t)) => parts.push(format!("{n} timed out after {t} s")),
+        (n, None) => parts.push(format!("{n} timed out")),
     }
     if f.no_userspace > 0 {
         parts.push(format!(
@@ -275,7 +284,7 @@ impl BenchReport {
         s.push('\n');
         let labels = if two { ["A", "B"] } else { ["", ""] };
         for (i, f) in self.failures.iter().enumerate() {
-            if let Some(l) = failures_line(labels[i], f, self.timeout_s) {
+            if let Some(l) = failures_line(labels[i], f, Some(self.timeout_s)) {
                 let _ = writeln!(s, "{l}");
             }
         }
@@ -342,6 +351,9 @@ pub struct AnalyzeReport {
     pub boots: usize,
     /// Boots that did not count.
     pub failures: Failures,
+    /// The timeout the boots ran under, s (`None` for a loaded recording).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<f64>,
     /// Mean run (spawn to exit), ms.
     pub total: Option<Summary>,
     /// Every activity, in start order.
@@ -386,7 +398,7 @@ impl AnalyzeReport {
              or VMM event, both in ms since spawn\n",
             "clocks", ""
         );
-        if let Some(l) = failures_line("", &self.failures, 0.0) {
+        if let Some(l) = failures_line("", &self.failures, self.timeout_s) {
             let _ = writeln!(s, "{l}\n");
         }
         let Some(total) = self.total else {
@@ -523,10 +535,19 @@ mod tests {
             oops: Vec::new(),
         };
         assert_eq!(
-            failures_line("A", &f, 5.0).unwrap(),
+            failures_line("A", &f, Some(5.0)).unwrap(),
             "A: boot(s) not averaged in: 2 timed out after 5 s, 1 ended without reaching userspace"
         );
-        assert!(failures_line("", &Failures::default(), 5.0).is_none());
+        assert!(failures_line("", &Failures::default(), Some(5.0)).is_none());
+        // A loaded recording does not know its timeout: no made-up figure.
+        let f = Failures {
+            timed_out: 1,
+            ..Failures::default()
+        };
+        assert_eq!(
+            failures_line("", &f, None).unwrap(),
+            "boot(s) not averaged in: 1 timed out"
+        );
     }
 
     /// The shape of an x86 oops on a serial console, cut from a real one.
@@ -565,13 +586,25 @@ mod tests {
             oops: oops_excerpt(OOPS.lines()),
             ..Failures::default()
         };
-        let text = failures_line("", &f, 5.0).unwrap();
+        let text = failures_line("", &f, None).unwrap();
         assert!(
             text.contains("\n  its oops: BUG: kernel NULL")
                 && text.contains("\n            RIP: 0010:hrtimer_interrupt"),
             "{text}"
         );
         assert!(oops_excerpt(OOPS.lines().take(1)).is_empty());
+        // An RCU stall's report starts without any oops's words.
+        let stall = "[   40.100000] rcu: INFO: rcu_preempt self-detected stall on CPU
+[   40.100001] rcu: \t1-....: (2099 ticks this GP) idle=d1c/1/0x4000000000000000
+[   40.100002] RIP: 0010:native_safe_halt+0xb/0x10
+[   40.100003] Code: 7a 0a fe fd 89 c6 41 39 c5 74 26";
+        assert_eq!(
+            oops_excerpt(stall.lines()),
+            [
+                "rcu: INFO: rcu_preempt self-detected stall on CPU",
+                "RIP: 0010:native_safe_halt+0xb/0x10",
+            ]
+        );
         assert!(oops_excerpt(["[ 0.1] Run /init as init process"]).is_empty());
     }
 }
