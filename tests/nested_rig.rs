@@ -65,8 +65,9 @@ struct Case {
     hung: Option<u64>,
     /// The suite said it started the case.
     started: bool,
-    /// The first attempt failed with a kernel panic of the L2 guest, and the
-    /// suite ran the case again (`retry`); its last console lines (`panic`).
+    /// The first attempt failed after the L2 kernel reported trouble (a
+    /// panic, oops or stall), and the suite ran the case again (`retry`); its
+    /// last console lines (`panic`).
     retried: bool,
     panic: Vec<String>,
 }
@@ -95,7 +96,7 @@ impl Case {
         };
         let first = if self.retried {
             format!(
-                "\n--- a first attempt ended in a guest kernel panic; its last lines ---\n{}",
+                "\n--- a first attempt failed after a guest kernel panic, oops or stall; its last lines ---\n{}",
                 self.panic.join("\n")
             )
         } else {
@@ -288,8 +289,11 @@ fn generic_kernel(cache: &Path, cloud: &str) -> Result<(PathBuf, String), String
     Ok((image, release))
 }
 
-/// How many L1s the suite gets when the L1 kernel dies under it.
-const L1_ATTEMPTS: u32 = 2;
+/// How many L1s the suite gets when the L1 kernel dies or hangs under it.
+/// Three: a CI run (stop 20) failed with its L1 hung on what was, by the
+/// elapsed time, its second L1, the first one's end unrecorded (the failure
+/// message now lists every earlier attempt).
+const L1_ATTEMPTS: u32 = 3;
 
 /// Stages everything, boots the L1 (a second one if the first died) and
 /// collects every case.
@@ -379,6 +383,8 @@ fn run_rig() -> Result<Rig, String> {
         start.elapsed().as_nanos()
     );
     let mut attempt = 0;
+    // How each earlier L1 ended, for the failure message.
+    let mut earlier: Vec<String> = Vec::new();
     let (cases, first_line, total_s, l1_failure) = loop {
         attempt += 1;
         let mut c = common::ember();
@@ -540,6 +546,10 @@ fn run_rig() -> Result<Rig, String> {
         // here. The whole suite runs again in a fresh L1 (cases depend on each
         // other's files, so none is kept), once; the crash stays in the log.
         if status.code() == Some(125) && !done && attempt < L1_ATTEMPTS {
+            let last = order.last().map(String::as_str).unwrap_or("-");
+            earlier.push(format!(
+                "attempt {attempt}: the L1 died after {total_s:.0} s, in case `{last}`"
+            ));
             eprintln!(
                 "nested rig: THE L1 DIED (attempt {attempt} of {L1_ATTEMPTS}); the whole suite runs again in a fresh L1:\n{}",
                 stderr.trim()
@@ -552,6 +562,9 @@ fn run_rig() -> Result<Rig, String> {
         // fresh L1, once.
         if let Some(case) = &hung_case {
             if attempt < L1_ATTEMPTS {
+                earlier.push(format!(
+                    "attempt {attempt}: the L1 hung after {total_s:.0} s, in case `{case}`"
+                ));
                 eprintln!(
                     "nested rig: THE L1 HUNG in case `{case}` (attempt {attempt} of {L1_ATTEMPTS}); \
                      the whole suite runs again in a fresh L1"
@@ -568,8 +581,13 @@ fn run_rig() -> Result<Rig, String> {
                 .as_ref()
                 .map(|c| format!(" (killed: the L1 stopped answering in case `{c}`)"))
                 .unwrap_or_default();
+            let history = if earlier.is_empty() {
+                String::new()
+            } else {
+                format!(" [L1 attempt {attempt} of {L1_ATTEMPTS}; {}]", earlier.join("; "))
+            };
             format!(
-                "ember exited {status}{hung} after {total_s:.0} s (its --timeout is {l1_timeout} s){}: {}\n{}",
+                "ember exited {status}{hung} after {total_s:.0} s (its --timeout is {l1_timeout} s){}{history}: {}\n{}",
                 last.map(|n| format!(", while case `{n}` ran"))
                     .unwrap_or_default(),
                 stderr.trim(),
@@ -620,8 +638,8 @@ fn run_rig() -> Result<Rig, String> {
     }
     for (name, c) in rig.cases.iter().filter(|(_, c)| c.retried) {
         eprintln!(
-            "nested rig: *** CASE `{name}` RAN TWICE: its first attempt ended in a kernel panic \
-             of its L2 guest; the first attempt's last lines:\n{}",
+            "nested rig: *** CASE `{name}` RAN TWICE: its first attempt failed after a kernel \
+             panic, oops or stall of its L2 guest; the first attempt's last lines:\n{}",
             c.panic.join("\n")
         );
     }

@@ -30,12 +30,14 @@ inner() { echo $(($(limit "$1") - 10)); }
 # script) as the leader of a process group of its own (setsid, through this
 # script's `--run`), so that after LIMIT seconds the whole case can be
 # killed: TERM, then KILL 5 s later.
-# A case that fails with a kernel panic of its L2 guest on its console runs
-# once more, and says so (`@@ NAME panic LINE` for the first attempt's last
-# console lines, then `@@ NAME retry`): Debian's kernel has, rarely (one boot
-# in dozens), oopsed in interrupt context under the rig's TCG-emulated SVM
-# with nothing of the VMM in the trace. The harness prints every retry
-# loudly; a second panic fails the case.
+# A case that fails after its L2 kernel reported trouble on its console (a
+# panic, or any oops, warning or RCU stall: each ends in a register dump's
+# `Code:` line) runs once more, and says so (`@@ NAME panic LINE` for the
+# first attempt's last console lines, then `@@ NAME retry`): Debian's kernel
+# has, rarely (one boot in dozens), oopsed in interrupt context under the
+# rig's TCG-emulated SVM with nothing of the VMM in the trace, and once
+# stalled (a CI run: 2 vCPUs, its last line a dump's `Code:`). The harness
+# prints every retry loudly; a second failure fails the case.
 run_case() {
   name=$1
   limit=$(limit "$2")
@@ -45,7 +47,7 @@ run_case() {
   for attempt in 1 2; do
     attempt_case "$@"
     [ "$rc" != 0 ] && [ -z "$hung" ] && [ "$attempt" = 1 ] &&
-      $b grep -q "Kernel panic - not syncing" "/tmp/$name.out" "/tmp/$name.err" || break
+      $b grep -q -e "Kernel panic - not syncing" -e "Code: [0-9a-f<]" "/tmp/$name.out" "/tmp/$name.err" || break
     $b cat "/tmp/$name.out" "/tmp/$name.err" | $b tail -n 60 | $b sed "s/^/@@ $name panic /"
     echo "@@ $name retry rc=$rc"
   done
