@@ -33,8 +33,9 @@ fn require_debug_build() {
 }
 
 /// Boots the test guest with a disk the guest writes and verifies, with the
-/// violation hook armed; returns (status, stdout, stderr).
-fn boot_with_violation(mode: Option<&str>) -> (i32, String, String) {
+/// violation hook armed for `hook` (`block`, `vcpu-ioctl`); returns (status,
+/// stdout, stderr).
+fn boot_with_violation(hook: &str, mode: Option<&str>) -> (i32, String, String) {
     let dir = Scratch::new("seccomp");
     let disk = dir.path("disk.img");
     std::fs::File::create(&disk)
@@ -55,7 +56,7 @@ fn boot_with_violation(mode: Option<&str>) -> (i32, String, String) {
             "--disk",
         ])
         .arg(&disk)
-        .env("EMBER_TEST_SECCOMP_VIOLATION", "block");
+        .env("EMBER_TEST_SECCOMP_VIOLATION", hook);
     if let Some(m) = mode {
         cmd.args(["--seccomp", m]);
     }
@@ -70,7 +71,7 @@ fn a_forbidden_syscall_from_a_device_thread_ends_ember_naming_it() {
     }
     require_debug_build();
     // The default is trap.
-    let (code, out, err) = boot_with_violation(None);
+    let (code, out, err) = boot_with_violation("block", None);
     assert_eq!(code, EXIT_SECCOMP, "stdout: {out}\nstderr: {err}");
     assert!(
         err.lines()
@@ -81,6 +82,29 @@ fn a_forbidden_syscall_from_a_device_thread_ends_ember_naming_it() {
     assert!(!out.contains("blkverify: ok"), "{out}");
 }
 
+/// The vCPU thread may make KVM's requests only: a terminal's (TIOCSTI,
+/// which would type into ember's terminal) ends ember, the message naming
+/// the request, before the guest runs.
+#[test]
+fn a_forbidden_ioctl_from_a_vcpu_thread_ends_ember_naming_its_request() {
+    if !require_kvm("seccomp ioctl violation") {
+        return;
+    }
+    require_debug_build();
+    let (code, out, err) = boot_with_violation("vcpu-ioctl", None);
+    assert_eq!(code, EXIT_SECCOMP, "stdout: {out}\nstderr: {err}");
+    assert!(
+        err.lines().any(|l| l
+            == "ember: seccomp: thread ember-vcpu0 made forbidden syscall ioctl (16) request 0x5412"),
+        "stderr: {err}"
+    );
+    assert!(!out.contains("blkverify: ok"), "{out}");
+    // Let through, the same call fails harmlessly and the guest runs on.
+    let (code, out, err) = boot_with_violation("vcpu-ioctl", Some("off"));
+    assert_eq!(code, 0, "--seccomp off: stdout: {out}\nstderr: {err}");
+    assert!(out.contains("blkverify: ok"), "{out}");
+}
+
 #[test]
 fn off_and_log_let_the_same_call_through() {
     if !require_kvm("seccomp off/log") {
@@ -88,7 +112,7 @@ fn off_and_log_let_the_same_call_through() {
     }
     require_debug_build();
     for mode in ["off", "log"] {
-        let (code, out, err) = boot_with_violation(Some(mode));
+        let (code, out, err) = boot_with_violation("block", Some(mode));
         assert_eq!(code, 0, "--seccomp {mode}: stdout: {out}\nstderr: {err}");
         assert!(out.contains("blkverify: ok"), "--seccomp {mode}: {out}");
         assert!(!err.contains("seccomp"), "--seccomp {mode}: {err}");

@@ -94,11 +94,21 @@ mod built {
 /// Compiles `thread`'s list for `mode` at run time (the build script did the
 /// same for the programs ember installs; tests and the bench use this).
 pub fn compile(thread: Thread, mode: Mode) -> Result<BpfProgram, SeccompError> {
-    let mismatch = match mode {
+    lists::program(thread, mismatch(mode)).map_err(|e| SeccompError::Compile(thread.name(), e))
+}
+
+/// What a filter in `mode` does with a call its list lacks.
+fn mismatch(mode: Mode) -> SeccompAction {
+    match mode {
         Mode::Log => SeccompAction::Log,
         Mode::Trap | Mode::Off => SeccompAction::Trap,
-    };
-    lists::program(thread, mismatch).map_err(|e| SeccompError::Compile(thread.name(), e))
+    }
+}
+
+/// Any list compiled as ember compiles its own (for benchmarks and
+/// experiments: `benches/seccomp.rs` times a variant of a list).
+pub fn compile_rules(rules: &Rules, mode: Mode) -> BpfProgram {
+    lists::compact(rules, mismatch(mode).into(), SeccompAction::Allow.into())
 }
 
 /// The clone3 filter, compiled at run time (see [`compile`]).
@@ -270,35 +280,50 @@ impl std::fmt::Write for StackBuf {
     }
 }
 
-/// The message of a forbidden call `nr` on the thread called `name`.
-fn violation_message(name: &[u8], nr: i32, out: &mut StackBuf) {
+/// The message of a forbidden call `nr` on the thread called `name`; for an
+/// ioctl, its `request` (the lists allow some ioctls and not others).
+fn violation_message(name: &[u8], nr: i32, request: Option<u64>, out: &mut StackBuf) {
     use std::fmt::Write;
     let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
     let name = std::str::from_utf8(&name[..end]).unwrap_or("?");
     let name = if name.is_empty() { "?" } else { name };
     let _ = match syscall_name(nr) {
-        Some(call) => writeln!(
+        Some(call) => write!(
             out,
             "ember: seccomp: thread {name} made forbidden syscall {call} ({nr})"
         ),
-        None => writeln!(
+        None => write!(
             out,
             "ember: seccomp: thread {name} made forbidden syscall {nr}"
         ),
     };
+    // The kernel takes an ioctl's request as 32 bits.
+    let _ = match request {
+        Some(r) => writeln!(out, " request {:#x}", r as u32),
+        None => writeln!(out),
+    };
 }
 
-extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler,
     // and for a seccomp SIGSYS it fills the `_sigsys` member read here.
     let nr = unsafe { (*info.cast::<SigsysInfo>()).syscall };
+    // A trapped call's arguments are still in the registers the kernel
+    // saved for the handler: the request is the second (rsi).
+    let request = (i64::from(nr) == libc::SYS_ioctl && !ctx.is_null()).then(|| {
+        // SAFETY: for an SA_SIGINFO handler the third argument is the
+        // interrupted thread's ucontext_t, valid for the handler's duration.
+        unsafe {
+            (*ctx.cast::<libc::ucontext_t>()).uc_mcontext.gregs[libc::REG_RSI as usize] as u64
+        }
+    });
     // A const-initialised thread-local without a destructor: a plain load.
     let name = NAME.with(|c| c.get());
     let mut out = StackBuf {
         buf: [0; 192],
         len: 0,
     };
-    violation_message(&name, nr, &mut out);
+    violation_message(&name, nr, request, &mut out);
     if let Some(f) = ON_VIOLATION.get() {
         f();
     }
@@ -370,29 +395,50 @@ where
         .map_err(|_| io::Error::other("the device-thread spawner is gone"))?
 }
 
-/// A test-only way to make a device thread break its list
+/// A test-only way to make a thread break its list
 /// (`tests/seccomp_e2e.rs`): in debug builds, with
-/// `EMBER_TEST_SECCOMP_VIOLATION=block` in the environment, the first
-/// virtio-blk request makes the block I/O thread call `socket(2)`, which no
-/// device list allows. Release builds have no such hook.
+/// `EMBER_TEST_SECCOMP_VIOLATION` in the environment, `block` makes the
+/// first virtio-blk request's I/O thread call `socket(2)`, which no device
+/// list allows; `vcpu-ioctl` makes the first vCPU thread, before its first
+/// `KVM_RUN`, ask a terminal ioctl (TIOCSTI, on no descriptor), which its
+/// list refuses as it allows only KVM's. Release builds have no such hook.
 pub(crate) mod test_hook {
     #[cfg(debug_assertions)]
-    static ARMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    use std::sync::atomic::{AtomicU8, Ordering};
+
+    #[cfg(debug_assertions)]
+    const BLOCK: u8 = 1;
+    #[cfg(debug_assertions)]
+    const VCPU_IOCTL: u8 = 2;
+    #[cfg(debug_assertions)]
+    static ARMED: AtomicU8 = AtomicU8::new(0);
 
     /// Reads the environment once, at [`super::init`].
     pub(crate) fn init() {
         #[cfg(debug_assertions)]
         ARMED.store(
-            std::env::var_os("EMBER_TEST_SECCOMP_VIOLATION").is_some_and(|v| v == "block"),
-            std::sync::atomic::Ordering::SeqCst,
+            match std::env::var_os("EMBER_TEST_SECCOMP_VIOLATION") {
+                Some(v) if v == "block" => BLOCK,
+                Some(v) if v == "vcpu-ioctl" => VCPU_IOCTL,
+                _ => 0,
+            },
+            Ordering::SeqCst,
         );
+    }
+
+    /// Disarms the hook if it is armed for `which`; says whether it was.
+    #[cfg(debug_assertions)]
+    fn fire(which: u8) -> bool {
+        ARMED
+            .compare_exchange(which, 0, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
     }
 
     /// Called by the block I/O thread on each request batch.
     #[inline]
     pub(crate) fn block_request() {
         #[cfg(debug_assertions)]
-        if ARMED.swap(false, std::sync::atomic::Ordering::SeqCst) {
+        if fire(BLOCK) {
             // SAFETY: socket takes integers; the descriptor, if any, is closed.
             unsafe {
                 let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
@@ -400,6 +446,17 @@ pub(crate) mod test_hook {
                     libc::close(fd);
                 }
             }
+        }
+    }
+
+    /// Called by each vCPU thread once it is filtered, before it runs.
+    #[inline]
+    pub(crate) fn vcpu_start() {
+        #[cfg(debug_assertions)]
+        if fire(VCPU_IOCTL) {
+            // SAFETY: an invalid descriptor and a null argument: the call
+            // fails with EBADF when it is let through (--seccomp off or log).
+            unsafe { libc::ioctl(-1, libc::TIOCSTI, std::ptr::null::<u8>()) };
         }
     }
 }
@@ -816,6 +873,71 @@ mod tests {
         assert!(killed_by_sigsys(in_filtered_child(Thread::Vcpu, pwrite)));
         assert!(exited_0(in_filtered_child(Thread::Rng, entropy)));
         assert!(exited_0(in_filtered_child(Thread::Block, pwrite)));
+        // The vCPU thread: KVM's requests, not a terminal's.
+        fn kvm_request() {
+            // SAFETY: an invalid descriptor: the call fails, if allowed.
+            unsafe { libc::ioctl(-1, KVM_CHECK_EXTENSION as _, 0) };
+        }
+        fn tiocsti() {
+            // SAFETY: as above.
+            unsafe { libc::ioctl(-1, libc::TIOCSTI, std::ptr::null::<u8>()) };
+        }
+        assert!(exited_0(in_filtered_child(Thread::Vcpu, kvm_request)));
+        assert!(killed_by_sigsys(in_filtered_child(Thread::Vcpu, tiocsti)));
+        assert!(killed_by_sigsys(in_filtered_child(Thread::Api, tiocsti)));
+    }
+
+    /// `_IO(KVMIO, 0x03)`, linux/kvm.h.
+    const KVM_CHECK_EXTENSION: u64 = 0xAE03;
+
+    /// The threads that talk to KVM may make any KVM request and no other
+    /// ioctl but the terminal's few (base); the others make no KVM request.
+    #[test]
+    // (glibc types ioctl requests c_ulong, musl c_int: the casts are needed
+    // on one of the two.)
+    #[allow(clippy::unnecessary_cast)]
+    fn only_kvm_threads_make_kvm_requests_and_no_other_ioctl() {
+        const KVM_RUN: u64 = 0xAE80;
+        // _IOR(KVMIO, 0x81, struct kvm_regs) and _IOW(KVMIO, 0x46, struct
+        // kvm_userspace_memory_region): sizes and directions vary.
+        const KVM_GET_REGS: u64 = 0x8090_AE81;
+        const KVM_SET_USER_MEMORY_REGION: u64 = 0x4020_AE46;
+        const FICLONE: u64 = 0x4004_9409;
+        let allowed = |t: Thread, request: u64| {
+            let p = built_in(t, Mode::Trap);
+            let mut args = [0u64; 6];
+            args[1] = request;
+            run_bpf(p, libc::SYS_ioctl as u32, 0xc000_003e, args) == libc::SECCOMP_RET_ALLOW
+        };
+        for t in [Thread::Vcpu, Thread::Api] {
+            for r in [
+                KVM_RUN,
+                KVM_GET_REGS,
+                KVM_SET_USER_MEMORY_REGION,
+                KVM_CHECK_EXTENSION,
+            ] {
+                assert!(allowed(t, r), "{t:?} refuses KVM request {r:#x}");
+                // The kernel compares 32 bits (the upper half is not looked at).
+                assert!(allowed(t, r | 0xffff_ffff_0000_0000), "{t:?} {r:#x}");
+            }
+            for r in [
+                libc::TIOCSTI as u64,
+                libc::FIONBIO as u64,
+                libc::TIOCGWINSZ as u64,
+                FICLONE,
+                // KVM's type in another byte.
+                0xAE00_0003,
+                0x00AE_0003,
+            ] {
+                assert!(!allowed(t, r), "{t:?} allows ioctl {r:#x}");
+            }
+            assert!(allowed(t, libc::TCGETS as u64), "{t:?}: base's TCGETS");
+        }
+        for t in Thread::ALL {
+            if !matches!(t, Thread::Vcpu | Thread::Api) {
+                assert!(!allowed(t, KVM_RUN), "{t:?} allows KVM_RUN");
+            }
+        }
     }
 
     #[test]
@@ -840,10 +962,21 @@ mod tests {
         };
         let mut name = [0u8; 16];
         name[..10].copy_from_slice(b"ember-blk0");
-        violation_message(&name, libc::SYS_socket as i32, &mut out);
+        violation_message(&name, libc::SYS_socket as i32, None, &mut out);
         assert_eq!(
             std::str::from_utf8(&out.buf[..out.len]).unwrap(),
             "ember: seccomp: thread ember-blk0 made forbidden syscall socket (41)\n"
+        );
+        out.len = 0;
+        violation_message(
+            b"ember-vcpu0\0",
+            libc::SYS_ioctl as i32,
+            Some(0xffff_ffff_0000_5412),
+            &mut out,
+        );
+        assert_eq!(
+            std::str::from_utf8(&out.buf[..out.len]).unwrap(),
+            "ember: seccomp: thread ember-vcpu0 made forbidden syscall ioctl (16) request 0x5412\n"
         );
     }
 }

@@ -224,6 +224,7 @@ impl Vcpu {
         // Before the guest's first instruction on this vCPU, if its thread
         // was not filtered yet.
         Self::confine_thread(self.id)?;
+        crate::seccomp::test_hook::vcpu_start();
         control::enter_run_loop(std::ptr::from_mut(self.fd.get_kvm_run()));
         control.register(self.id);
         let result = self.run_loop(io, mmio, end, vm, mem, control);

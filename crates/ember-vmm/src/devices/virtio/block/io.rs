@@ -638,11 +638,10 @@ mod tests {
         let mut st: libc::statfs = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         assert_eq!(unsafe { libc::statfs(c"/dev/shm".as_ptr(), &mut st) }, 0);
-        assert_eq!(
-            st.f_type,
-            libc::TMPFS_MAGIC,
-            "this test needs /dev/shm on tmpfs"
-        );
+        // (f_type and the magic numbers are typed differently by glibc and musl.)
+        #[allow(clippy::unnecessary_cast)]
+        let (f_type, tmpfs) = (st.f_type as i64, libc::TMPFS_MAGIC as i64);
+        assert_eq!(f_type, tmpfs, "this test needs /dev/shm on tmpfs");
         for kind in [EngineKind::Sync, EngineKind::IoUring] {
             let path = dir.join(format!("ember-zeroes-{}-{kind:?}", std::process::id()));
             std::fs::write(&path, vec![0xaau8; 3 * ZERO_CHUNK]).unwrap();
