@@ -295,8 +295,8 @@ fn generic_kernel(cache: &Path, cloud: &str) -> Result<(PathBuf, String), String
 /// message now lists every earlier attempt).
 const L1_ATTEMPTS: u32 = 3;
 
-/// Stages everything, boots the L1 (a second one if the first died) and
-/// collects every case.
+/// Stages everything, boots the L1 (another if one died or hung, up to
+/// [`L1_ATTEMPTS`]) and collects every case.
 fn run_rig() -> Result<Rig, String> {
     let start = Instant::now();
     for tool in ["qemu-system-x86_64", "mkfs.ext4"] {
@@ -544,7 +544,8 @@ fn run_rig() -> Result<Rig, String> {
         // The L1 kernel itself died (ember's "stopped without reporting", 125):
         // seen on Debian's L1 under TCG's emulated SVM, in KVM_RUN, both on CI and
         // here. The whole suite runs again in a fresh L1 (cases depend on each
-        // other's files, so none is kept), once; the crash stays in the log.
+        // other's files, so none is kept), up to [`L1_ATTEMPTS`] L1s in all; the
+        // crash stays in the log.
         if status.code() == Some(125) && !done && attempt < L1_ATTEMPTS {
             let last = order.last().map(String::as_str).unwrap_or("-");
             earlier.push(format!(
@@ -558,8 +559,8 @@ fn run_rig() -> Result<Rig, String> {
         }
         // The L1 stopped answering in the middle of a case (its kernel, or
         // QEMU's emulation of SVM under it, hung; seen once in a fresh-clone
-        // run, in the `virtio` case): killed, and the suite runs again in a
-        // fresh L1, once.
+        // run, in the `virtio` case; in another, in `doctor-verbose`): killed,
+        // and the suite runs again in a fresh L1, as above.
         if let Some(case) = &hung_case {
             if attempt < L1_ATTEMPTS {
                 earlier.push(format!(
