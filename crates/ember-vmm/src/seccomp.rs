@@ -895,9 +895,6 @@ mod tests {
     /// The threads that talk to KVM may make any KVM request and no other
     /// ioctl but the terminal's few (base); the others make no KVM request.
     #[test]
-    // (glibc types ioctl requests c_ulong, musl c_int: the casts are needed
-    // on one of the two.)
-    #[allow(clippy::unnecessary_cast)]
     fn only_kvm_threads_make_kvm_requests_and_no_other_ioctl() {
         const KVM_RUN: u64 = 0xAE80;
         // _IOR(KVMIO, 0x81, struct kvm_regs) and _IOW(KVMIO, 0x46, struct
@@ -923,9 +920,9 @@ mod tests {
                 assert!(allowed(t, r | 0xffff_ffff_0000_0000), "{t:?} {r:#x}");
             }
             for r in [
-                libc::TIOCSTI as u64,
-                libc::FIONBIO as u64,
-                libc::TIOCGWINSZ as u64,
+                lists::request(libc::TIOCSTI),
+                lists::request(libc::FIONBIO),
+                lists::request(libc::TIOCGWINSZ),
                 FICLONE,
                 // KVM's type in another byte.
                 0xAE00_0003,
@@ -933,7 +930,10 @@ mod tests {
             ] {
                 assert!(!allowed(t, r), "{t:?} allows ioctl {r:#x}");
             }
-            assert!(allowed(t, libc::TCGETS as u64), "{t:?}: base's TCGETS");
+            assert!(
+                allowed(t, lists::request(libc::TCGETS)),
+                "{t:?}: base's TCGETS"
+            );
         }
         for t in Thread::ALL {
             if !matches!(t, Thread::Vcpu | Thread::Api) {

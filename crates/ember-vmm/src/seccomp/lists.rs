@@ -246,7 +246,7 @@ fn base() -> Rules {
 /// An ioctl request number as a filter compares it. (glibc types them
 /// `c_ulong`, musl `c_int`: the cast is needed on one of the two.)
 #[allow(clippy::unnecessary_cast)]
-fn request(r: libc::Ioctl) -> u64 {
+pub(super) fn request(r: libc::Ioctl) -> u64 {
     r as u64
 }
 
