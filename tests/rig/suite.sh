@@ -30,14 +30,14 @@ inner() { echo $(($(limit "$1") - 10)); }
 # script) as the leader of a process group of its own (setsid, through this
 # script's `--run`), so that after LIMIT seconds the whole case can be
 # killed: TERM, then KILL 5 s later.
-# A case that fails after its L2 kernel reported trouble on its console (a
-# panic, or any oops, warning or RCU stall: each ends in a register dump's
-# `Code:` line) runs once more, and says so (`@@ NAME panic LINE` for the
-# first attempt's last console lines, then `@@ NAME retry`): Debian's kernel
-# has, rarely (one boot in dozens), oopsed in interrupt context under the
-# rig's TCG-emulated SVM with nothing of the VMM in the trace, and once
-# stalled (a CI run: 2 vCPUs, its last line a dump's `Code:`). The harness
-# prints every retry loudly; a second failure fails the case.
+# A case that fails after its L2 kernel reported trouble (see l2_trouble)
+# runs once more, and says so (`@@ NAME panic LINE` for the first attempt's
+# last console lines, then `@@ NAME retry`): Debian's kernel has, rarely (one
+# boot in dozens), oopsed in interrupt context under the rig's TCG-emulated
+# SVM with nothing of the VMM in the trace, once stalled (a CI run: 2 vCPUs,
+# its last line a dump's `Code:`), and once warned in its XSAVE set-up
+# (fpu__init_system_xstate) and then hung (a CI run, `doctor-verbose`). The
+# harness prints every retry loudly; a second failure fails the case.
 run_case() {
   name=$1
   limit=$(limit "$2")
@@ -47,13 +47,21 @@ run_case() {
   for attempt in 1 2; do
     attempt_case "$@"
     [ "$rc" != 0 ] && [ -z "$hung" ] && [ "$attempt" = 1 ] &&
-      $b grep -q -e "Kernel panic - not syncing" -e "Code: [0-9a-f<]" "/tmp/$name.out" "/tmp/$name.err" || break
+      l2_trouble "/tmp/$name.out" "/tmp/$name.err" || break
     $b cat "/tmp/$name.out" "/tmp/$name.err" | $b tail -n 60 | $b sed "s/^/@@ $name panic /"
     echo "@@ $name retry rc=$rc"
   done
   $b sed "s/^/@@ $name out /" "/tmp/$name.out"
   $b sed "s/^/@@ $name err /" "/tmp/$name.err"
   echo "@@ $name end rc=$rc ms=$((t1 - t0))$hung"
+}
+
+# l2_trouble FILE...: whether a case's output shows its L2 kernel in trouble:
+# a panic, or a register dump (any oops, warning or RCU stall has one). A
+# console has the dump's `Code:` line; `ember analyze`'s report quotes only
+# its `RIP:` line (in `failures.oops`), so both are looked for.
+l2_trouble() {
+  $b grep -q -e "Kernel panic - not syncing" -e "Code: [0-9a-f<]" -e "RIP: [0-9a-f][0-9a-f]*:" "$@"
 }
 
 # attempt_case CMD...: one run of run_case's case ($name, $limit); sets rc,
