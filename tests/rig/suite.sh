@@ -20,6 +20,7 @@ cache=/root/.cache/ember/kernel/$RIG_VERSION
 vmlinux=$cache/vmlinux
 bz=/rig/vmlinuz
 ms() { $b awk '{ printf "%d", $1 * 1000 }' /proc/uptime; }
+secs() { $b awk '{ printf "%d", $1 }' /proc/uptime; }
 # limit N: a case's limit of N seconds, scaled; inner N: the --timeout for the
 # ember inside such a case, 10 s less, so that ember's own timeout (which
 # says what timed out) fires before the watchdog.
@@ -146,23 +147,22 @@ uart() {
 # balloon takes are mostly resident ones.
 BALLOON_MIB=160
 rss_kib() { $b awk '/^VmRSS:/ { print $2 }' "/proc/$1/status" 2>/dev/null; }
-# wait_line FILE PATTERN SECONDS: until FILE has a line matching PATTERN.
+# wait_line FILE PATTERN: until FILE has a line matching PATTERN, or the
+# case's time is up (then says so, and fails).
 wait_line() {
-  n=0
   until $b grep -q "$2" "$1" 2>/dev/null; do
-    n=$((n + 1))
-    [ $n -gt $(($3 * 5)) ] && return 1
+    [ "$(secs)" -ge "$CASE_END" ] && echo "@timeout no line '$2' in $1" && return 1
     $b sleep 0.2
   done
 }
-# wait_actual SOCKET PAGES SECONDS: until the balloon holds PAGES pages.
+# wait_actual SOCKET PAGES: until the balloon holds PAGES pages, or the
+# case's time is up (as wait_line).
 wait_actual() {
-  n=0
   while :; do
-    a=$(ember ctl --api-socket "$1" balloon-stats 2>/dev/null | $b sed -n 's/.*"actual_pages":\([0-9]*\).*/\1/p')
+    j=$(ember ctl --api-socket "$1" balloon-stats 2>&1)
+    a=$(echo "$j" | $b sed -n 's/.*"actual_pages":\([0-9]*\).*/\1/p')
     [ "$a" = "$2" ] && return 0
-    n=$((n + 1))
-    [ $n -gt $(($3 * 2)) ] && echo "@timeout actual=$a want=$2" && return 1
+    [ "$(secs)" -ge "$CASE_END" ] && echo "@timeout actual=$a want=$2 (balloon-stats: $j)" && return 1
     $b sleep 0.5
   done
 }
@@ -174,32 +174,37 @@ balloon_socket() {
     --cmdline "$CMDLINE RIGCASE=balloon RIGTOKEN=$RIG_TOKEN" $RIG_L2_ARGS \
     --balloon --balloon-no-reporting --api-socket "$s" </dev/null >"$con" 2>/tmp/balloon.err &
   pid=$!
-  if wait_line "$con" '^@filled' 400; then
-    $b sleep 2
-    echo "@rss-filled $(rss_kib $pid)"
-    echo "@ctl-inflate $(ember ctl --api-socket "$s" balloon --target-mib $BALLOON_MIB)"
-    wait_actual "$s" $((BALLOON_MIB * 256)) 300
-    $b sleep 1
-    echo "@rss-inflated $(rss_kib $pid)"
-    # The driver posts its statistics when it starts; a request returns the
-    # buffer and the driver answers with fresh numbers.
-    ember ctl --api-socket "$s" balloon-stats >/dev/null
-    $b sleep 3
-    echo "@stats $(ember ctl --api-socket "$s" balloon-stats)"
-    echo "@ctl-deflate $(ember ctl --api-socket "$s" balloon --target-mib 0)"
-    wait_actual "$s" 0 300
-    echo "@rss-deflated $(rss_kib $pid)"
-    if wait_line "$con" '^@touched' 300; then
-      $b sleep 1
-      echo "@rss-touched $(rss_kib $pid)"
-    fi
-  fi
+  balloon_steps
+  steps=$?
   ember ctl --api-socket "$s" shutdown >/dev/null 2>&1 || kill "$pid"
   wait "$pid"
   rc=$?
   $b cat "$con"
   $b sed 's/^/@stderr /' /tmp/balloon.err
+  [ $steps = 0 ] || return $steps
   return $rc
+}
+# balloon_socket's steps, to the first that fails (a wait that runs out of
+# the case's time), so that the guest's console is still printed.
+balloon_steps() {
+  wait_line "$con" '^@filled' || return 1
+  $b sleep 2
+  echo "@rss-filled $(rss_kib $pid)"
+  echo "@ctl-inflate $(ember ctl --api-socket "$s" balloon --target-mib $BALLOON_MIB)"
+  wait_actual "$s" $((BALLOON_MIB * 256)) || return 1
+  $b sleep 1
+  echo "@rss-inflated $(rss_kib $pid)"
+  # The driver posts its statistics when it starts; a request returns the
+  # buffer and the driver answers with fresh numbers.
+  ember ctl --api-socket "$s" balloon-stats >/dev/null
+  $b sleep 3
+  echo "@stats $(ember ctl --api-socket "$s" balloon-stats)"
+  echo "@ctl-deflate $(ember ctl --api-socket "$s" balloon --target-mib 0)"
+  wait_actual "$s" 0 || return 1
+  echo "@rss-deflated $(rss_kib $pid)"
+  wait_line "$con" '^@touched' || return 1
+  $b sleep 1
+  echo "@rss-touched $(rss_kib $pid)"
 }
 # The boot doctor (its cases below).
 doctor() {
@@ -213,15 +218,13 @@ snap=/tmp/snap
 snap_boot() {
   $b rm -rf $snap "$snap.out" && $b mkdir -p $snap
   # shellcheck disable=SC2086 # RIG_L2_ARGS is a list of arguments
-  ember boot --kernel /rig/vmlinuz-generic --initrd /rig/l2.cpio --mem 256M --cpus 2 --timeout 600 \
+  ember boot --kernel /rig/vmlinuz-generic --initrd /rig/l2.cpio --mem 256M --cpus 2 --timeout "$((LIMIT - 10))" \
     --cmdline "$CMDLINE RIGCASE=snapshot" --api-socket $snap.sock $RIG_L2_ARGS </dev/null >$snap.out 2>&1 &
   pid=$!
-  i=0
   until $b grep -q '^@snapshot-ready' $snap.out 2>/dev/null; do
-    i=$((i + 1))
-    if [ $i -gt 3000 ] || ! $b kill -0 $pid 2>/dev/null; then
+    if [ "$(secs)" -ge "$CASE_END" ] || ! $b kill -0 $pid 2>/dev/null; then
       $b cat $snap.out
-      echo "no @snapshot-ready after $((i / 10)) s"
+      echo "no @snapshot-ready (the case's time is up, or ember ended)"
       $b kill $pid 2>/dev/null
       return 1
     fi
@@ -237,14 +240,18 @@ snap_boot() {
 }
 snap_restore() {
   t0=$(ms)
-  echo "echo answer-\$(($1 * 7)); \$b uname -r" | ember boot --restore $snap/dir --timeout 300
+  echo "echo answer-\$(($1 * 7)); \$b uname -r" | ember boot --restore $snap/dir --timeout "$((LIMIT - 10))"
   rc=$?
   echo "restore-ms=$(($(ms) - t0))"
   return $rc
 }
-# A case, run by run_case in a process group of its own.
+# A case, run by run_case in a process group of its own. CASE_END: when a
+# case's own waits give up (the uptime, s), 20 s before its limit, so that a
+# case that waited in vain still prints what it has (a guest's console)
+# before the watchdog kills it.
 if [ "${1:-}" = --run ]; then
   shift
+  CASE_END=$(($(secs) + LIMIT - 20))
   "$@"
   exit
 fi
