@@ -441,10 +441,17 @@ fn run_rig() -> Result<Rig, String> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
 
-        eprintln!(
-            "nested rig: staged in {:.1} s; booting L1",
-            start.elapsed().as_secs_f64()
-        );
+        if attempt == 1 {
+            eprintln!(
+                "nested rig: staged in {:.1} s; booting L1",
+                start.elapsed().as_secs_f64()
+            );
+        } else {
+            eprintln!(
+                "nested rig: booting L1 attempt {attempt} of {L1_ATTEMPTS}, {:.0} s after the rig began",
+                start.elapsed().as_secs_f64()
+            );
+        }
         let deadline: Arc<Mutex<Option<(String, Instant)>>> = Arc::default();
         // Its own process group: the hang watchdog below ends ember and its
         // QEMU together.
