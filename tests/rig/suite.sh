@@ -58,11 +58,15 @@ run_case() {
 }
 
 # l2_trouble FILE...: whether a case's output shows its L2 kernel in trouble:
-# a panic, or a register dump (any oops, warning or RCU stall has one). A
-# console has the dump's `Code:` line; `ember analyze`'s report quotes only
-# its `RIP:` line (in `failures.oops`), so both are looked for.
+# a panic, a register dump (any oops, warning or RCU stall has one), or a
+# triple fault (ember's report of it). A console has the dump's `Code:`
+# line; `ember analyze`'s report quotes only its `RIP:` line (in
+# `failures.oops`), so both are looked for. The triple fault: a balloon case
+# whose guest, after a deflate, crashed while touching the memory it got
+# back (once, in a rig run here).
 l2_trouble() {
-  $b grep -q -e "Kernel panic - not syncing" -e "Code: [0-9a-f<]" -e "RIP: [0-9a-f][0-9a-f]*:" "$@"
+  $b grep -q -e "Kernel panic - not syncing" -e "Code: [0-9a-f<]" -e "RIP: [0-9a-f][0-9a-f]*:" \
+    -e "the guest crashed (triple fault)" "$@"
 }
 
 # attempt_case CMD...: one run of run_case's case ($name, $limit); sets rc,
