@@ -66,8 +66,8 @@ struct Case {
     /// The suite said it started the case.
     started: bool,
     /// The first attempt failed after the L2 kernel reported trouble (a
-    /// panic, oops or stall), and the suite ran the case again (`retry`); its
-    /// last console lines (`panic`).
+    /// panic, oops, stall or triple fault), and the suite ran the case again
+    /// (`retry`); its last console lines (`panic`).
     retried: bool,
     panic: Vec<String>,
 }
@@ -96,7 +96,7 @@ impl Case {
         };
         let first = if self.retried {
             format!(
-                "\n--- a first attempt failed after a guest kernel panic, oops or stall; its last lines ---\n{}",
+                "\n--- a first attempt failed after a guest kernel panic, oops, stall or triple fault; its last lines ---\n{}",
                 self.panic.join("\n")
             )
         } else {
@@ -293,8 +293,8 @@ fn generic_kernel(cache: &Path, cloud: &str) -> Result<(PathBuf, String), String
 /// Five: in twelve rig runs in a row here (stop 22), 6 of the 18 L1s were
 /// lost. 4 died: the L1 kernel's own stack overflowed in its exception
 /// entry, on one of ember's vCPU threads, in KVM_RUN under QEMU's emulated
-/// SVM. 2 hung. One run lost two L1s in a row. QEMU running as the VMM in
-/// the same L1 (rig_clean_boot.rs) has crashed it too. At one L1 in three,
+/// SVM. 2 hung. One run lost two L1s in a row. An L1 running QEMU as its
+/// VMM instead of ember (rig_clean_boot.rs) has crashed too. At one L1 in three,
 /// five would all be lost in about one rig run in 250. A passing rig takes
 /// ~3 minutes, a lost L1 up to ~5 more: five L1s fit inside CI's time.
 const L1_ATTEMPTS: u32 = 5;
@@ -651,7 +651,7 @@ fn run_rig() -> Result<Rig, String> {
     for (name, c) in rig.cases.iter().filter(|(_, c)| c.retried) {
         eprintln!(
             "nested rig: *** CASE `{name}` RAN TWICE: its first attempt failed after a kernel \
-             panic, oops or stall of its L2 guest; the first attempt's last lines:\n{}",
+             panic, oops, stall or triple fault of its L2 guest; the first attempt's last lines:\n{}",
             c.panic.join("\n")
         );
     }

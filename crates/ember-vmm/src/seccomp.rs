@@ -141,7 +141,8 @@ thread_local! {
 
 /// Sets up seccomp for this process for `mode`: installs the SIGSYS handler (a forbidden call ends ember with
 /// `exit_status`) and starts the spawner. Call on the main thread before any
-/// other starts. With [`Mode::Off`] it does nothing.
+/// other starts. With [`Mode::Off`] it installs nothing (only a debug build's
+/// test hook is armed).
 pub fn init(mode: Mode, exit_status: i32) -> Result<(), SeccompError> {
     // Armed in every mode, so that `off` and `log` really let the hook's
     // call through (tests/seccomp_e2e.rs).
