@@ -565,6 +565,9 @@ pub fn rules(thread: Thread) -> Rules {
                     libc::SYS_renameat2,
                     libc::SYS_unlink,
                     libc::SYS_unlinkat,
+                    // The replaced snapshot's directory (musl's remove_dir
+                    // is rmdir, glibc's unlinkat).
+                    libc::SYS_rmdir,
                     libc::SYS_getdents64,
                     libc::SYS_fchmod,
                     libc::SYS_mincore,

@@ -22,15 +22,14 @@ const PM_SWAPPED: u64 = 1 << 62;
 /// Largest single write: long runs are split so progress stays smooth.
 const MAX_RUN: usize = 8 << 20;
 
-/// Writes guest memory to `path` (created, or truncated): regions back to
+/// Writes guest memory to `file` (new and empty): regions back to
 /// back in guest-address order, as [`map_private`] expects. `anonymous`
 /// says guest memory is anonymous (a booted VM): then a page the host never
 /// faulted in (pagemap: neither present nor swapped) is zero without being
 /// read. A restored VM's memory is a private file mapping, whose untouched
 /// pages are the old file's: those are read like any other.
 /// Returns the bytes written (the rest of the file is holes).
-pub fn write(mem: &GuestMemoryMmap, path: &Path, anonymous: bool) -> io::Result<u64> {
-    let file = File::create(path)?;
+pub fn write(mem: &GuestMemoryMmap, file: &File, anonymous: bool) -> io::Result<u64> {
     let total: u64 = mem.iter().map(|r| r.len()).sum();
     file.set_len(total)?;
     let pagemap = if anonymous {
@@ -157,7 +156,7 @@ mod tests {
             .unwrap();
         // Touched, but zero: takes no space.
         mem.write_obj(0u64, GuestAddress(12 << 20)).unwrap();
-        let written = write(&mem, &path, true).unwrap();
+        let written = write(&mem, &File::create(&path).unwrap(), true).unwrap();
         assert_eq!(written, 2 * PAGE as u64, "two non-zero pages");
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 16 << 20);
 
@@ -180,7 +179,7 @@ mod tests {
         // A snapshot of the restored (file-backed) memory keeps the file's
         // pages the guest never touched, and its own writes.
         let path2 = dir.join("memory2");
-        write(&back, &path2, false).unwrap();
+        write(&back, &File::create(&path2).unwrap(), false).unwrap();
         let third = map_private(&path2, 16 << 20).unwrap();
         assert_eq!(third.read_obj::<u8>(GuestAddress(0x1000)).unwrap(), 7);
         assert_eq!(

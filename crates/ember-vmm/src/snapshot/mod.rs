@@ -9,8 +9,11 @@
 //!   interrupt controllers, PIT and clock ([`vm::VmState`]), COM1, each
 //!   virtio-mmio transport and the device behind it, and the host CPUID the
 //!   snapshot was taken on. It is a fixed header (magic, format version,
-//!   payload length, CRC-32 of the payload) and a JSON payload, written last
-//!   and renamed into place, so a directory with a `state` is complete.
+//!   payload length, CRC-32 of the payload) and a JSON payload.
+//!
+//! Both are written into a private directory beside the target and swapped
+//! into place in one step ([`staging`]), so a snapshot directory is always
+//! whole: the previous snapshot, or this one.
 //!
 //! [`create`] takes a snapshot of a paused VM; [`restore::restore`] builds a
 //! VM from one. Every check that can refuse a snapshot (format, version,
@@ -20,6 +23,7 @@
 
 pub mod memory;
 pub mod restore;
+mod staging;
 
 pub use crate::vstate::vcpu_state as vcpu;
 pub use crate::vstate::vm_state as vm;
@@ -594,9 +598,10 @@ pub struct CreateStats {
     pub ms: f64,
 }
 
-/// Writes a snapshot of the paused VM to `dir` (created if needed). An
-/// earlier snapshot there is replaced; its state file goes first, so a
-/// snapshot that fails half-way leaves a directory no restore accepts.
+/// Writes a snapshot of the paused VM to `dir` (created if needed, 0700,
+/// its files 0600). An earlier snapshot there is replaced in one step, and
+/// kept whole if this one fails; a directory holding anything but a
+/// snapshot's files is refused.
 pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotError> {
     let (vm, mem, serial, end) = (&machine.vm, &machine.mem, &machine.serial, &machine.end);
     let start = Instant::now();
@@ -683,34 +688,37 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
         vmgenid: machine.vmgenid,
     };
 
-    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    // Written beside the old files and renamed over them: a VM restored
-    // from this very directory keeps its (private) mapping of the old
-    // memory file's inode, and a failed snapshot leaves the old one whole.
-    let state_path = dir.join(STATE_FILE);
-    let _ = std::fs::remove_file(&state_path);
-    let mem_tmp = dir.join(format!("{MEMORY_FILE}.tmp"));
-    let memory_bytes =
-        memory::write(mem, &mem_tmp, machine.anonymous_memory).map_err(io_err(&mem_tmp))?;
-    let mem_path = dir.join(MEMORY_FILE);
-    std::fs::rename(&mem_tmp, &mem_path).map_err(io_err(&mem_path))?;
+    // Staged in a private directory beside `dir` and swapped in whole
+    // (`staging`): a failed snapshot leaves the previous one as it was, and
+    // a VM restored from the old one keeps its mapping of the old memory.
+    let staging = staging::Staging::new(dir).map_err(io_err(dir))?;
+    let mem_path = staging.path(MEMORY_FILE);
+    let memory_bytes = staging
+        .create(MEMORY_FILE)
+        .and_then(|f| {
+            memory::write(mem, &f, machine.anonymous_memory).and_then(|n| {
+                f.sync_all()?;
+                Ok(n)
+            })
+        })
+        .map_err(io_err(&mem_path))?;
     let bytes = encode(&state);
-    let state_tmp = dir.join(format!("{STATE_FILE}.tmp"));
-    write_synced(&state_tmp, &bytes).map_err(io_err(&state_tmp))?;
-    std::fs::rename(&state_tmp, &state_path).map_err(io_err(&state_path))?;
+    let state_path = staging.path(STATE_FILE);
+    staging
+        .create(STATE_FILE)
+        .and_then(|mut f| {
+            use std::io::Write;
+            f.write_all(&bytes)?;
+            f.sync_all()
+        })
+        .map_err(io_err(&state_path))?;
+    staging.commit().map_err(io_err(dir))?;
     Ok(CreateStats {
         memory_bytes,
         state_bytes: bytes.len() as u64,
         in_flight,
         ms: start.elapsed().as_secs_f64() * 1e3,
     })
-}
-
-fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    let mut f = std::fs::File::create(path)?;
-    f.write_all(bytes)?;
-    f.sync_all()
 }
 
 #[cfg(test)]
