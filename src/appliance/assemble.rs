@@ -1,0 +1,344 @@
+//! The appliance's files: the kernel and its modules, ember-init, the
+//! command with everything it needs, written (or found in the cache) as an
+//! initramfs.
+
+use super::{ApplianceError, builder, cache, closure, find_init, kernel, modules, rig, userland};
+use crate::backend::{self, GuestSpec};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// A ready-to-boot appliance and how long preparing it took.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// The kernel image to boot.
+    pub kernel: PathBuf,
+    /// The initramfs.
+    pub initrd: PathBuf,
+    /// The path init executes.
+    pub exec: String,
+    /// Whether the initramfs came from the cache.
+    pub cached: bool,
+    /// How many kernel modules it carries (0: none found for this kernel).
+    pub modules: usize,
+    /// Time spent finding/building it.
+    pub elapsed: Duration,
+    /// The initramfs is this run's own (it carries `--file`s, which are not
+    /// cached): delete it after the run.
+    pub temporary: bool,
+}
+
+/// What a run adds to the appliance beyond its command.
+#[derive(Debug, Clone, Default)]
+pub struct Extras {
+    /// Carry kvm-amd and its dependencies (the `kvm` module group).
+    pub nested_kvm: bool,
+    /// Host files and directories to carry (`--file`).
+    pub files: Vec<rig::FileSpec>,
+    /// More host commands to carry with their closures (`--with`).
+    pub with: Vec<String>,
+    /// No busybox base layer (`--bare`).
+    pub bare: bool,
+    /// Carry only the modules of these groups (`modules::MODULE_GROUPS`;
+    /// `None`: all of them). The kernel unpacks every byte of the initramfs
+    /// whether init loads it or not: the 0.95 MB of modules a run without
+    /// disks, pmem, vsock, entropy or balloon never loads cost 3.3 M guest
+    /// instructions (BENCHMARKS.md §8).
+    pub module_groups: Option<Vec<String>>,
+}
+
+/// Finds the kernel, modules, init and the command's files, and returns the
+/// (cached) appliance for them.
+pub fn prepare(
+    kernel_arg: Option<&Path>,
+    rootfs: Option<&Path>,
+    command: &str,
+) -> Result<Prepared, ApplianceError> {
+    prepare_with(kernel_arg, rootfs, command, &Extras::default())
+}
+
+/// [`prepare`] with [`Extras`] (the nested rig's modules and files).
+pub fn prepare_with(
+    kernel_arg: Option<&Path>,
+    rootfs: Option<&Path>,
+    command: &str,
+    extras: &Extras,
+) -> Result<Prepared, ApplianceError> {
+    let a = assemble(kernel_arg, rootfs, command, extras)?;
+    write_appliance(a)
+}
+
+/// An appliance's files, found but not written.
+pub struct Assembled {
+    start: Instant,
+    /// The kernel.
+    pub kernel: kernel::Kernel,
+    /// ember-init's bytes.
+    pub init: Vec<u8>,
+    /// The kernel modules it carries.
+    pub mods: Vec<modules::GroupedModule>,
+    /// Every file: init, modules, the command and its closure, busybox, `--file`s.
+    pub tree: builder::Tree,
+    /// The path init executes.
+    pub exec: PathBuf,
+    /// The kernel's version (or its path): part of the cache keys.
+    pub version: String,
+    /// It holds `--file`s (not cached).
+    pub temporary: bool,
+}
+
+/// Finds the kernel, modules, init and the command's files.
+pub fn assemble(
+    kernel_arg: Option<&Path>,
+    rootfs: Option<&Path>,
+    command: &str,
+    extras: &Extras,
+) -> Result<Assembled, ApplianceError> {
+    let start = Instant::now();
+    let cache = kernel::cache_dir()?;
+    let k = kernel::find_kernel(kernel_arg, &cache)?;
+    let mut mods = match &k.modules {
+        Some(dir) => modules::resolve_cached(dir, &cache)?,
+        None => Vec::new(),
+    };
+    if let Some(groups) = &extras.module_groups {
+        carry_only(&mut mods, groups);
+    }
+    if extras.nested_kvm {
+        let kvm = rig::kvm_modules(k.modules.as_deref(), &mods)?;
+        mods.extend(kvm);
+    }
+    let init_path = find_init()?;
+    let init = std::fs::read(&init_path).map_err(|source| builder::BuildError::Read {
+        path: init_path,
+        source,
+    })?;
+    let mut tree = builder::Tree::skeleton(init.clone(), &mods);
+    let exec = match rootfs {
+        Some(root) => add_rootfs(&mut tree, root, command, extras)?,
+        None => add_host_command(&mut tree, &cache, command, extras)?,
+    };
+    let version = k
+        .version
+        .clone()
+        .unwrap_or_else(|| k.image.display().to_string());
+    rig::add_files(&mut tree, &extras.files)?;
+    // `--file`s change from run to run (test images, scripts): such an
+    // appliance is written for this run only instead of filling the cache.
+    let temporary = !extras.files.is_empty();
+    Ok(Assembled {
+        start,
+        kernel: k,
+        init,
+        mods,
+        tree,
+        exec,
+        version,
+        temporary,
+    })
+}
+
+/// Adds the host directory `root` (`--rootfs`) to `tree`; returns the path
+/// of `command` in it.
+fn add_rootfs(
+    tree: &mut builder::Tree,
+    root: &Path,
+    command: &str,
+    extras: &Extras,
+) -> Result<PathBuf, ApplianceError> {
+    if !root.is_dir() {
+        return Err(ApplianceError::BadArg(format!(
+            "--rootfs `{}` is not a directory",
+            root.display()
+        )));
+    }
+    if !extras.with.is_empty() {
+        return Err(ApplianceError::BadArg(
+            "--with carries host commands; with --rootfs, put them in the root".into(),
+        ));
+    }
+    tree.add_rootfs(root)?;
+    Ok(closure::find_command(
+        command,
+        closure::GUEST_PATH,
+        Some(root),
+    )?)
+}
+
+/// Adds the host's `command` with its closure, the `--with` commands and
+/// (unless `--bare`) busybox to `tree`; returns the path init executes.
+fn add_host_command(
+    tree: &mut builder::Tree,
+    cache: &Path,
+    command: &str,
+    extras: &Extras,
+) -> Result<PathBuf, ApplianceError> {
+    let path_var = std::env::var("PATH").unwrap_or_else(|_| closure::GUEST_PATH.into());
+    let busybox = if extras.bare {
+        None
+    } else {
+        let bb = userland::Busybox::find_cached(&path_var, Some(&cache.join("busybox")));
+        if bb.is_none() {
+            eprintln!(
+                "ember: no busybox on PATH: the appliance carries only the command's \
+                 files (install busybox-static; --bare says this is meant)"
+            );
+        }
+        bb
+    };
+    let exe = match closure::find_command(command, &path_var, None) {
+        Ok(exe) => {
+            for f in closure::closure(&exe)? {
+                tree.add_host_path(&f)?;
+            }
+            exe
+        }
+        // Not on the host, but an applet (e.g. `ash`): run busybox's.
+        Err(closure::ClosureError::NotFound(n)) => busybox
+            .as_ref()
+            .and_then(|bb| bb.applet(command))
+            .ok_or(closure::ClosureError::NotFound(n))?,
+        Err(e) => return Err(e.into()),
+    };
+    for w in &extras.with {
+        for f in closure::closure(&closure::find_command(w, &path_var, None)?)? {
+            tree.add_host_path(&f)?;
+        }
+    }
+    // Last, so the command's own files win over an applet's.
+    if let Some(bb) = &busybox {
+        bb.add_to(tree)?;
+    }
+    Ok(exe)
+}
+
+/// Writes (or finds in the cache) the initramfs of `a`.
+pub(super) fn write_appliance(a: Assembled) -> Result<Prepared, ApplianceError> {
+    let Assembled {
+        start,
+        kernel: k,
+        mods,
+        tree,
+        exec,
+        version,
+        temporary,
+        ..
+    } = a;
+    let cache = kernel::cache_dir()?;
+    let app = if temporary {
+        let path = std::env::temp_dir().join(format!(
+            "ember-appliance-{}-{}.cpio",
+            std::process::id(),
+            tree.cache_key(&version)
+        ));
+        tree.write(&path)?;
+        builder::Appliance {
+            path,
+            cached: false,
+        }
+    } else {
+        builder::build_cached(&tree, &version, &cache, cache::max_bytes())?
+    };
+    Ok(Prepared {
+        kernel: k.image,
+        initrd: app.path,
+        exec: exec.to_string_lossy().into_owned(),
+        cached: app.cached,
+        modules: mods.len(),
+        elapsed: start.elapsed(),
+        temporary,
+    })
+}
+
+/// The module groups (see [`modules::MODULE_GROUPS`]) a boot with `spec`'s
+/// devices on `backend` loads: the console channel, the transports the
+/// backend's devices sit on, and one group per kind of device it has.
+pub(super) fn module_groups(
+    spec: &GuestSpec,
+    backend: &dyn backend::Backend,
+    nested_kvm: bool,
+) -> Vec<&'static str> {
+    let mut groups = vec!["core"];
+    groups.extend(backend.virtio_transports());
+    for (wanted, group) in [
+        (!spec.disks.is_empty(), "blk"),
+        (!spec.pmem.is_empty(), "pmem"),
+        (spec.rng, "rng"),
+        (spec.balloon, "balloon"),
+    ] {
+        if wanted {
+            groups.push(group);
+        }
+    }
+    if nested_kvm {
+        groups.push(rig::KVM_GROUP);
+    }
+    groups
+}
+
+/// Keeps the modules of `groups` only.
+fn carry_only(mods: &mut Vec<modules::GroupedModule>, groups: &[String]) {
+    mods.retain(|m| groups.contains(&m.group));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::ChannelKind;
+
+    /// A backend that only answers which transports it uses.
+    struct Transports(&'static [&'static str]);
+
+    impl backend::Backend for Transports {
+        fn name(&self) -> &str {
+            "test"
+        }
+        fn version(&self) -> Result<String, backend::BackendError> {
+            Ok(String::new())
+        }
+        fn describe(&self) -> String {
+            String::new()
+        }
+        fn channel_kind(&self) -> ChannelKind {
+            ChannelKind::VirtioConsole
+        }
+        fn command(&self, _: &GuestSpec) -> Result<std::process::Command, backend::BackendError> {
+            unreachable!("not booted")
+        }
+        fn virtio_transports(&self) -> &'static [&'static str] {
+            self.0
+        }
+    }
+
+    #[test]
+    fn a_boot_loads_and_carries_only_its_devices_module_groups() {
+        let mut spec = GuestSpec::new("/k");
+        let pci = Transports(&["pci"]);
+        assert_eq!(module_groups(&spec, &pci, false), ["core", "pci"]);
+        spec.rng = true;
+        spec.balloon = true;
+        assert_eq!(
+            module_groups(&spec, &Transports(&["pci", "mmio"]), true),
+            ["core", "pci", "mmio", "rng", "balloon", rig::KVM_GROUP]
+        );
+        let m = |group: &str, name: &str| modules::GroupedModule {
+            group: group.into(),
+            path: PathBuf::from(format!("/m/{name}.ko")),
+        };
+        let mut mods = vec![
+            m("core", "virtio_console"),
+            m("pci", "virtio_pci"),
+            m("mmio", "virtio_mmio"),
+            m("blk", "virtio_blk"),
+            m("pmem", "nd_pmem"),
+        ];
+        carry_only(&mut mods, &["core".into(), "pci".into(), "pmem".into()]);
+        assert_eq!(
+            mods,
+            [
+                m("core", "virtio_console"),
+                m("pci", "virtio_pci"),
+                m("pmem", "nd_pmem")
+            ]
+        );
+    }
+}

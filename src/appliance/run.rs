@@ -1,0 +1,564 @@
+//! `ember run`: how the appliance boots (a [`Plan`], decided once), getting
+//! it ready for that, running the command in it and turning how it ended
+//! into an exit status.
+
+use super::assemble::{Assembled, Extras, module_groups, write_appliance};
+use super::cli::{self, RunArgs};
+use super::{
+    ApplianceError, EXIT_APPLIANCE, EXIT_TIMEOUT, assemble, builder, cache, host, kernel, rig,
+    userland, warm,
+};
+use crate::backend::{self, Backend, ChannelKind, GuestSpec};
+use ember_vmm::error_chain;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Kernel arguments of every appliance boot: console on the first UART,
+/// reboot (so the VMM exits) on panic, and no crypto self-tests: Debian's
+/// kernel runs them at boot and `crypto_algapi_init` waits for them — 1.5 s
+/// of the 3.1 s boot to `true` under QEMU/TCG (measured with `-icount`
+/// and `initcall_debug`). And no IO-APIC timer check: a VM's timer is
+/// wired, and under TCG on a loaded host (a starved vCPU thread while
+/// QEMU's timer runs on) the check can miss its ticks and panic with
+/// "IO-APIC + timer doesn't work" — seen at load 20, once in three
+/// parallel boots (the nested rig's L1 met it first). And one UART, the only
+/// one either backend gives the appliance: Debian's 8250 driver registers and
+/// probes four (the doctor's `8250.nr_uarts` advice; the driver's initcall
+/// takes 0.85 ms of guest work with four and 0.44 with one under `-icount`,
+/// BENCHMARKS.md §8).
+const BASE_CMDLINE: &str =
+    "console=ttyS0 panic=-1 cryptomgr.notests no_timer_check 8250.nr_uarts=1";
+
+/// How a run boots its appliance, decided once from its arguments and backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Plan {
+    /// Restore the appliance's snapshot, or boot to make it (see [`warm`]);
+    /// cold after all when this run cannot use one (no mkfs.ext4, a command
+    /// tree larger than the slot).
+    Snapshot,
+    /// Boot the appliance cold.
+    ColdBoot {
+        /// The first reason found.
+        why: Cold,
+    },
+}
+
+/// Why a run boots cold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cold {
+    /// `--no-snapshot`.
+    Asked,
+    /// `--prepare-only`: no boot at all.
+    PrepareOnly,
+    /// Only the ember backend restores snapshots.
+    Backend,
+    /// `--nested-kvm` boots on QEMU with modules of its own.
+    NestedKvm,
+    /// `--rootfs`: the root is the host directory, not the slot.
+    Rootfs,
+    /// `--prefault` is a choice of the boot.
+    Prefault,
+    /// `--no-acpi` is another machine than the snapshot's.
+    NoAcpi,
+    /// Disks, pmem, rng or a balloon: a snapshot's devices are fixed when it
+    /// is taken.
+    Devices,
+}
+
+impl std::fmt::Display for Cold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Cold::Asked => "--no-snapshot",
+            Cold::PrepareOnly => "--prepare-only",
+            Cold::Backend => "not the ember backend",
+            Cold::NestedKvm => "--nested-kvm",
+            Cold::Rootfs => "--rootfs",
+            Cold::Prefault => "--prefault",
+            Cold::NoAcpi => "--no-acpi",
+            Cold::Devices => "devices of its own",
+        })
+    }
+}
+
+impl Plan {
+    fn of(args: &RunArgs, backend: &dyn Backend) -> Plan {
+        let d = &args.devices;
+        let devices = !d.disk.is_empty() || !d.pmem.is_empty() || d.rng || d.balloon;
+        [
+            (args.no_snapshot, Cold::Asked),
+            (args.prepare_only, Cold::PrepareOnly),
+            (backend.name() != "ember", Cold::Backend),
+            (args.nested_kvm, Cold::NestedKvm),
+            (args.rootfs.is_some(), Cold::Rootfs),
+            (args.prefault.is_some(), Cold::Prefault),
+            (d.no_acpi, Cold::NoAcpi),
+            (devices, Cold::Devices),
+        ]
+        .into_iter()
+        .find_map(|(cold, why)| cold.then_some(Plan::ColdBoot { why }))
+        .unwrap_or(Plan::Snapshot)
+    }
+}
+
+/// Runs `ember run`; returns the command's exit status.
+pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
+    if args.cpus == 0 {
+        return Err(ApplianceError::BadArg("--cpus must be at least 1".into()));
+    }
+    let timeout = cli::timeout(args)?;
+    let env = cli::environment(&args.env)?;
+    let mut extras = extras(args)?;
+    // Check the backend before building anything.
+    let backend = choose_backend(args)?;
+    // The devices the command asked for, checked against the backend before
+    // anything is built: what it cannot do is refused here, never dropped.
+    let asked = with_devices(args, GuestSpec::new("/"))?;
+    backend.command(&asked)?;
+    if args.devices.no_acpi {
+        cli::no_acpi_check(args.kernel.as_deref())?;
+    }
+    let plan = Plan::of(args, backend.as_ref());
+    let cold_groups = module_groups(&asked, backend.as_ref(), args.nested_kvm);
+    let mut carried = cold_groups.clone();
+    if plan == Plan::Snapshot {
+        carried.extend(warm_groups(backend.as_ref()));
+    }
+    extras.module_groups = Some(carried.iter().map(|g| (*g).to_owned()).collect());
+    let a = assemble(
+        args.kernel.as_deref(),
+        args.rootfs.as_deref(),
+        &args.command[0],
+        &extras,
+    )?;
+    let channel_dev = match backend.channel_kind() {
+        ChannelKind::Serial => "/dev/ttyS1",
+        ChannelKind::VirtioConsole => "/dev/hvc0",
+    };
+    let modules = a.mods.len();
+    let mut job = host::Job {
+        argv: args.command.clone(),
+        exec: a.exec.to_string_lossy().into_owned(),
+        env,
+        cwd: args.workdir.clone(),
+        // A terminal too: `ember run -- sh` reads commands as they are typed
+        // (Ctrl-D ends its input, Ctrl-C ember and the VM).
+        forward_stdin: true,
+        timeout,
+        verbose: args.verbose,
+        root: None,
+        restored: false,
+        snapshot_at_ready: None,
+    };
+    // What this run removes when it ends (however it ends).
+    let mut cleanup = Vec::new();
+    let warm = match plan {
+        Plan::Snapshot => {
+            let groups = warm_groups(backend.as_ref());
+            let cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &groups);
+            warm_spec(args, &a, cmdline, &mut job, &mut cleanup)?
+        }
+        Plan::ColdBoot { why } => {
+            log::debug!("appliance boots cold: {why}");
+            None
+        }
+    };
+    let spec = match warm {
+        Some(spec) => spec,
+        None => {
+            let cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &cold_groups);
+            match cold_spec(args, a, backend.as_ref(), cmdline, &mut cleanup)? {
+                Some(spec) => spec,
+                None => {
+                    // `--prepare-only`: kept for the caller to boot.
+                    std::mem::forget(cleanup);
+                    return Ok(0);
+                }
+            }
+        }
+    };
+    let outcome = host::run(
+        backend.as_ref(),
+        spec,
+        &job,
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+    )?;
+    Ok(exit_status(args, outcome, timeout, modules))
+}
+
+/// The appliance written for a cold boot, and the spec that boots it; `None`
+/// for `--prepare-only`, which prints it instead.
+fn cold_spec(
+    args: &RunArgs,
+    a: Assembled,
+    backend: &dyn Backend,
+    cmdline: String,
+    cleanup: &mut Vec<TempFile>,
+) -> Result<Option<GuestSpec>, ApplianceError> {
+    let p = write_appliance(a)?;
+    if p.temporary {
+        cleanup.push(TempFile(p.initrd.clone()));
+    }
+    if args.prepare_only {
+        print_prepared(&p, &cmdline, backend);
+        return Ok(None);
+    }
+    if args.verbose {
+        eprintln!(
+            "ember: appliance {} ({} in {:.1} ms), kernel {}, {}",
+            p.initrd.display(),
+            if p.cached { "cached" } else { "built" },
+            p.elapsed.as_secs_f64() * 1e3,
+            p.kernel.display(),
+            backend.describe()
+        );
+    }
+    let mut spec = with_devices(args, GuestSpec::new(&p.kernel))?;
+    spec.initrd = Some(p.initrd.clone());
+    spec.mem_mib = args.mem;
+    spec.cpus = args.cpus;
+    spec.cmdline = cmdline;
+    Ok(Some(spec))
+}
+
+/// What the run carries beyond its command (`--nested-kvm`, `--file`,
+/// `--with`, `--bare`); the module groups are the plan's.
+fn extras(args: &RunArgs) -> Result<Extras, ApplianceError> {
+    Ok(Extras {
+        nested_kvm: args.nested_kvm,
+        files: args
+            .file
+            .iter()
+            .map(|f| rig::FileSpec::parse(f))
+            .collect::<Result<_, _>>()?,
+        with: args.with.clone(),
+        bare: args.bare,
+        module_groups: None,
+    })
+}
+
+/// The backend a run boots on, with `--machine` and `--bios` checked against it.
+fn choose_backend(args: &RunArgs) -> Result<Box<dyn Backend>, ApplianceError> {
+    let machine = cli::machine(args);
+    let backend: Box<dyn Backend> = if args.nested_kvm {
+        Box::new(rig::backend(args.backend, machine)?)
+    } else {
+        backend::by_kind(args.backend, machine, cli::appliance_bios(args).as_deref())?
+    };
+    if backend.name() != "qemu" && (args.machine.is_some() || args.bios.is_some()) {
+        return Err(ApplianceError::BadArg(format!(
+            "--machine and --bios choose QEMU's machine; this run uses the {} backend",
+            backend.name()
+        )));
+    }
+    Ok(backend)
+}
+
+/// `spec` with the devices the command asked for.
+fn with_devices(args: &RunArgs, mut spec: GuestSpec) -> Result<GuestSpec, backend::BackendError> {
+    args.devices.apply(&mut spec)?;
+    spec.balloon |= cli::prefault_fenced(args);
+    spec.prefault = args.prefault.clone();
+    Ok(spec)
+}
+
+/// The module groups of the appliance's snapshot: it is taken with the pmem
+/// group loaded (its command tree comes on a pmem slot); a cold boot loads
+/// only its devices'.
+fn warm_groups(backend: &dyn Backend) -> Vec<&'static str> {
+    let mut g = vec!["core"];
+    g.extend(backend.virtio_transports());
+    g.push("pmem");
+    g
+}
+
+/// `--prepare-only`'s answer: the appliance as JSON.
+fn print_prepared(p: &super::Prepared, cmdline: &str, backend: &dyn Backend) {
+    let size = std::fs::metadata(&p.initrd).map(|m| m.len()).unwrap_or(0);
+    let info = serde_json::json!({
+        "initrd": p.initrd,
+        "kernel": p.kernel,
+        "cmdline": cmdline,
+        "backend": backend.describe(),
+        "exec": p.exec,
+        "bytes": size,
+        "cached": p.cached,
+        "ms": p.elapsed.as_secs_f64() * 1e3,
+    });
+    println!("{info}");
+}
+
+/// The exit status of a run that ended with `outcome`, its cause said on
+/// stderr when it is not the command's own.
+fn exit_status(
+    args: &RunArgs,
+    outcome: host::Outcome,
+    timeout: Option<Duration>,
+    modules: usize,
+) -> i32 {
+    match outcome {
+        host::Outcome::Exited(code) => code,
+        host::Outcome::TimedOut => {
+            eprintln!(
+                "ember: timed out after {:.1} s; the VM was killed",
+                timeout.unwrap_or_default().as_secs_f64()
+            );
+            EXIT_TIMEOUT
+        }
+        host::Outcome::GuestError(msg) => match rig::explain_guest_error(&msg) {
+            Some(why) if args.nested_kvm => {
+                eprintln!("ember: {why}");
+                EXIT_APPLIANCE
+            }
+            _ => {
+                eprintln!("ember: the appliance failed: {msg}");
+                EXIT_APPLIANCE
+            }
+        },
+        host::Outcome::NoReport(tail) => {
+            let hint = if modules == 0 {
+                "; no kernel modules were found for this kernel, so it needs \
+             virtio-console built in"
+            } else {
+                ""
+            };
+            eprintln!(
+                "ember: the guest stopped without reporting the command's status \
+             (run with --verbose to see its console){hint}{}",
+                console_excerpt(&tail)
+            );
+            EXIT_APPLIANCE
+        }
+    }
+}
+
+/// The kernel command line of an appliance boot on `backend` that loads
+/// module `groups`.
+fn appliance_cmdline(
+    args: &RunArgs,
+    backend: &dyn backend::Backend,
+    channel_dev: &str,
+    groups: &[&str],
+) -> String {
+    let mut cmdline = format!(
+        "{BASE_CMDLINE}{} EMBER_CHANNEL={channel_dev} EMBER_MODULES={}",
+        if args.verbose { "" } else { " quiet" },
+        groups.join(",")
+    );
+    let options = backend.kernel_options(args.cpus);
+    if !options.is_empty() {
+        cmdline.push(' ');
+        cmdline.push_str(options);
+    }
+    if let Some(extra) = &args.cmdline {
+        cmdline.push(' ');
+        cmdline.push_str(extra);
+    }
+    cmdline
+}
+
+/// The appliance restored from its snapshot, or booted to make that
+/// snapshot at READY (see [`warm`]): the spec to run and, in `job`, how the
+/// job is handed over. `None` when this run cannot use one (no mkfs.ext4,
+/// a command tree larger than the slot): it boots cold.
+fn warm_spec(
+    args: &RunArgs,
+    a: &Assembled,
+    cmdline: String,
+    job: &mut host::Job,
+    cleanup: &mut Vec<TempFile>,
+) -> Result<Option<GuestSpec>, ApplianceError> {
+    let start = Instant::now();
+    let cache = kernel::cache_dir()?;
+    let base = builder::Tree::skeleton(a.init.clone(), &a.mods);
+    let base = builder::build_cached(&base, &a.version, &cache, cache::max_bytes())?;
+    let ember = std::env::current_exe().map_err(|e| {
+        ApplianceError::BadArg(format!("cannot find the running ember binary: {e}"))
+    })?;
+    let key = warm::key(&warm::Inputs {
+        kernel: &a.kernel.image,
+        initrd: &base.path,
+        ember: &ember,
+        mem_mib: args.mem,
+        cpus: args.cpus,
+        cmdline: &cmdline,
+    });
+    let dir = warm::snapshot_dir(&cache, &key);
+    let image = unique_temp("root", "img");
+    if let Err(e) = warm::root_image(&userland::with_links(&a.tree), &image) {
+        if args.verbose {
+            eprintln!("ember: booting cold: {}", error_chain(&e));
+        }
+        return Ok(None);
+    }
+    cleanup.push(TempFile(image.clone()));
+    let mut spec = GuestSpec::new(&a.kernel.image);
+    spec.pmem = vec![image];
+    spec.events = args.devices.events.clone();
+    job.root = Some(warm::SLOT_DEVICE.into());
+    if warm::is_complete(&dir) {
+        spec.restore = Some(dir.clone());
+        job.restored = true;
+    } else {
+        let api = unique_temp("api", "sock");
+        cleanup.push(TempFile(api.clone()));
+        spec.initrd = Some(base.path);
+        spec.mem_mib = args.mem;
+        spec.cpus = args.cpus;
+        spec.cmdline = cmdline;
+        spec.api_socket = Some(api.clone());
+        job.snapshot_at_ready = Some(host::SnapshotAt {
+            api,
+            dir: dir.clone(),
+        });
+    }
+    // At debug level (`ember -v run`, or `run --verbose`), not as a change
+    // of the command line: that would be another snapshot.
+    log::debug!(
+        "appliance {} snapshot {} ({:.1} ms to prepare), kernel {}",
+        if job.restored { "from" } else { "making" },
+        dir.display(),
+        start.elapsed().as_secs_f64() * 1e3,
+        a.kernel.image.display(),
+    );
+    Ok(Some(spec))
+}
+
+/// A fresh path in the temp directory for this run's `what`.
+fn unique_temp(what: &str, ext: &str) -> PathBuf {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    std::env::temp_dir().join(format!(
+        "ember-{what}-{}-{}.{ext}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+/// A file removed when dropped.
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Where a kernel's crash report starts, on its first line.
+const CRASH_STARTS: [&str; 6] = [
+    "------------[ cut here ]",
+    "BUG:",
+    "Oops:",
+    "general protection fault",
+    "stack guard page was hit",
+    "Kernel panic",
+];
+/// At most this many lines of a crash report go into an error message.
+const CRASH_LINES: usize = 80;
+
+/// The console's last lines, indented, for the error message of a guest
+/// that stopped without a report: the last 5, or, when its kernel crashed,
+/// the crash report from its first line (the cause is at the top, the
+/// panic at the bottom), at most [`CRASH_LINES`].
+fn console_excerpt(s: &str) -> String {
+    let lines: Vec<_> = s.lines().filter(|l| !l.trim().is_empty()).collect();
+    let last_five = lines.len().saturating_sub(5);
+    let crash = lines
+        .iter()
+        .position(|l| CRASH_STARTS.iter().any(|m| l.contains(m)))
+        .filter(|&at| at < last_five)
+        .map(|at| at.max(lines.len().saturating_sub(CRASH_LINES)));
+    lines[crash.unwrap_or(last_five)..]
+        .iter()
+        .map(|l| format!("\n  | {}", l.trim_end()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_crashed_guest_shows_its_crash_report_from_the_top() {
+        let quiet: String = (0..20).map(|i| format!("line {i}\n")).collect();
+        let shown = console_excerpt(&quiet);
+        assert_eq!(shown.lines().count(), 6, "{shown}"); // "" + 5
+        assert!(shown.contains("line 15") && !shown.contains("line 14"));
+
+        let crash = format!(
+            "{quiet}[ 1.0] BUG: stack guard page was hit at 0x1\n{}[ 2.0] Kernel panic - not syncing\n",
+            (0..10)
+                .map(|i| format!("[ 1.5] frame {i}\n"))
+                .collect::<String>()
+        );
+        let shown = console_excerpt(&crash);
+        assert!(shown.contains("BUG: stack guard page"), "{shown}");
+        assert!(shown.contains("frame 0") && shown.contains("Kernel panic"));
+        assert!(!shown.contains("line 19"));
+
+        let long = format!("BUG: x\n{}", quiet.repeat(CRASH_LINES / 10));
+        assert_eq!(console_excerpt(&long).lines().count(), CRASH_LINES + 1);
+    }
+
+    /// A backend that only has a name.
+    struct Named(&'static str);
+
+    impl Backend for Named {
+        fn name(&self) -> &str {
+            self.0
+        }
+        fn version(&self) -> Result<String, backend::BackendError> {
+            Ok(String::new())
+        }
+        fn describe(&self) -> String {
+            String::new()
+        }
+        fn channel_kind(&self) -> ChannelKind {
+            ChannelKind::VirtioConsole
+        }
+        fn command(&self, _: &GuestSpec) -> Result<std::process::Command, backend::BackendError> {
+            unreachable!("not booted")
+        }
+    }
+
+    fn run_args(options: &[&str]) -> RunArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            run: RunArgs,
+        }
+        let argv = ["ember"].iter().chain(options).chain(&["--", "true"]);
+        <Cli as clap::Parser>::parse_from(argv).run
+    }
+
+    /// Only a run on the ember backend with nothing a snapshot cannot hold
+    /// uses one; otherwise the plan names the first reason.
+    #[test]
+    fn the_plan_uses_the_snapshot_only_when_nothing_rules_it_out() {
+        let ember = Named("ember");
+        assert_eq!(Plan::of(&run_args(&[]), &ember), Plan::Snapshot);
+        assert_eq!(
+            Plan::of(&run_args(&[]), &Named("qemu")),
+            Plan::ColdBoot { why: Cold::Backend }
+        );
+        for (options, why) in [
+            (&["--no-snapshot"][..], Cold::Asked),
+            (&["--prepare-only"], Cold::PrepareOnly),
+            (&["--nested-kvm"], Cold::NestedKvm),
+            (&["--rootfs", "/"], Cold::Rootfs),
+            (&["--prefault", "sync"], Cold::Prefault),
+            (&["--no-acpi"], Cold::NoAcpi),
+            (&["--disk", "/d"], Cold::Devices),
+            (&["--pmem", "/p"], Cold::Devices),
+            (&["--rng"], Cold::Devices),
+            (&["--balloon"], Cold::Devices),
+            (&["--rng", "--no-snapshot"], Cold::Asked),
+        ] {
+            assert_eq!(
+                Plan::of(&run_args(options), &ember),
+                Plan::ColdBoot { why },
+                "{options:?}"
+            );
+        }
+    }
+}
