@@ -19,8 +19,8 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use ember_vmm::commit::EVENT_COMMITTED;
 use ember_vmm::events::EventFile;
+use ember_vmm::prefault::EVENT_COMMITTED;
 use ember_vmm::vstate::memory::parse_size;
 
 /// Ms from exec to the first stdout line containing `marker`, and the child's

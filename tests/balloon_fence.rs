@@ -9,10 +9,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ember_vmm::commit::{self, Committer, MemoryOptions};
 use ember_vmm::devices::CountingInterrupt;
 use ember_vmm::devices::virtio::{Balloon, BalloonHandle, MmioTransport};
 use ember_vmm::events::Recorder;
+use ember_vmm::prefault::{self, Committer, MemoryOptions};
 use ember_vmm::vstate::bus::BusDevice;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
@@ -185,7 +185,7 @@ impl Driver {
 
 /// A balloon fenced by a committer over `SIZE` bytes with the window committed.
 fn setup() -> (GuestMemoryMmap, Committer, BalloonHandle, Driver) {
-    let mem = commit::create_memory(SIZE, &MemoryOptions::default()).unwrap();
+    let mem = prefault::create_memory(SIZE, &MemoryOptions::default()).unwrap();
     let committer = Committer::new(&mem, 2);
     committer.set_fence_up(true);
     committer.commit_window(WINDOW).unwrap();
@@ -411,7 +411,7 @@ fn background_commit_completes_and_releases_what_the_user_asked_for() {
         .into_iter()
         .map(|e| e.kind)
         .collect();
-    assert_eq!(kinds, [commit::EVENT_COMMITTED, commit::EVENT_VISIBLE]);
+    assert_eq!(kinds, [prefault::EVENT_COMMITTED, prefault::EVENT_VISIBLE]);
     assert_eq!(u64::from(d.target()) * PAGE, user_target);
     assert_eq!(handle.held_bytes(), user_target);
     // What the balloon still holds went back to the host once the fence came down.

@@ -12,8 +12,8 @@
 mod common;
 
 use common::{PVM_CMDLINE, Scratch, ember, output, pvm_kernel_dir, require_kvm, stderr, stdout};
-use ember_vmm::commit::{EVENT_COMMITTED, EVENT_VISIBLE};
 use ember_vmm::events::EventFile;
+use ember_vmm::prefault::{EVENT_COMMITTED, EVENT_VISIBLE};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -1044,13 +1044,13 @@ fn visible_fields(events_case: &Case) -> (u64, u64, u64, u64, u64) {
         .unwrap_or_else(|e| panic!("the events file is not JSON ({e}): {json:.800}"));
     let kinds: Vec<&str> = ev.events.iter().map(|e| e.kind.as_str()).collect();
     assert!(
-        kinds.contains(&ember_vmm::commit::EVENT_COMMITTED),
+        kinds.contains(&ember_vmm::prefault::EVENT_COMMITTED),
         "the background commit did not complete: {kinds:?}"
     );
     let text = ev
         .events
         .iter()
-        .find(|e| e.kind == ember_vmm::commit::EVENT_VISIBLE)
+        .find(|e| e.kind == ember_vmm::prefault::EVENT_VISIBLE)
         .and_then(|e| e.text.clone())
         .unwrap_or_else(|| panic!("no memory_visible event: {kinds:?}"));
     let field = |name: &str| -> u64 {

@@ -6,8 +6,8 @@
 mod common;
 
 use common::{Scratch, ember, output, require_kvm, stderr, stdout};
-use ember_vmm::commit::{EVENT_COMMITTED, EVENT_VISIBLE};
 use ember_vmm::events::EventFile;
+use ember_vmm::prefault::{EVENT_COMMITTED, EVENT_VISIBLE};
 use std::path::PathBuf;
 
 fn guest() -> PathBuf {

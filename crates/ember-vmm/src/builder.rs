@@ -22,7 +22,6 @@
 //! the why.
 
 use crate::arch::x86_64::{acpi, boot, cpuid, layout, mptable, msr, regs};
-use crate::commit::{self, CommitError, Committer, MemoryOptions, Prefault};
 use crate::device_manager::{DeviceManager, DeviceManagerError, TransportFactory, transport_for};
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::pmem::PMEM_ALIGN;
@@ -32,6 +31,7 @@ use crate::devices::virtio::{
 use crate::devices::vmgenid;
 use crate::events::{Recorder, kind};
 use crate::machine::{AttachedDevice, DeviceSpec, Machine};
+use crate::prefault::{self, CommitError, Committer, MemoryOptions, Prefault};
 use crate::vstate::bus::Bus;
 use crate::vstate::end::VmEnd;
 use crate::vstate::kvm::{self, KvmError};
@@ -253,7 +253,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
     // own (`register_memory`) while this one loads the kernel into it.
     let vm = Arc::new(Vm::new(&kvm)?);
     recorder.mark(kind::KVM_OPEN);
-    let mem = commit::create_memory(cfg.mem_size, &cfg.memory)?;
+    let mem = prefault::create_memory(cfg.mem_size, &cfg.memory)?;
     let ram = layout::ram_ranges(cfg.mem_size);
     let committer =
         (cfg.memory.prefault != Prefault::Off).then(|| Committer::new(&mem, cfg.memory.threads));
@@ -470,7 +470,7 @@ fn commit_upfront(
         .spawn(move || -> Result<(), CommitError> {
             if opts.prefault == Prefault::Sync {
                 c.commit_all()?;
-                recorder.mark(commit::EVENT_COMMITTED);
+                recorder.mark(prefault::EVENT_COMMITTED);
             } else {
                 c.set_fence_up(true);
                 c.commit_window(opts.window)?;

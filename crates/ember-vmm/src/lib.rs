@@ -6,7 +6,7 @@
 //! [`snapshot`] (saving a VM, and [`snapshot::restore`] building one from a
 //! snapshot) over [`builder`] (the boot order) over [`device_manager`]
 //! (placing devices) and [`machine`] (the running VM as the control socket
-//! sees it) and [`commit`] (`--prefault`: committing guest memory, fenced by
+//! sees it) and [`prefault`] (`--prefault`: committing guest memory, fenced by
 //! the balloon) over [`devices`] (device models, which hold no KVM) over
 //! [`vstate`] (KVM, guest memory, vCPUs, the I/O bus and how the guest's end
 //! is signalled) over [`arch`] (x86-64 tables, registers and the guest
@@ -15,13 +15,13 @@
 
 pub mod arch;
 pub mod builder;
-pub mod commit;
 pub mod device_manager;
 pub mod devices;
 pub mod events;
 pub mod hex;
 pub mod logger;
 pub mod machine;
+pub mod prefault;
 pub mod ranges;
 pub mod seccomp;
 pub mod snapshot;

@@ -445,7 +445,7 @@ pub(crate) fn restore_fence(balloon: &BalloonHandle, mem: &vm_memory::GuestMemor
     if balloon.fence_pages() == 0 {
         return;
     }
-    let committer = crate::commit::Committer::new(mem, 1);
+    let committer = crate::prefault::Committer::new(mem, 1);
     balloon.set_fence(committer.fence());
     // The fence itself is down (inflations discard); only deflates commit.
     committer.set_fence_up(false);

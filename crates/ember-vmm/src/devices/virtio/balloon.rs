@@ -7,7 +7,7 @@
 //!   back as zeroes if the guest touches them again. The device keeps the pages it holds
 //!   as merged guest-physical ranges ([`BalloonHandle::held`]), its own count beside the
 //!   driver's `actual`.
-//! - A [`MemoryFence`] (ember's memory committer, `vstate::commit`) may be attached: a
+//! - A [`MemoryFence`] (ember's memory committer, `prefault`) may be attached: a
 //!   deflate is then acknowledged only once the committer has committed the pages it
 //!   returns (the driver must not reuse them before, `VIRTIO_BALLOON_F_MUST_TELL_HOST`),
 //!   and while the fence is up, inflated pages are kept rather than discarded.
@@ -99,7 +99,7 @@ impl BalloonStats {
     }
 }
 
-/// Where the balloon meets ember's memory committer (`vstate::commit`). Devices hold
+/// Where the balloon meets ember's memory committer (`prefault`). Devices hold
 /// no memory policy; this hook is how the device asks for one. Addresses are
 /// guest-physical, whole 4 KiB pages inside guest RAM.
 pub trait MemoryFence: Send + Sync + std::fmt::Debug {
@@ -119,7 +119,7 @@ struct Shared {
     target_pages: u32,
     /// The VMM user's target (command line, control socket).
     user_pages: u32,
-    /// The memory committer's: memory not committed yet (`vstate::commit`).
+    /// The memory committer's: memory not committed yet (`prefault`).
     fence_pages: u32,
     actual_pages: u32,
     generation: u32,
