@@ -378,7 +378,7 @@ fn fatal_signals() -> Rules {
     r
 }
 
-/// A device I/O thread's loop (`devices::virtio::worker`, block's own):
+/// A device I/O thread's loop (`devices::virtio::worker`, block's `event_loop`):
 /// epoll over the queue eventfds and the kill eventfd.
 fn device_loop() -> Rules {
     let mut r = base();

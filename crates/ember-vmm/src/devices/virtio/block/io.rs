@@ -4,7 +4,7 @@
 //! synchronous engine simply completes each operation before `push` returns. Buffers an
 //! operation points at must stay valid until its completion has been reaped: the kernel
 //! reads and writes them behind the compiler's back, so [`Engine::push`] is an `unsafe fn`
-//! whose contract says so, and only the block worker's per-slot iovecs call it.
+//! whose contract says so, and only the block handler's per-slot iovecs call it.
 
 use std::collections::VecDeque;
 use std::fs::File;

@@ -1,20 +1,25 @@
 //! virtio-blk: a disk image file as a guest block device (virtio 1.x §5.2).
 //!
 //! [`Block`] is the device state; on activation it starts one I/O thread (`ember-blkN`,
-//! see `worker`) that owns the queue and does the I/O through an `io::Engine`.
+//! its loop in `event_loop`) that owns the queue and hands it to a [`BlockHandler`]
+//! (`handler`: parsing, submission and completion), which does the I/O through an
+//! `io::Engine`.
 //!
-//! The engines and the worker are this crate's own: an engine's `push` hands raw
-//! iovec pointers to the kernel (an `unsafe fn`), and only the worker's per-slot
-//! buffers call it. Outside the crate, [`BlockHandler`] (the worker's queue logic,
+//! The engines and the handler are this crate's own: an engine's `push` hands raw
+//! iovec pointers to the kernel (an `unsafe fn`), and only the handler's per-slot
+//! buffers call it. Outside the crate, [`BlockHandler`] (the I/O thread's queue logic,
 //! for tests, benchmarks and fuzzing) is the way in; [`request`] is the pure
 //! request parser.
 
+pub(crate) mod event_loop;
+pub(crate) mod handler;
 pub(crate) mod io;
 pub mod request;
-pub(crate) mod worker;
+#[cfg(test)]
+mod test_rig;
 
+pub use handler::{BlockHandler, DiskParams};
 pub use io::EngineKind;
-pub use worker::{BlockHandler, DiskParams};
 
 use std::fs::{File, OpenOptions};
 
@@ -109,7 +114,7 @@ pub enum Error {
 }
 
 /// How long, at most, the I/O thread busy-polls for more requests before it sleeps
-/// ([`worker::PollWindow`]). QEMU's `poll-max-ns` default: far longer than a polling
+/// ([`event_loop::PollWindow`]). QEMU's `poll-max-ns` default: far longer than a polling
 /// driver takes to answer a completion (~1 µs), short enough that an idle disk costs next
 /// to nothing and that polling on the vCPU's own CPU (an overcommitted host) wastes
 /// little.
@@ -375,7 +380,7 @@ impl VirtioDevice for Block {
         let worker = Worker::spawn(
             self.thread_name.clone(),
             crate::seccomp::Thread::Block,
-            move |kill| worker::run(handler, evt, kill, poll),
+            move |kill| event_loop::run(handler, evt, kill, poll),
         )
         .map_err(ActivateError::Spawn)?;
         self.worker = Some(worker);
