@@ -188,6 +188,7 @@ fn spawn_vcpu(
 }
 
 /// What a waiting vCPU thread needs to run.
+#[derive(Clone)]
 struct VcpuStart {
     buses: Arc<(Bus, Bus)>,
     end: Arc<VmEnd>,
@@ -196,7 +197,8 @@ struct VcpuStart {
     recorder: Arc<Recorder>,
 }
 
-/// Builds and starts the VM saved in `cfg.dir`.
+/// Builds and starts the VM saved in `cfg.dir`, in the steps of this module's
+/// documentation.
 pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, SnapshotError> {
     // 1-2. KVM; this host's CPU and the VM on helper threads while the
     // state file is read and checked here.
@@ -205,26 +207,9 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, Snaps
     let (mut state, mem_path) = super::load_replacing(&cfg.dir, &cfg.pmem)?;
     super::check_host_cpu(&state, &crate::arch::x86_64::cpuid::host_signature())?;
     recorder.mark(kind::KVM_OPEN);
+    let channel = connect_channel(&state.devices, cfg.channel.as_deref())?;
 
-    // The channel is connected before anything is built: a snapshot with
-    // one cannot run without it.
-    let mut channel = None;
-    if state.devices.iter().any(|d| d.spec == DeviceSpec::Console) {
-        let Some(sock) = &cfg.channel else {
-            return Err(SnapshotError::Step(
-                "the snapshot has an appliance channel (virtio-console): give its socket (--channel)"
-                    .into(),
-            ));
-        };
-        let stream = std::os::unix::net::UnixStream::connect(sock)
-            .map_err(|e| build_err(BuildError::Channel(sock.clone(), e)))?;
-        channel = Some(
-            Console::from_unix_stream(stream)
-                .map_err(|e| build_err(BuildError::Channel(sock.clone(), e)))?,
-        );
-    }
-
-    // 3. The VM and its memory, from the helper thread.
+    // 3. The VM and its memory, from the helper thread; pmem.
     let EarlyVm { vm, mem } = match early.recv() {
         Ok(made) => made?,
         // The thread died without a word: its panic is the error.
@@ -234,44 +219,13 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, Snaps
             return Err(SnapshotError::Step("the VM thread ended early".into()));
         }
     };
-    let mapped: u64 = mem.iter().map(|r| r.len()).sum();
-    if mapped != state.mem_size {
-        // The file changed size between the two looks.
-        return Err(SnapshotError::MemorySize {
-            path: mem_path,
-            found: mapped,
-            want: state.mem_size,
-        });
-    }
+    check_mapped(&mem, state.mem_size, mem_path)?;
     recorder.mark(kind::MEMORY_READY);
-    let mut pmem_regions = Vec::new();
-    for d in &state.devices {
-        if let DeviceSpec::Pmem { path, guest_addr } = &d.spec {
-            let region = PmemRegion::map(path).map_err(step)?;
-            check_pmem_addr(path, *guest_addr, region.len(), state.mem_size)?;
-            vm.add_region(*guest_addr, region.len(), region.host_addr())
-                .map_err(step)?;
-            pmem_regions.push(region);
-        }
-    }
+    let pmem_regions = map_pmem(&vm, &state.devices, state.mem_size)?;
 
     // 4. vCPUs, each created and set on the thread it will run on.
     let n_vcpus = state.vcpus.len();
-    let (ready_tx, ready) = mpsc::channel();
-    let mut vcpu_threads = Vec::with_capacity(n_vcpus);
-    let mut starts = Vec::with_capacity(n_vcpus);
-    for s in std::mem::take(&mut state.vcpus) {
-        let (go_tx, go) = mpsc::channel();
-        vcpu_threads.push(spawn_vcpu(vm.clone(), s, ready_tx.clone(), go)?);
-        starts.push(go_tx);
-    }
-    drop(ready_tx);
-    for _ in 0..n_vcpus {
-        let set = ready
-            .recv()
-            .map_err(|_| SnapshotError::Step("a vCPU thread ended early".into()))?;
-        set?;
-    }
+    let (vcpu_threads, starts) = start_vcpus(&vm, std::mem::take(&mut state.vcpus))?;
     // The irqchips', PIT's and clock's state once the PIT is there (the
     // clock set after the vCPUs' MSRs, as on any running VM).
     pit.join()
@@ -282,10 +236,168 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, Snaps
     // 5. virtio devices, each in its window.
     let end = Arc::new(VmEnd::new().map_err(step)?);
     let mut devices = DeviceManager::new(vm.clone(), mem.clone());
+    let (attached, balloon) = restore_virtio(&mut devices, &state.devices, &pmem_regions, channel)?;
+    if let Some(b) = &balloon {
+        restore_fence(b, &mem);
+    }
+
+    // 6. Legacy devices; COM1 as it was.
+    let sink = ConsoleSink::new(cfg.console, recorder.clone());
+    let serial = restore_serial(&devices, &state.serial, sink)?;
+    devices
+        .attach_legacy(serial.clone(), &end, &recorder)
+        .map_err(|e| build_err(e.into()))?;
+
+    // 7. A new generation: the guest's vmgenid driver reseeds its RNG. The
+    // interrupt is raised now that every local APIC has its restored state
+    // (setting it would clear an interrupt raised earlier) and the I/O APIC
+    // routes the GED's pin as the guest programmed it; it is delivered as
+    // the vCPUs enter the guest.
+    if state.vmgenid {
+        new_generation(&devices, &mem)?;
+    }
+
+    // 8. Go: the caller's threads are started first (`before_go`: not under
+    // this thread's filter, each takes its own), then this thread takes its
+    // filter (the vCPU threads, waiting for the buses since step 4, took
+    // theirs). The vCPU kick handler is installed before it, here: `ember
+    // snapshot` may pause the VM the moment its control socket exists, from
+    // a thread whose list has no `rt_sigaction`, before any restored vCPU has
+    // run.
+    let control = Control::new(n_vcpus);
+    let buses = Arc::new(devices.into_buses());
+    let machine = Arc::new(Machine {
+        control: control.clone(),
+        devices: attached,
+        mem_size: state.mem_size,
+        vcpus: n_vcpus as u32,
+        anonymous_memory: false,
+        vmgenid: state.vmgenid,
+        balloon: balloon.clone(),
+        vm: vm.clone(),
+        mem: mem.clone(),
+        serial: serial.clone(),
+        end: end.clone(),
+    });
+    let vmm = Vmm {
+        mem: mem.clone(),
+        end: end.clone(),
+        serial,
+        vm,
+        vcpu_threads,
+        pmem: pmem_regions,
+        balloon,
+        committer: None,
+        machine,
+    };
+    if let Some(f) = cfg.before_go {
+        f(&vmm).map_err(step)?;
+    }
+    crate::vstate::control::install_kick_handler().map_err(step)?;
+    crate::seccomp::confine(crate::seccomp::Thread::Main).map_err(step)?;
+    let start = VcpuStart {
+        buses,
+        end,
+        mem,
+        control,
+        recorder,
+    };
+    for go in starts {
+        // A thread that failed already reported it on `ready`.
+        let _ = go.send(start.clone());
+    }
+    Ok(vmm)
+}
+
+/// The memory file as mapped must be the size the state says (the file may
+/// have changed size between the two looks).
+fn check_mapped(mem: &GuestMemoryMmap, want: u64, path: PathBuf) -> Result<(), SnapshotError> {
+    let found: u64 = mem.iter().map(|r| r.len()).sum();
+    if found != want {
+        return Err(SnapshotError::MemorySize { path, found, want });
+    }
+    Ok(())
+}
+
+/// The appliance channel's console, connected before anything is built: a
+/// snapshot with one cannot run without it.
+fn connect_channel(
+    devices: &[super::DeviceState],
+    socket: Option<&Path>,
+) -> Result<Option<Console>, SnapshotError> {
+    if !devices.iter().any(|d| d.spec == DeviceSpec::Console) {
+        return Ok(None);
+    }
+    let Some(sock) = socket else {
+        return Err(SnapshotError::Step(
+            "the snapshot has an appliance channel (virtio-console): give its socket (--channel)"
+                .into(),
+        ));
+    };
+    let channel_err = |e| build_err(BuildError::Channel(sock.to_owned(), e));
+    let stream = std::os::unix::net::UnixStream::connect(sock).map_err(channel_err)?;
+    Console::from_unix_stream(stream)
+        .map(Some)
+        .map_err(channel_err)
+}
+
+/// Step 3: maps each pmem file at its recorded address.
+fn map_pmem(
+    vm: &Vm,
+    devices: &[super::DeviceState],
+    mem_size: u64,
+) -> Result<Vec<PmemRegion>, SnapshotError> {
+    let mut regions = Vec::new();
+    for d in devices {
+        if let DeviceSpec::Pmem { path, guest_addr } = &d.spec {
+            let region = PmemRegion::map(path).map_err(step)?;
+            check_pmem_addr(path, *guest_addr, region.len(), mem_size)?;
+            vm.add_region(*guest_addr, region.len(), region.host_addr())
+                .map_err(step)?;
+            regions.push(region);
+        }
+    }
+    Ok(regions)
+}
+
+/// Step 4: a thread per vCPU, which creates it and sets its state; returns
+/// once every vCPU is set, with the threads and the senders that start them.
+fn start_vcpus(
+    vm: &Arc<Vm>,
+    states: Vec<vcpu::VcpuState>,
+) -> Result<(Vec<JoinHandle<()>>, Vec<mpsc::Sender<VcpuStart>>), SnapshotError> {
+    let n_vcpus = states.len();
+    let (ready_tx, ready) = mpsc::channel();
+    let mut threads = Vec::with_capacity(n_vcpus);
+    let mut starts = Vec::with_capacity(n_vcpus);
+    for s in states {
+        let (go_tx, go) = mpsc::channel();
+        threads.push(spawn_vcpu(vm.clone(), s, ready_tx.clone(), go)?);
+        starts.push(go_tx);
+    }
+    drop(ready_tx);
+    for _ in 0..n_vcpus {
+        let set = ready
+            .recv()
+            .map_err(|_| SnapshotError::Step("a vCPU thread ended early".into()))?;
+        set?;
+    }
+    Ok((threads, starts))
+}
+
+/// Step 5: each virtio device rebuilt in its window on its recorded backing,
+/// its transport's state set. Returns the devices as the machine lists them
+/// and the balloon's handle, if there is one.
+fn restore_virtio(
+    devices: &mut DeviceManager,
+    states: &[super::DeviceState],
+    pmem_regions: &[PmemRegion],
+    mut channel: Option<Console>,
+) -> Result<(Vec<AttachedDevice>, Option<BalloonHandle>), SnapshotError> {
     let mut attached = Vec::new();
     let mut pmem_iter = pmem_regions.iter();
     let mut balloon: Option<BalloonHandle> = None;
-    for (i, d) in state.devices.iter().enumerate() {
+    for (i, d) in states.iter().enumerate() {
         let make = match &d.spec {
             DeviceSpec::Block {
                 path,
@@ -343,86 +455,33 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, Snaps
             transport,
         });
     }
-    if let Some(b) = &balloon {
-        restore_fence(b, &mem);
-    }
+    Ok((attached, balloon))
+}
 
-    // 6. Legacy devices; COM1 as it was.
+/// Step 7: a new VM generation ID, announced on the GED's interrupt.
+fn new_generation(devices: &DeviceManager, mem: &GuestMemoryMmap) -> Result<(), SnapshotError> {
+    let ged = devices.ged_irq().map_err(|e| build_err(e.into()))?;
+    VmGenId::new(mem.clone(), layout::VMGENID_START, ged)
+        .new_generation()
+        .map_err(step)?;
+    Ok(())
+}
+
+/// Step 6: COM1 from its state, writing to `sink`.
+fn restore_serial(
+    devices: &DeviceManager,
+    state: &super::SerialState,
+    sink: ConsoleSink,
+) -> Result<Arc<Mutex<Serial>>, SnapshotError> {
     let serial_irq = devices.com1_irq().map_err(|e| build_err(e.into()))?;
-    let sink = ConsoleSink::new(cfg.console, recorder.clone());
     let uart = SerialUart::from_state(
-        &(&state.serial).into(),
+        &state.into(),
         serial_irq,
         vm_superio::serial::NoEvents,
         sink,
     )
     .map_err(|e| SnapshotError::Step(format!("COM1: {e:?}")))?;
-    let serial = Arc::new(Mutex::new(Serial(uart)));
-    devices
-        .attach_legacy(serial.clone(), &end, &recorder)
-        .map_err(|e| build_err(e.into()))?;
-
-    // 7. A new generation: the guest's vmgenid driver reseeds its RNG. The
-    // interrupt is raised now that every local APIC has its restored state
-    // (setting it would clear an interrupt raised earlier) and the I/O APIC
-    // routes the GED's pin as the guest programmed it; it is delivered as
-    // the vCPUs enter the guest.
-    if state.vmgenid {
-        let ged = devices.ged_irq().map_err(|e| build_err(e.into()))?;
-        VmGenId::new(mem.clone(), layout::VMGENID_START, ged)
-            .new_generation()
-            .map_err(step)?;
-    }
-
-    // 8. Go: the caller's threads are started first (`before_go`: not under
-    // this thread's filter, each takes its own), then this thread takes its
-    // filter (the vCPU threads, waiting for the buses since step 4, took
-    // theirs). The vCPU kick handler is installed before it, here: `ember
-    // snapshot` may pause the VM the moment its control socket exists, from
-    // a thread whose list has no `rt_sigaction`, before any restored vCPU has
-    // run.
-    let control = Control::new(n_vcpus);
-    let buses = Arc::new(devices.into_buses());
-    let machine = Arc::new(Machine {
-        control: control.clone(),
-        devices: attached,
-        mem_size: state.mem_size,
-        vcpus: n_vcpus as u32,
-        anonymous_memory: false,
-        vmgenid: state.vmgenid,
-        balloon: balloon.clone(),
-        vm: vm.clone(),
-        mem: mem.clone(),
-        serial: serial.clone(),
-        end: end.clone(),
-    });
-    let vmm = Vmm {
-        mem: mem.clone(),
-        end: end.clone(),
-        serial,
-        vm,
-        vcpu_threads,
-        pmem: pmem_regions,
-        balloon,
-        committer: None,
-        machine,
-    };
-    if let Some(f) = cfg.before_go {
-        f(&vmm).map_err(step)?;
-    }
-    crate::vstate::control::install_kick_handler().map_err(step)?;
-    crate::seccomp::confine(crate::seccomp::Thread::Main).map_err(step)?;
-    for go in starts {
-        // A thread that failed already reported it on `ready`.
-        let _ = go.send(VcpuStart {
-            buses: buses.clone(),
-            end: end.clone(),
-            mem: mem.clone(),
-            control: control.clone(),
-            recorder: recorder.clone(),
-        });
-    }
-    Ok(vmm)
+    Ok(Arc::new(Mutex::new(Serial(uart))))
 }
 
 /// The balloon of a VM snapshotted while `--prefault async` was still
