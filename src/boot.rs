@@ -76,7 +76,7 @@ pub struct BootArgs {
     /// instead of booting a kernel.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "initrd", "cmdline", "disk", "rng", "balloon"])]
     pub restore: Option<PathBuf>,
-    /// Seccomp filters on every thread (allow-lists in ember-vmm's seccomp.rs):
+    /// Seccomp filters on every thread (allow-lists in ember-vmm's seccomp/):
     /// `trap` stops a forbidden system call and exits with status 4, naming it;
     /// `log` lets it through and has the kernel log it; `off` filters nothing.
     #[arg(long, value_enum, default_value_t = SeccompMode::Trap)]

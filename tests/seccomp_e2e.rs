@@ -1,5 +1,5 @@
 //! End-to-end: `ember boot` runs every thread under its seccomp allow-list
-//! (`crates/ember-vmm/src/seccomp.rs`), and a forbidden system call from a
+//! (`crates/ember-vmm/src/seccomp/`), and a forbidden system call from a
 //! device I/O thread ends ember with a line naming the thread and the call.
 //!
 //! The forbidden call comes from a debug-build-only hook: with

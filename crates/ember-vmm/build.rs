@@ -1,6 +1,6 @@
 //! Compiles the seccomp allow-lists (`src/seccomp/lists.rs`) to BPF with
 //! seccompiler, so that ember installs them as static data instead of
-//! compiling them at every start (see `src/seccomp.rs`).
+//! compiling them at every start (see `src/seccomp/mod.rs`).
 
 use std::fmt::Write;
 

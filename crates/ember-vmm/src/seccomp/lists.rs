@@ -1,6 +1,6 @@
 //! The allow-lists, one per kind of thread, and their compilation to BPF.
 //!
-//! This file is shared: `seccomp.rs` uses it at run time (the lists' unit
+//! This file is shared: `seccomp/mod.rs` uses it at run time (the lists' unit
 //! tests, `compile`, the bench), and the crate's build script includes it to
 //! compile every list ahead of time, so that ember starts with its BPF
 //! programs as static data instead of compiling twelve of them at every

@@ -1,6 +1,6 @@
 //! Restore: a VM built from a snapshot directory instead of a kernel.
 //!
-//! 1. open KVM; on a helper thread ([`spawn_vm`]) create the VM, map the memory file privately as guest RAM (nothing is read:
+//! 1. open KVM; on a helper thread (`spawn_vm`) create the VM, map the memory file privately as guest RAM (nothing is read:
 //!    pages fault in from the file as the guest touches them, and its writes
 //!    go to private copies), give it to KVM, create the irqchip and then the
 //!    PIT: none of this needs the state file, and it costs as much as
@@ -17,7 +17,7 @@
 //!    set its transport's state (a running device restarts on its queues);
 //!    a balloon gets its target, size, held ranges and statistics back, and
 //!    an unfinished `--prefault async` commit's floor comes down with every
-//!    deflated page committed first (see [`restore_fence`]);
+//!    deflated page committed first (see `restore_fence`);
 //! 6. COM1 from its state, the other legacy devices fresh (they hold none);
 //! 7. a new VM generation ID, announced to the guest (`devices::vmgenid`),
 //!    so no two restores of one snapshot share their RNG state;

@@ -132,7 +132,7 @@ impl Vm {
     }
 
     /// Gives guest RAM to KVM: the first [`EAGER_RAM`] bytes now, the rest on
-    /// the guest's first touch ([`Vm::claim_pending`]).
+    /// the guest's first touch ([`Vm::claim_ram`]).
     ///
     /// Why lazily: where KVM shadows guest page tables (as on this workplace's
     /// software KVM), a memory slot costs per-page metadata at creation, about

@@ -199,7 +199,7 @@ const SIGNATURE_LEAVES: [(u32, u32); 10] = [
     (0x8000_0008, 0),
 ];
 
-/// This host CPU's signature: [`SIGNATURE_LEAVES`] as the CPUID instruction
+/// This host CPU's signature: `SIGNATURE_LEAVES` as the CPUID instruction
 /// answers them here (those past the CPU's highest leaf left out). A
 /// snapshot records it and a restore compares it before anything runs. Ten
 /// instructions: KVM's supported CPUID, which says the same of the CPU, runs

@@ -7,7 +7,7 @@
 //!   writes 0 to the status register (`reset`);
 //! - a queue handler that turns descriptor chains into side effects; it is a plain struct
 //!   that unit tests drive directly on a mock queue;
-//! - a worker thread ([`worker`]) that owns an epoll over the queue eventfds and a kill
+//! - a worker thread (`worker`) that owns an epoll over the queue eventfds and a kill
 //!   eventfd and calls the handler. virtio-blk has its own loop (it also waits for io_uring
 //!   completions), following Cloud Hypervisor's dedicated per-device I/O thread.
 //!

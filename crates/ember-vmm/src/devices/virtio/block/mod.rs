@@ -114,7 +114,7 @@ pub enum Error {
 }
 
 /// How long, at most, the I/O thread busy-polls for more requests before it sleeps
-/// ([`event_loop::PollWindow`]). QEMU's `poll-max-ns` default: far longer than a polling
+/// (`event_loop::PollWindow`). QEMU's `poll-max-ns` default: far longer than a polling
 /// driver takes to answer a completion (~1 µs), short enough that an idle disk costs next
 /// to nothing and that polling on the vCPU's own CPU (an overcommitted host) wastes
 /// little.
