@@ -225,7 +225,10 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, Snaps
 
     // 4. vCPUs, each created and set on the thread it will run on.
     let n_vcpus = state.vcpus.len();
-    let (vcpu_threads, starts) = start_vcpus(&vm, std::mem::take(&mut state.vcpus))?;
+    let WaitingVcpus {
+        threads: vcpu_threads,
+        starts,
+    } = start_vcpus(&vm, std::mem::take(&mut state.vcpus))?;
     // The irqchips', PIT's and clock's state once the PIT is there (the
     // clock set after the vCPUs' MSRs, as on any running VM).
     pit.join()
@@ -360,12 +363,15 @@ fn map_pmem(
     Ok(regions)
 }
 
+/// The vCPU threads, each set up and waiting for its [`VcpuStart`].
+struct WaitingVcpus {
+    threads: Vec<JoinHandle<()>>,
+    starts: Vec<mpsc::Sender<VcpuStart>>,
+}
+
 /// Step 4: a thread per vCPU, which creates it and sets its state; returns
-/// once every vCPU is set, with the threads and the senders that start them.
-fn start_vcpus(
-    vm: &Arc<Vm>,
-    states: Vec<vcpu::VcpuState>,
-) -> Result<(Vec<JoinHandle<()>>, Vec<mpsc::Sender<VcpuStart>>), SnapshotError> {
+/// once every vCPU is set.
+fn start_vcpus(vm: &Arc<Vm>, states: Vec<vcpu::VcpuState>) -> Result<WaitingVcpus, SnapshotError> {
     let n_vcpus = states.len();
     let (ready_tx, ready) = mpsc::channel();
     let mut threads = Vec::with_capacity(n_vcpus);
@@ -382,7 +388,7 @@ fn start_vcpus(
             .map_err(|_| SnapshotError::Step("a vCPU thread ended early".into()))?;
         set?;
     }
-    Ok((threads, starts))
+    Ok(WaitingVcpus { threads, starts })
 }
 
 /// Step 5: each virtio device rebuilt in its window on its recorded backing,
