@@ -482,7 +482,7 @@ fn two_snapshots_into_one_directory_at_once_do_not_mix() {
         let memory = std::fs::read(own.join("memory")).unwrap();
         vms.push((vm, sock, memory));
     }
-    for round in 0..4 {
+    for round in 0..8 {
         let target = dir.path(&format!("shared{round}"));
         let replies: Vec<Ran> = std::thread::scope(|s| {
             let hs: Vec<_> = vms
@@ -509,7 +509,7 @@ fn two_snapshots_into_one_directory_at_once_do_not_mix() {
         );
         // The state goes with that memory: a restore accepts the pair.
         let t = target.display().to_string();
-        let r = ember_for(&["boot", "--timeout", "2", "--restore", &t], 30);
+        let r = ember_for(&["boot", "--timeout", "0.5", "--restore", &t], 30);
         assert_eq!(
             r.code,
             Some(ember::exit::EXIT_TIMEOUT),
