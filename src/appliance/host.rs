@@ -84,6 +84,17 @@ pub enum Outcome {
     NoReport(String),
     /// The timeout expired.
     TimedOut,
+    /// Our own stdout or stderr refused the command's output: the run was
+    /// stopped there rather than go on losing it.
+    OutputFailed {
+        /// `stdout` or `stderr`.
+        stream: &'static str,
+        /// The reader went away (EPIPE): a pipeline's `head` has what it
+        /// wanted, so this is not an error to report.
+        broken_pipe: bool,
+        /// The write error.
+        reason: String,
+    },
 }
 
 /// How long a VMM that writes an events file may take to end by itself once
@@ -374,12 +385,24 @@ fn converse(
                     }
                     send_job(&stream, job).map_err(io_err("writing the channel"))?;
                 }
-                Kind::Stdout => {
-                    // A closed stdout (e.g. `| head`) must not stop the run.
-                    let _ = out.write_all(&frame.payload).and_then(|_| out.flush());
-                }
-                Kind::Stderr => {
-                    let _ = err.write_all(&frame.payload).and_then(|_| err.flush());
+                Kind::Stdout | Kind::Stderr => {
+                    let (w, stream): (&mut dyn Write, _) = if frame.kind == Kind::Stdout {
+                        (&mut *out, "stdout")
+                    } else {
+                        (&mut *err, "stderr")
+                    };
+                    // Output that cannot be delivered stops the run (the
+                    // caller's guard ends the VM, and the command with it):
+                    // carrying on would lose it and still report success.
+                    // The channel is read no faster than this writes, so a
+                    // slow reader holds the guest back instead.
+                    if let Err(e) = w.write_all(&frame.payload).and_then(|_| w.flush()) {
+                        return Ok(Some(Outcome::OutputFailed {
+                            stream,
+                            broken_pipe: e.kind() == io::ErrorKind::BrokenPipe,
+                            reason: e.to_string(),
+                        }));
+                    }
                 }
                 Kind::Exit => {
                     let code = protocol::exit_code(&frame.payload).unwrap_or(-1);

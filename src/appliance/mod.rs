@@ -37,6 +37,8 @@ use thiserror::Error;
 
 /// Exit status when the appliance (not the command) failed.
 pub const EXIT_APPLIANCE: i32 = 125;
+/// Exit status when the reader of our output went away (128 + SIGPIPE).
+pub const EXIT_BROKEN_PIPE: i32 = 141;
 /// Exit status when the command cannot be carried into the appliance.
 pub const EXIT_CANNOT_RUN: i32 = 126;
 /// Exit status when the command is not found.

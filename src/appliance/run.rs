@@ -5,8 +5,8 @@
 use super::assemble::{Assembled, Extras, module_groups, write_appliance};
 use super::cli::{self, RunArgs};
 use super::{
-    ApplianceError, EXIT_APPLIANCE, EXIT_TIMEOUT, assemble, builder, cache, host, kernel, rig,
-    userland, warm,
+    ApplianceError, EXIT_APPLIANCE, EXIT_BROKEN_PIPE, EXIT_TIMEOUT, assemble, builder, cache, host,
+    kernel, rig, userland, warm,
 };
 use crate::backend::{self, Backend, ChannelKind, GuestSpec};
 use ember_vmm::error_chain;
@@ -133,6 +133,7 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
     let channel_dev = match backend.channel_kind() {
         ChannelKind::Serial => "/dev/ttyS1",
         ChannelKind::VirtioConsole => "/dev/hvc0",
+        ChannelKind::VirtioSerialPort => "/dev/vport0p1",
     };
     let modules = a.mods.len();
     let mut job = host::Job {
@@ -315,6 +316,14 @@ fn exit_status(
                 EXIT_APPLIANCE
             }
         },
+        // As a shell pipeline's member would: quietly, with SIGPIPE's status.
+        host::Outcome::OutputFailed {
+            broken_pipe: true, ..
+        } => EXIT_BROKEN_PIPE,
+        host::Outcome::OutputFailed { stream, reason, .. } => {
+            eprintln!("ember: cannot write the command's {stream}: {reason}; the VM was stopped");
+            EXIT_APPLIANCE
+        }
         host::Outcome::NoReport(tail) => {
             let hint = if modules == 0 {
                 "; no kernel modules were found for this kernel, so it needs \

@@ -251,6 +251,11 @@ impl GuestSpec {
 pub enum ChannelKind {
     /// `/dev/hvc0` (virtio-console; needs the virtio_console driver).
     VirtioConsole,
+    /// `/dev/vport0p1`: a virtio-serial port that is not a console (the
+    /// same driver). QEMU holds a port's output back while the host side
+    /// cannot take it, but drops a console's (its `virtconsole` is not flow
+    /// controlled), so QEMU's channel is a port.
+    VirtioSerialPort,
     /// `/dev/ttyS1` (second 16550).
     Serial,
 }

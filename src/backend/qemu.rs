@@ -164,7 +164,7 @@ impl Backend for QemuBackend {
     /// a second 16550 and moves data ~6x faster (1 MB through `cat`: 4.2 s
     /// vs 25 s), and microvm has no second UART at all.
     fn channel_kind(&self) -> ChannelKind {
-        ChannelKind::VirtioConsole
+        ChannelKind::VirtioSerialPort
     }
 
     /// Every virtio device this backend adds is `-device` on microvm and
@@ -289,7 +289,14 @@ impl Backend for QemuBackend {
             } else {
                 "virtio-serial-pci"
             };
-            c.args(["-device", bus, "-device", "virtconsole,chardev=ch0"]);
+            // A port, not `virtconsole`: QEMU drops a console's output when
+            // the socket would block, and throttles a port's (ChannelKind).
+            c.args([
+                "-device",
+                bus,
+                "-device",
+                "virtserialport,chardev=ch0,name=ember.channel",
+            ]);
         }
         // Guest-chosen exit status, the same port ember listens on.
         c.args(["-device", "isa-debug-exit,iobase=0x501,iosize=1"]);
@@ -458,7 +465,7 @@ mod tests {
         }
         assert!(s.contains(
             "-chardev socket,id=ch0,path=/tmp/ch.sock -device virtio-serial-device \
-             -device virtconsole,chardev=ch0"
+             -device virtserialport,chardev=ch0,name=ember.channel"
         ));
     }
 

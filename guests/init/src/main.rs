@@ -297,7 +297,7 @@ fn env_value(envp: *const *const u8, prefix: &[u8]) -> Option<&'static [u8]> {
     }
 }
 
-/// Opens the channel tty (waiting for a driver to create it) and makes it raw,
+/// Opens the channel (waiting for a driver to create it) and makes a tty raw,
 /// so no byte of a frame is echoed, translated or taken as a signal.
 fn open_channel(path: &[u8]) -> Result<Fd, &'static [u8]> {
     let mut tries = 0;
@@ -311,8 +311,12 @@ fn open_channel(path: &[u8]) -> Result<Fd, &'static [u8]> {
             Err(_) => return Err(b"cannot open the channel device"),
         }
     };
-    sys::make_raw(fd).map_err(|_| &b"cannot make the channel raw"[..])?;
-    Ok(fd)
+    // A virtio-serial port that is not a console (QEMU's channel) is no
+    // tty: there is nothing to make raw, its bytes pass as they are.
+    match sys::make_raw(fd) {
+        Ok(_) | Err(sys::ENOTTY) => Ok(fd),
+        Err(_) => Err(b"cannot make the channel raw"),
+    }
 }
 
 /// Where a `ROOT` device is mounted (a directory of the initramfs skeleton).

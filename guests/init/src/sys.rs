@@ -22,6 +22,7 @@ pub const EEXIST: Errno = 17;
 pub const EPERM: Errno = 1;
 pub const EKEYREJECTED: Errno = 129;
 pub const ENOEXEC: Errno = 8;
+pub const ENOTTY: Errno = 25;
 
 pub const POLLIN: i16 = 0x1;
 pub const POLLOUT: i16 = 0x4;
