@@ -26,10 +26,7 @@
 //!
 //! Kernel messages never travel here: the kernel's console is another device.
 
-#[path = "frame_types.rs"]
-mod frame_types;
-
-pub use frame_types::{HEADER_LEN, MAX_PAYLOAD};
+pub use ember_frames::{HEADER_LEN, MAX_PAYLOAD};
 use std::io::{self, Write};
 use thiserror::Error;
 
@@ -65,7 +62,7 @@ pub enum Kind {
 impl Kind {
     /// The type byte on the wire.
     pub fn byte(self) -> u8 {
-        use frame_types as t;
+        use ember_frames as t;
         match self {
             Kind::Ready => t::READY,
             Kind::Stdout => t::STDOUT,
@@ -84,7 +81,7 @@ impl Kind {
 
     /// The kind of a type byte.
     pub fn from_byte(b: u8) -> Option<Kind> {
-        use frame_types as t;
+        use ember_frames as t;
         Some(match b {
             t::READY => Kind::Ready,
             t::STDOUT => Kind::Stdout,
@@ -313,7 +310,7 @@ mod tests {
             decode_all(&[0x7f, 0, 0, 0, 0], 5),
             Err(ProtocolError::UnknownType(0x7f))
         );
-        let mut big = vec![frame_types::STDOUT];
+        let mut big = vec![ember_frames::STDOUT];
         big.extend_from_slice(&(MAX_PAYLOAD as u32 + 1).to_le_bytes());
         assert_eq!(
             decode_all(&big, 5),

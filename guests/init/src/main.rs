@@ -10,21 +10,19 @@
 //! frames, and power off.
 //!
 //! No libc: raw syscalls, a naked `_start`, and fixed buffers on the stack
-//! (no allocator). The frame format is in `src/appliance/protocol.rs`.
+//! (no allocator). The frame format is in `src/appliance/protocol.rs`; the type
+//! bytes come from the `ember-frames` crate, shared with ember.
 
 #![no_std]
 #![no_main]
 
 #[path = "../../../src/appliance/applets.rs"]
 mod applets;
-#[path = "../../../src/appliance/frame_types.rs"]
-#[allow(dead_code)]
-mod frame_types;
 #[path = "../../../src/appliance/module_sig.rs"]
 mod module_sig;
 mod sys;
 
-use frame_types as ft;
+use ember_frames as ft;
 use sys::Fd;
 
 /// The file the appliance builder writes: module paths, one a line, in load order.

@@ -1,7 +1,9 @@
-//! Frame type bytes of the appliance channel protocol (see `protocol.rs`).
-//!
-//! This file is shared verbatim with the guest init (`guests/init`), which is
-//! `no_std`: keep it to plain constants.
+//! Frame header and type bytes of the appliance channel protocol, the part
+//! both ends need: ember's host side (`src/appliance/protocol.rs`, which
+//! describes the conversation) and the guest init (`guests/init`), which is
+//! freestanding. Hence `no_std`, no dependencies and plain constants only.
+
+#![no_std]
 
 /// Frame header: type byte + little-endian u32 payload length.
 pub const HEADER_LEN: usize = 5;
