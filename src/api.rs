@@ -33,7 +33,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use thiserror::Error;
 
-use ember_vmm::devices::virtio::BalloonHandle;
+use ember_vmm::devices::virtio::{BalloonHandle, target_pages};
 use ember_vmm::snapshot::Machine;
 use ember_vmm::vstate::end::GuestEnd;
 
@@ -342,18 +342,13 @@ pub fn handle(req: Request, ctx: &ApiContext) -> Value {
             let Some(b) = &ctx.balloon else {
                 return error_reply("the VM has no balloon (--balloon)");
             };
-            let pages = target_mib
-                .checked_mul(MIB / BALLOON_PAGE)
-                .filter(|&p| p * BALLOON_PAGE <= ctx.machine.mem_size)
-                .and_then(|p| u32::try_from(p).ok());
-            match pages {
-                Some(p) => {
+            // Saturated, a target beyond u64 is still larger than any guest.
+            match target_pages(target_mib.saturating_mul(MIB), ctx.machine.mem_size) {
+                Ok(p) => {
                     b.set_target_pages(p);
                     json!({"ok": true})
                 }
-                None => error_reply(format!(
-                    "a balloon of {target_mib} MiB is larger than the guest's memory"
-                )),
+                Err(e) => error_reply(e.to_string()),
             }
         }
         Request::BalloonStats {} => {

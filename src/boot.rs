@@ -6,7 +6,7 @@ use crate::exit::{EXIT_GUEST_CRASHED, EXIT_SECCOMP, EXIT_TIMEOUT, guest_end_stat
 use clap::Args;
 use ember_vmm::builder::{self, BeforeGo, VmConfig, Vmm};
 use ember_vmm::devices::legacy::Serial;
-use ember_vmm::devices::virtio::DiskConfig;
+use ember_vmm::devices::virtio::{DiskConfig, target_pages};
 use ember_vmm::events::{Recorder, kind};
 use ember_vmm::prefault::MemoryOptions;
 use ember_vmm::seccomp;
@@ -262,7 +262,12 @@ fn boot(
         pmem: args.devices.pmem.clone(),
         balloon: args.devices.balloon,
         balloon_target: match &args.balloon_target {
-            Some(t) => memory::parse_size(t)?,
+            Some(t) => {
+                let bytes = memory::parse_size(t)?;
+                target_pages(bytes, mem_size)
+                    .map_err(|e| anyhow::anyhow!("--balloon-target {t}: {e}"))?;
+                bytes
+            }
             None => 0,
         },
         balloon_reporting: !args.balloon_no_reporting,

@@ -764,7 +764,6 @@ fn restore_honours_mem_lock() {
 /// A balloon target beyond the guest's memory is refused at start, in one
 /// line, as the control socket refuses it.
 #[test]
-#[ignore = "issue 22 item 9: fails on 4e6807d; un-ignore with its fix"]
 fn a_balloon_target_beyond_memory_is_refused_at_start() {
     if !require_kvm("balloon_target_bound") {
         return;

@@ -55,6 +55,42 @@ pub const QUEUE_SIZE: u16 = 256;
 /// Balloon page frame numbers are in 4 KiB units, whatever the guest's page size.
 pub const BALLOON_PAGE_SHIFT: u32 = 12;
 const BALLOON_PAGE_SIZE: u64 = 1 << BALLOON_PAGE_SHIFT;
+/// A balloon target that cannot be set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum TargetError {
+    /// More than the guest has: the driver would inflate until the guest runs out.
+    #[error("a balloon of {} is larger than the guest's memory ({})", size(*.target), size(*.mem))]
+    LargerThanMemory {
+        /// The target, bytes.
+        target: u64,
+        /// The guest's memory, bytes.
+        mem: u64,
+    },
+    /// More pages than the 32-bit `num_pages` field can say (16 TiB).
+    #[error("a balloon of {} is more than the device can hold (16 TiB)", size(*.0))]
+    BeyondDevice(u64),
+}
+
+/// `bytes` in MiB when it is whole MiB, else in bytes.
+fn size(bytes: u64) -> String {
+    if bytes % (1 << 20) == 0 {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{bytes} bytes")
+    }
+}
+
+/// The balloon target, in 4 KiB pages (rounded up), of `bytes` in a guest of
+/// `mem` bytes. The one rule for every way a target enters (a boot's
+/// `--balloon-target`, the control socket's `balloon`): never more than the
+/// guest's memory, nor than the device can say.
+pub fn target_pages(bytes: u64, mem: u64) -> Result<u32, TargetError> {
+    if bytes > mem {
+        return Err(TargetError::LargerThanMemory { target: bytes, mem });
+    }
+    u32::try_from(bytes.div_ceil(BALLOON_PAGE_SIZE)).map_err(|_| TargetError::BeyondDevice(bytes))
+}
+
 /// Most bytes read from one inflate/deflate/stats buffer (the Linux driver sends 1 KiB).
 const MAX_BUFFER_BYTES: usize = 64 * 1024;
 /// Size of one `struct virtio_balloon_stat` (`le16 tag; le64 val`, packed).
@@ -840,6 +876,30 @@ mod tests {
     const Q1: u64 = 0x8000;
     const Q2: u64 = 0x1_0000;
     const Q3: u64 = 0x1_8000;
+
+    #[test]
+    fn a_target_is_at_most_the_guests_memory_and_what_the_device_can_say() {
+        const M: u64 = 1 << 20;
+        assert_eq!(target_pages(64 * M, 64 * M), Ok(16384));
+        assert_eq!(target_pages(1, 64 * M), Ok(1), "rounded up to a page");
+        assert_eq!(
+            target_pages(64 * M + 1, 64 * M),
+            Err(TargetError::LargerThanMemory {
+                target: 64 * M + 1,
+                mem: 64 * M
+            })
+        );
+        let t = 16u64 << 40;
+        assert_eq!(target_pages(t, t), Err(TargetError::BeyondDevice(t)));
+        assert_eq!(
+            TargetError::LargerThanMemory {
+                target: 1 << 40,
+                mem: 64 * M
+            }
+            .to_string(),
+            "a balloon of 1048576 MiB is larger than the guest's memory (64 MiB)"
+        );
+    }
 
     struct Rig {
         mem: GuestMemory,

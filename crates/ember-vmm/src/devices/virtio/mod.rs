@@ -70,7 +70,7 @@ pub(crate) mod test_utils;
 pub use block::{Block, DiskConfig};
 pub use console::{Console, ConsoleInput};
 
-pub use balloon::{Balloon, BalloonHandle, BalloonState, BalloonStats};
+pub use balloon::{Balloon, BalloonHandle, BalloonState, BalloonStats, TargetError, target_pages};
 pub use mmio::MmioTransport;
 pub use pmem::{Pmem, PmemRegion};
 
