@@ -74,7 +74,12 @@ pub struct BootArgs {
     pub api_socket: Option<PathBuf>,
     /// Resume the VM saved in this snapshot directory (`ember snapshot`)
     /// instead of booting a kernel.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "initrd", "cmdline", "disk", "rng", "balloon"])]
+    /// The snapshot fixes the machine: options that would change it (vCPUs,
+    /// memory size and backing, devices, ACPI) are refused with it.
+    #[arg(long, value_name = "DIR", conflicts_with_all = [
+        "kernel", "initrd", "cmdline", "disk", "rng", "balloon", "cpus", "mem", "hugepages",
+        "prefault", "no_acpi", "balloon_target", "balloon_no_reporting",
+    ])]
     pub restore: Option<PathBuf>,
     /// Seccomp filters on every thread (allow-lists in ember-vmm's seccomp/):
     /// `trap` stops a forbidden system call and exits with status 4, naming it;
@@ -155,7 +160,13 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
     // takes its own seccomp filter instead of running under this thread's.
     let before_go: BeforeGo = {
         let api = api.clone();
+        // A fresh VM's memory is locked as it is made; a restored one's here.
+        let lock_restored = args.mem_lock && args.restore.is_some();
         Box::new(move |vmm: &Vmm| {
+            if lock_restored {
+                ember_vmm::prefault::lock(&vmm.mem)
+                    .map_err(|e| io::Error::other(ember_vmm::error_chain(&e)))?;
+            }
             if let Some(api) = &api {
                 api.serve(crate::api::ApiContext {
                     machine: vmm.machine.clone(),

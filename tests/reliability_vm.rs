@@ -688,7 +688,6 @@ fn refused_naming(r: &Ran, option: &str) -> Result<(), String> {
 
 /// `--restore` refuses, in one line naming it, each option it cannot honour.
 #[test]
-#[ignore = "issue 22 item 8: fails on 4e6807d; un-ignore with its fix"]
 fn restore_refuses_the_options_it_cannot_honour() {
     if !require_kvm("restore_options") {
         return;
@@ -730,7 +729,6 @@ fn vm_lck_kib(pid: i32) -> u64 {
 
 /// `--restore … --mem-lock` locks the restored VM's memory.
 #[test]
-#[ignore = "issue 22 item 8: fails on 4e6807d; un-ignore with its fix"]
 fn restore_honours_mem_lock() {
     if !require_kvm("restore_mem_lock") {
         return;

@@ -220,21 +220,29 @@ pub fn create_memory(size: u64, opts: &MemoryOptions) -> Result<GuestMemoryMmap,
         memory::create(size)?
     };
     if opts.mem_lock {
-        for (_, len, host) in host_ranges(&mem) {
-            // SAFETY: `host..host+len` is guest memory vm-memory maps for `mem`'s
-            // lifetime; locking changes residency, never contents. MLOCK_ONFAULT
-            // locks each page as it is committed (by the prefault or the guest)
-            // instead of faulting everything in here.
-            let rc = unsafe { libc::mlock2(host as *const _, len as usize, libc::MLOCK_ONFAULT) };
-            if rc != 0 {
-                return Err(CommitError::Lock(
-                    size >> 20,
-                    std::io::Error::last_os_error(),
-                ));
-            }
-        }
+        lock(&mem)?;
     }
     Ok(mem)
+}
+
+/// Locks guest memory in host RAM (`--mem-lock`), each page as it is
+/// committed: a fresh VM's memory (by [`create_memory`]) or a restored one's.
+pub fn lock(mem: &GuestMemoryMmap) -> Result<(), CommitError> {
+    for (_, len, host) in host_ranges(mem) {
+        // SAFETY: `host..host+len` is guest memory vm-memory maps for `mem`'s
+        // lifetime; locking changes residency, never contents. MLOCK_ONFAULT
+        // locks each page as it is committed (by the prefault or the guest)
+        // instead of faulting everything in here.
+        let rc = unsafe { libc::mlock2(host as *const _, len as usize, libc::MLOCK_ONFAULT) };
+        if rc != 0 {
+            let size: u64 = mem.iter().map(|r| r.len()).sum();
+            return Err(CommitError::Lock(
+                size >> 20,
+                std::io::Error::last_os_error(),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `Some(bytes)` of free hugetlbfs pages when there are some, `None` when the
