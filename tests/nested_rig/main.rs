@@ -17,6 +17,7 @@
 //! L2 boot (e.g. `--no-acpi`, to see the virtio tests fail); `EMBER_RIG_CASES`
 //! runs only some cases (space-separated names).
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use ember::appliance::{kernel, modules};
@@ -232,7 +233,7 @@ fn l2_initramfs(out: &Path, tree: &modules::ModuleTree) -> Result<(), String> {
     }
     w.char_dev("dev/console", 0o600, 5, 1).map_err(e)?;
     w.file("bin/busybox", 0o755, &busybox).map_err(e)?;
-    w.file("init", 0o755, include_bytes!("rig/l2-init.sh"))
+    w.file("init", 0o755, include_bytes!("../rig/l2-init.sh"))
         .map_err(e)?;
     let mut wanted: Vec<&str> = Vec::new();
     let mut have = 0;
@@ -335,7 +336,7 @@ fn run_rig() -> Result<Rig, String> {
     let stage = scratch.0.clone();
     let rigdir = stage.join("rig");
     std::fs::create_dir_all(&rigdir).map_err(|e| e.to_string())?;
-    std::fs::write(rigdir.join("suite.sh"), include_bytes!("rig/suite.sh"))
+    std::fs::write(rigdir.join("suite.sh"), include_bytes!("../rig/suite.sh"))
         .map_err(|e| e.to_string())?;
     l2_initramfs(&rigdir.join("l2.cpio"), &tree)?;
     symlink(&vmlinuz, &rigdir.join("vmlinuz"))?;
