@@ -3,7 +3,7 @@
 //!
 //! Needs `ember setup` to have run (the kernel in ember's cache) and QEMU;
 //! fails loudly otherwise. The ember backend needs hardware KVM: its test
-//! is in the nested rig (tests/nested_rig.rs).
+//! is in the nested rig (tests/nested_rig/).
 
 mod common;
 
@@ -261,7 +261,7 @@ fn dirs_kernel() -> PathBuf {
 }
 
 // The ember backend (Debian's kernel under ember itself) needs hardware KVM:
-// it runs in the nested rig, tests/nested_rig.rs
+// it runs in the nested rig, tests/nested_rig/
 // (`appliance_on_the_ember_backend_keeps_streams_and_status`).
 
 /// `--nested-kvm` that cannot work ends with one line and status 125.

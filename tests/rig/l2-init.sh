@@ -1,5 +1,5 @@
 #!/bin/busybox sh
-# /init of the L2 guests of the nested rig (tests/nested_rig.rs): Debian's
+# /init of the L2 guests of the nested rig (tests/nested_rig/): Debian's
 # unmodified cloud kernel, booted by ember inside the L1 guest. It prints
 # facts as `@KEY VALUE` lines on the console; the test harness judges them.
 # RIGCASE (from the kernel command line) says what to exercise; RIGTOKEN is

@@ -1,5 +1,5 @@
 #!/bin/busybox sh
-# The nested rig's suite, run by tests/nested_rig.rs in ONE L1 guest (ember's
+# The nested rig's suite, run by tests/nested_rig/ in ONE L1 guest (ember's
 # appliance under QEMU/TCG with --nested-kvm, so /dev/kvm exists here). Each
 # case boots Debian's unmodified cloud kernel (L2) with ember and reports as
 #   @@ CASE start limit=S

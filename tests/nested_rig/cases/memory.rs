@@ -1,0 +1,205 @@
+//! Guest memory: the balloon through the control socket, and `--prefault
+//! async` fenced by Debian's balloon driver (`ember boot` and the appliance).
+
+use crate::case::Case;
+use crate::rig::rig;
+
+/// The balloon's size the socket case asks for (tests/rig/suite.sh BALLOON_MIB).
+const BALLOON_MIB: u64 = 160;
+/// What the guest writes after a deflate (tests/rig/l2-init.sh touch_memory).
+const TOUCH_KIB: u64 = 150 << 10;
+
+/// A fact's number (`@KEY N`, or the value of `name=` in it).
+fn number(c: &Case, key: &str, name: Option<&str>) -> u64 {
+    let v = c.fact(key).unwrap_or_default();
+    let v = match name {
+        Some(n) => v
+            .split_whitespace()
+            .find_map(|f| f.strip_prefix(n)?.strip_prefix('='))
+            .unwrap_or_default(),
+        None => v.trim(),
+    };
+    v.parse()
+        .unwrap_or_else(|_| panic!("no number in @{key} ({name:?})\n{}", c.dump()))
+}
+
+/// The fields of the `memory_visible` event (the background commit's end) in
+/// an events file the rig printed: driver, inflated, deflated and held pages.
+fn visible_fields(events_case: &Case) -> (u64, u64, u64, u64, u64) {
+    let json = events_case.out.join("\n");
+    let ev: ember_vmm::events::EventFile = serde_json::from_str(&json)
+        .unwrap_or_else(|e| panic!("the events file is not JSON ({e}): {json:.800}"));
+    let kinds: Vec<&str> = ev.events.iter().map(|e| e.kind.as_str()).collect();
+    assert!(
+        kinds.contains(&ember_vmm::prefault::EVENT_COMMITTED),
+        "the background commit did not complete: {kinds:?}"
+    );
+    let text = ev
+        .events
+        .iter()
+        .find(|e| e.kind == ember_vmm::prefault::EVENT_VISIBLE)
+        .and_then(|e| e.text.clone())
+        .unwrap_or_else(|| panic!("no memory_visible event: {kinds:?}"));
+    let field = |name: &str| -> u64 {
+        text.split_whitespace()
+            .find_map(|f| f.strip_prefix(name)?.strip_prefix('=')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing: {text}"))
+    };
+    let resident = ev.memory_kib("guest_resident_kib").unwrap_or(0);
+    (
+        field("driver"),
+        field("inflated_pages"),
+        field("deflated_pages"),
+        field("held_pages"),
+        resident,
+    )
+}
+
+#[test]
+fn balloon_through_the_socket_moves_embers_resident_memory() {
+    let c = rig().case("balloon-socket");
+    assert_eq!(c.rc, Some(0), "ember's exit status\n{}", c.dump());
+    for op in ["ctl-inflate", "ctl-deflate"] {
+        assert!(
+            c.fact(op).is_some_and(|r| r.contains(r#""ok":true"#)),
+            "`ember ctl … balloon` ({op})\n{}",
+            c.dump()
+        );
+    }
+    assert!(
+        c.fact("timeout").is_none(),
+        "the balloon never reached its target\n{}",
+        c.dump()
+    );
+    let (filled, inflated) = (
+        number(c, "rss-filled", None),
+        number(c, "rss-inflated", None),
+    );
+    let (deflated, touched) = (
+        number(c, "rss-deflated", None),
+        number(c, "rss-touched", None),
+    );
+    eprintln!(
+        "balloon-socket: ember VmRSS filled {filled} KiB, inflated {inflated} KiB, \
+         deflated {deflated} KiB, touched {touched} KiB"
+    );
+    // Most of the 160 MiB the balloon took were resident (the page cache the
+    // guest filled): ember gave them back to the host.
+    assert!(
+        filled >= inflated + (96 << 10),
+        "inflating {BALLOON_MIB} MiB: VmRSS {filled} -> {inflated} KiB\n{}",
+        c.dump()
+    );
+    // The guest's 150 MiB after the deflate (more than it had while the
+    // balloon held 160 of its 256 MiB) became resident memory of ember's.
+    assert!(
+        touched >= deflated + (96 << 10),
+        "touching {TOUCH_KIB} KiB after the deflate: VmRSS {deflated} -> {touched} KiB\n{}",
+        c.dump()
+    );
+    // The guest's own view: the driver inflated the target and deflated it all.
+    let (gi, gd) = (
+        number(c, "balloon-vmstat", Some("inflate")),
+        number(c, "balloon-vmstat", Some("deflate")),
+    );
+    assert!(gi >= BALLOON_MIB * 256 && gd == gi, "{}", c.dump());
+    assert_eq!(number(c, "touched", None), TOUCH_KIB, "{}", c.dump());
+    // The driver's statistics arrived (tag 5: total memory, 4: free memory).
+    let stats: serde_json::Value =
+        serde_json::from_str(c.fact("stats").unwrap_or_default()).unwrap_or_default();
+    let total = stats["stats"]["5"].as_u64().unwrap_or(0);
+    assert!(
+        (128 << 20..=256 << 20).contains(&total) && stats["stats"]["4"].is_u64(),
+        "balloon statistics: {stats}\n{}",
+        c.dump()
+    );
+    assert_eq!(
+        stats["actual_pages"].as_u64(),
+        Some(BALLOON_MIB * 256),
+        "{stats}"
+    );
+}
+
+#[test]
+fn prefault_async_is_fenced_by_debians_balloon_driver() {
+    let r = rig();
+    let c = r.case("prefault-async");
+    assert_eq!(c.rc, Some(0), "ember's exit status\n{}", c.dump());
+    assert!(
+        !c.err.iter().any(|l| l.contains("no balloon driver")),
+        "{}",
+        c.dump()
+    );
+    let (driver, inflated, deflated, held, resident) =
+        visible_fields(r.case("prefault-async-events"));
+    eprintln!(
+        "prefault-async: driver={driver} inflated={inflated} deflated={deflated} held={held} resident={resident} KiB"
+    );
+    // The driver came up while memory was still being committed, took what was
+    // not committed yet, and gave it all back only as it was committed.
+    assert_eq!(driver, 1, "{}", c.dump());
+    assert!(inflated > 0, "the driver never inflated\n{}", c.dump());
+    assert_eq!(deflated, inflated, "{}", c.dump());
+    assert_eq!(held, 0);
+    assert!(resident >= 256 << 10, "resident {resident} KiB");
+    let gi = number(c, "balloon-vmstat", Some("inflate"));
+    assert_eq!(gi, inflated, "the guest's count\n{}", c.dump());
+    assert_eq!(number(c, "touched", None), TOUCH_KIB, "{}", c.dump());
+    assert!(c.fact("done").is_some(), "{}", c.dump());
+}
+
+#[test]
+fn appliance_with_prefault_async_loads_the_balloon_first() {
+    let r = rig();
+    let c = r.case("appliance-prefault");
+    assert_eq!(c.rc, Some(0), "exit status\n{}", c.dump());
+    let vmstat = c
+        .out
+        .iter()
+        .find_map(|l| l.strip_prefix("vmstat "))
+        .unwrap_or_else(|| panic!("no vmstat line\n{}", c.dump()));
+    let count = |k: &str| -> u64 {
+        vmstat
+            .split_whitespace()
+            .find_map(|f| f.strip_prefix(k)?.strip_prefix('=')?.parse().ok())
+            .unwrap_or(0)
+    };
+    assert!(
+        count("inflate") > 0 && count("inflate") == count("deflate"),
+        "{vmstat}"
+    );
+    // /proc/modules lists the most recently loaded module first.
+    let modules: Vec<&str> = c
+        .out
+        .iter()
+        .find(|l| l.contains("virtio_balloon"))
+        .map(|l| l.split_whitespace().collect())
+        .unwrap_or_default();
+    let at = |m: &str| modules.iter().position(|x| *x == m);
+    assert!(
+        at("virtio_balloon").is_some()
+            && at("virtio_rng").is_some()
+            && at("virtio_balloon") > at("virtio_rng"),
+        "virtio_balloon must load before virtio_rng: {modules:?}\n{}",
+        c.dump()
+    );
+    // The fence's end, from `run --events` (the VMM ends by itself then).
+    let (driver, inflated, deflated, held, _) = visible_fields(r.case("appliance-prefault-events"));
+    assert_eq!((driver, held), (1, 0));
+    assert!(
+        inflated > 0 && deflated == inflated,
+        "{inflated} {deflated}"
+    );
+    assert!(
+        c.err
+            .iter()
+            .any(|l| l.contains("guest memory committed in the background: 512 MiB")),
+        "{}",
+        c.dump()
+    );
+    assert!(
+        !c.err.iter().any(|l| l.contains("no balloon driver")),
+        "{}",
+        c.dump()
+    );
+}

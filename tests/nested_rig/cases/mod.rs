@@ -1,0 +1,9 @@
+//! The tests, one a case (or one a device of the virtio case), grouped by
+//! what they exercise. Each judges what its case printed in the shared rig.
+
+mod appliance;
+mod boot;
+mod lab;
+mod memory;
+mod snapshot;
+mod virtio;
