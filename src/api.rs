@@ -58,7 +58,7 @@ pub enum ApiError {
     #[error("{0} exists and is not a socket")]
     NotASocket(PathBuf),
     /// Binding or connecting failed.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         /// The socket path.
         path: PathBuf,
@@ -309,7 +309,7 @@ pub fn handle(req: Request, ctx: &ApiContext) -> Value {
     }
     let done = |r: Result<(), ember_vmm::vstate::control::ControlError>| match r {
         Ok(()) => json!({"ok": true}),
-        Err(e) => error_reply(e),
+        Err(e) => error_reply(ember_vmm::error_chain(&e)),
     };
     match req {
         Request::Status {} => json!({
@@ -335,7 +335,7 @@ pub fn handle(req: Request, ctx: &ApiContext) -> Value {
                     "in_flight": stats.in_flight,
                     "ms": stats.ms,
                 }),
-                Err(e) => error_reply(e),
+                Err(e) => error_reply(ember_vmm::error_chain(&e)),
             }
         }
         Request::Balloon { target_mib } => {

@@ -129,8 +129,13 @@ pub const DEFAULT_CMDLINE: &str =
 pub fn main(args: BootArgs) -> anyhow::Result<i32> {
     if let Some(t) = args.timeout {
         // Durations from floats panic on NaN, infinity and overflow: refuse them here.
-        if !(t.is_finite() && t > 0.0 && t < 1e9) {
+        if t.is_nan() || t <= 0.0 {
             anyhow::bail!("--timeout must be a positive number of seconds, not {t}");
+        }
+        if t >= 1e9 {
+            anyhow::bail!(
+                "--timeout {t} is too large: it must be less than 1e9 seconds (31 years)"
+            );
         }
     }
     // Bound before any thread starts: binding sets the process's umask.
@@ -189,7 +194,12 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
                 dir: dir.clone(),
                 console,
                 channel: args.channel.clone(),
-                pmem: args.devices.pmem.clone(),
+                pmem: args
+                    .devices
+                    .pmem
+                    .iter()
+                    .map(|p| absolute(p))
+                    .collect::<anyhow::Result<_>>()?,
                 before_go: Some(before_go),
             };
             restore::restore(cfg, recorder.clone())?
@@ -251,6 +261,22 @@ fn boot(
         anyhow::bail!("give a kernel (--kernel FILE) or a snapshot (--restore DIR)");
     };
     let mem_size = memory::parse_size(&args.mem)?;
+    let mut disks: Vec<DiskConfig> = args
+        .devices
+        .disk
+        .iter()
+        .map(|d| DiskConfig::parse(d))
+        .collect::<Result<_, _>>()?;
+    for d in &mut disks {
+        d.path = absolute(&d.path)?;
+    }
+    let pmem = args
+        .devices
+        .pmem
+        .iter()
+        .map(|p| absolute(p))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    check_images_once(&disks, &pmem)?;
     let cfg = VmConfig {
         kernel,
         initrd: args.initrd.clone(),
@@ -262,15 +288,10 @@ fn boot(
         vcpus: args.cpus,
         console,
         acpi: !args.devices.no_acpi,
-        disks: args
-            .devices
-            .disk
-            .iter()
-            .map(|d| DiskConfig::parse(d))
-            .collect::<Result<_, _>>()?,
+        disks,
         channel: args.channel.clone(),
         rng: args.devices.rng,
-        pmem: args.devices.pmem.clone(),
+        pmem,
         balloon: args.devices.balloon,
         balloon_target: match &args.balloon_target {
             Some(t) => {
@@ -286,6 +307,46 @@ fn boot(
         before_go: Some(before_go),
     };
     builder::build(cfg, recorder).map_err(|e| anyhow::anyhow!(ember_vmm::error_chain(&e)))
+}
+
+/// `path` made absolute: a snapshot records it, and its restore must not
+/// depend on the working directory.
+fn absolute(path: &std::path::Path) -> anyhow::Result<PathBuf> {
+    std::path::absolute(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+/// Refuses an image used twice by this VM with a writer among its uses (two
+/// `--disk`, a `--disk` and a `--pmem`): the second use would find the
+/// first's lock, this VM's own, and be told another VM holds it.
+fn check_images_once(disks: &[DiskConfig], pmem: &[PathBuf]) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let uses = disks
+        .iter()
+        .map(|d| (d.path.as_path(), !d.read_only))
+        .chain(pmem.iter().map(|p| (p.as_path(), true)));
+    let mut seen: Vec<((u64, u64), &std::path::Path, bool)> = Vec::new();
+    for (path, writes) in uses {
+        // A path that cannot be looked up is left to its open, which says why.
+        let Ok(m) = std::fs::metadata(path) else {
+            continue;
+        };
+        let id = (m.dev(), m.ino());
+        if let Some((_, first, first_writes)) = seen.iter().find(|(i, ..)| *i == id)
+            && (writes || *first_writes)
+        {
+            let again = if *first == path {
+                "is given twice".to_owned()
+            } else {
+                format!("is {} again", first.display())
+            };
+            anyhow::bail!(
+                "{} {again}: one VM may use an image more than once only read-only (`,ro` on each --disk)",
+                path.display()
+            );
+        }
+        seen.push((id, path, writes));
+    }
+    Ok(())
 }
 
 /// `--prefault`, `--mem-lock`, `--hugepages` as memory options.

@@ -941,7 +941,6 @@ fn mkfifo(path: &Path) {
 /// A FIFO given as a kernel, initrd, read-only disk or snapshot state is
 /// refused at once (opening it would wait for a writer), in one line.
 #[test]
-#[ignore = "issue 22 item 11: fails on 4e6807d; un-ignore with its fix"]
 fn fifos_are_refused_without_blocking() {
     let dir = Scratch::new("rel-fifo");
     let g = guest();
@@ -986,7 +985,6 @@ fn fifos_are_refused_without_blocking() {
 /// A relative `--disk` path is recorded absolute: the snapshot restores
 /// from another working directory.
 #[test]
-#[ignore = "issue 22 item 11: fails on 4e6807d; un-ignore with its fix"]
 fn a_relative_disk_path_is_recorded_absolute() {
     if !require_kvm("relative_disk") {
         return;
@@ -1067,7 +1065,6 @@ fn damaged_snapshot_memory_is_not_reported_as_a_triple_fault() {
 /// An io error names its cause once (not "(os error 21): Is a directory
 /// (os error 21)"), in one line.
 #[test]
-#[ignore = "issue 22 item 11: fails on 4e6807d; un-ignore with its fix"]
 fn io_errors_state_their_cause_once() {
     let dir = Scratch::new("rel-ioerr");
     let g = guest();
@@ -1116,7 +1113,6 @@ fn says_the_cause(r: &Ran, wrong: &str, right: &[&str]) -> bool {
 
 /// `--mem 1` is a size (one byte): too small, not a multiple of a page.
 #[test]
-#[ignore = "issue 22 item 11: fails on 4e6807d; un-ignore with its fix"]
 fn mem_1_is_not_called_not_a_memory_size() {
     let g = guest();
     let r = ember_for(&["boot", "--kernel", &g, "--mem", "1"], 20);
@@ -1133,7 +1129,6 @@ fn mem_1_is_not_called_not_a_memory_size() {
 
 /// `--timeout 1e9` is positive: the problem is its size.
 #[test]
-#[ignore = "issue 22 item 11: fails on 4e6807d; un-ignore with its fix"]
 fn timeout_1e9_is_not_called_not_positive() {
     let g = guest();
     let r = ember_for(
@@ -1154,7 +1149,6 @@ fn timeout_1e9_is_not_called_not_positive() {
 /// `EMBER_CACHE` naming a regular file: the message says so, rather than
 /// sending the user to `ember setup` (which cannot fix it).
 #[test]
-#[ignore = "issue 22 item 11: fails on 4e6807d; un-ignore with its fix"]
 fn ember_cache_naming_a_file_says_so() {
     let dir = Scratch::new("rel-cachefile");
     let file = dir.path("cache");
@@ -1202,7 +1196,6 @@ fn snapshot_to_a_file_says_it_is_not_a_directory() {
 
 /// One image given twice to one VM is not "in use by another VM".
 #[test]
-#[ignore = "issue 22 item 11: fails on 4e6807d; un-ignore with its fix"]
 fn one_image_twice_in_one_vm_is_not_another_vm() {
     if !require_kvm("same_image_twice") {
         return;
@@ -1241,7 +1234,6 @@ fn one_image_twice_in_one_vm_is_not_another_vm() {
 /// A disk given `,ro` while another VM writes it: the refusal does not tell
 /// the user to add the `,ro` they gave.
 #[test]
-#[ignore = "issue 22 item 11: fails on 4e6807d; un-ignore with its fix"]
 fn no_ro_hint_when_ro_was_given() {
     if !require_kvm("ro_hint") {
         return;

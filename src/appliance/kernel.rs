@@ -76,6 +76,14 @@ pub enum KernelError {
     /// The cache directory cannot be determined.
     #[error("no cache directory: set EMBER_CACHE, XDG_CACHE_HOME or HOME")]
     NoCacheDir,
+    /// The cache's path names something other than a directory.
+    #[error("the cache `{}` (from {var}) is not a directory", .path.display())]
+    CacheNotADir {
+        /// The path.
+        path: PathBuf,
+        /// The variable it came from.
+        var: &'static str,
+    },
 }
 
 fn io_err<'a>(
@@ -97,15 +105,20 @@ pub fn cache_dir() -> Result<PathBuf, KernelError> {
             .filter(|v| !v.is_empty())
             .map(PathBuf::from)
     };
-    if let Some(d) = var("EMBER_CACHE") {
-        return Ok(d);
+    let (path, from) = if let Some(d) = var("EMBER_CACHE") {
+        (d, "EMBER_CACHE")
+    } else if let Some(d) = var("XDG_CACHE_HOME") {
+        (d.join("ember"), "XDG_CACHE_HOME")
+    } else {
+        let home = var("HOME").ok_or(KernelError::NoCacheDir)?;
+        (home.join(".cache/ember"), "HOME")
+    };
+    // A missing cache is made when needed; a file in its place would only
+    // fail later, each use saying something else (`run ember setup`).
+    match std::fs::metadata(&path) {
+        Ok(m) if !m.is_dir() => Err(KernelError::CacheNotADir { path, var: from }),
+        _ => Ok(path),
     }
-    if let Some(d) = var("XDG_CACHE_HOME") {
-        return Ok(d.join("ember"));
-    }
-    var("HOME")
-        .map(|h| h.join(".cache/ember"))
-        .ok_or(KernelError::NoCacheDir)
 }
 
 /// A kernel ready to boot as an appliance.

@@ -46,7 +46,7 @@ const FORMAT: u32 = 1;
 #[derive(Debug, Error)]
 pub enum WarmError {
     /// File system trouble.
-    #[error("{0}: {1}")]
+    #[error("{0}")]
     Io(PathBuf, #[source] io::Error),
     /// mkfs.ext4 failed or is missing.
     #[error("cannot make the command's root image: {0}")]

@@ -41,7 +41,6 @@ use crate::vstate::vm::{Vm, VmError};
 use linux_loader::loader::bootparam::setup_header;
 use linux_loader::loader::elf::{self, Elf, PvhBootCapability};
 use linux_loader::loader::{self, KernelLoader, bzimage::BzImage};
-use std::fs::File;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -675,7 +674,8 @@ fn load_kernel(
     mem: &GuestMemoryMmap,
     path: &Path,
 ) -> Result<(BootEntry, Option<setup_header>, u64), BuildError> {
-    let mut file = File::open(path).map_err(|e| BuildError::KernelOpen(path.to_owned(), e))?;
+    let mut file =
+        crate::files::open_regular(path).map_err(|e| BuildError::KernelOpen(path.to_owned(), e))?;
     let himem = Some(GuestAddress(layout::HIMEM_START));
     let elf_err = match Elf::load(mem, None, &mut file, himem) {
         Ok(r) => {
@@ -730,7 +730,7 @@ fn load_initrd(
     kernel_end: u64,
 ) -> Result<(u64, u64), BuildError> {
     let io_err = |e| BuildError::Initrd(path.to_owned(), e);
-    let mut file = File::open(path).map_err(io_err)?;
+    let mut file = crate::files::open_regular(path).map_err(io_err)?;
     let size = file.metadata().map_err(io_err)?.len();
     let addr = boot::initrd_address(ram, size, addr_max, kernel_end)?;
     let len = usize::try_from(size).map_err(|_| io_err(std::io::ErrorKind::FileTooLarge.into()))?;

@@ -18,6 +18,7 @@ pub mod builder;
 pub mod device_manager;
 pub mod devices;
 pub mod events;
+pub mod files;
 pub mod hex;
 pub mod logger;
 pub mod machine;

@@ -112,7 +112,7 @@ fn is_zero(page: &[u8]) -> bool {
 /// privately: the guest's writes go to copies, the file is only read, and
 /// only the pages the guest touches.
 pub fn map_private(path: &Path, size: u64) -> io::Result<GuestMemoryMmap> {
-    let file = std::sync::Arc::new(File::open(path)?);
+    let file = std::sync::Arc::new(crate::files::open_regular(path)?);
     let mut regions = Vec::new();
     let mut off = 0u64;
     for (start, len) in layout::ram_ranges(size) {

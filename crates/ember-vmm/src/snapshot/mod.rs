@@ -136,7 +136,7 @@ pub enum SnapshotError {
     #[error("device requests did not finish within {0:?}")]
     Drain(Duration),
     /// File system trouble.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         /// The file.
         path: PathBuf,
@@ -489,7 +489,7 @@ pub fn load_replacing(
 /// before reading it (or while: it may grow under us).
 fn read_bounded(path: &Path) -> Result<Vec<u8>, SnapshotError> {
     use std::io::Read;
-    let file = std::fs::File::open(path).map_err(io_err(path))?;
+    let file = crate::files::open_regular(path).map_err(io_err(path))?;
     let size = file.metadata().map_err(io_err(path))?.len();
     let too_large = |size| SnapshotError::TooLarge {
         path: path.to_owned(),

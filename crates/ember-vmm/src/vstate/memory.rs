@@ -23,6 +23,9 @@ pub enum MemoryError {
     /// Not a size.
     #[error("`{0}` is not a memory size (examples: 512M, 2G, 1048576)")]
     Parse(String),
+    /// A size, but not of whole 4 KiB pages.
+    #[error("`{0}` is not a multiple of the 4 KiB page size")]
+    NotWholePages(String),
     /// Too small to boot anything.
     #[error("guest memory of {0} bytes is too small (at least {MIN_MEM_SIZE} bytes, i.e. 4M)")]
     TooSmall(u64),
@@ -49,7 +52,7 @@ pub fn parse_size(s: &str) -> Result<u64, MemoryError> {
     let n: u64 = digits.parse().map_err(|_| err())?;
     let bytes = n.checked_mul(1 << shift).ok_or_else(err)?;
     if bytes % 4096 != 0 {
-        return Err(err());
+        return Err(MemoryError::NotWholePages(s.to_owned()));
     }
     Ok(bytes)
 }

@@ -374,7 +374,7 @@ impl Vcpu {
         self.fd.set_kvm_immediate_exit(0);
         let id = self.id;
         control.park(id, end, || {
-            crate::vstate::vcpu_state::save(&self.fd, id).map_err(|e| e.to_string())
+            crate::vstate::vcpu_state::save(&self.fd, id).map_err(|e| crate::error_chain(&e))
         });
     }
 

@@ -16,7 +16,7 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum VcpuStateError {
     /// An ioctl failed.
-    #[error("cannot {op} vCPU {id} {what}: {source}")]
+    #[error("cannot {op} vCPU {id} {what}")]
     Ioctl {
         /// "read" or "set".
         op: &'static str,

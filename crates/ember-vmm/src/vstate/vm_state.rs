@@ -11,7 +11,7 @@ use thiserror::Error;
 
 /// Errors saving or restoring the VM's state.
 #[derive(Debug, Error)]
-#[error("cannot {op} the VM's {what}: {source}")]
+#[error("cannot {op} the VM's {what}")]
 pub struct VmStateError {
     op: &'static str,
     what: &'static str,

@@ -45,12 +45,15 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// Another VM holds a lock on the file (or locking failed).
-    #[error("pmem backing file {path} is in use by another VM ({source})")]
+    /// Another VM holds a lock on the file.
+    #[error("pmem backing file {0} is in use by another VM")]
+    InUse(PathBuf),
+    /// Locking the file failed (not a conflict).
+    #[error("cannot lock pmem backing file {path}")]
     Lock {
         /// The file.
         path: PathBuf,
-        /// Why (`WouldBlock`: the file is locked).
+        /// Why.
         #[source]
         source: std::io::Error,
     },
@@ -95,16 +98,24 @@ impl PmemRegion {
             path: path.clone(),
             source,
         };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(open_err)?;
+        let file = crate::files::open(
+            OpenOptions::new().read(true).write(true),
+            0,
+            &path,
+            crate::files::Want::File,
+        )
+        .map_err(open_err)?;
         // The guest writes the mapping: one VM per file.
         crate::devices::image_lock::lock(&file, crate::devices::image_lock::LockKind::Exclusive)
-            .map_err(|source| Error::Lock {
-                path: path.clone(),
-                source,
+            .map_err(|source| {
+                if source.kind() == std::io::ErrorKind::WouldBlock {
+                    Error::InUse(path.clone())
+                } else {
+                    Error::Lock {
+                        path: path.clone(),
+                        source,
+                    }
+                }
             })?;
         let file_len = file.metadata().map_err(open_err)?.len();
         if file_len == 0 {
@@ -406,7 +417,7 @@ mod tests {
         let tmp = TempFile::new(&[0u8; 4096]);
         let first = PmemRegion::map(&tmp.path).unwrap();
         let second = PmemRegion::map(&tmp.path).unwrap_err();
-        assert!(matches!(second, Error::Lock { .. }), "{second}");
+        assert!(matches!(second, Error::InUse(_)), "{second}");
         assert!(second.to_string().contains("in use by another VM"));
         drop(first);
         PmemRegion::map(&tmp.path).unwrap();

@@ -24,7 +24,6 @@ pub use io::EngineKind;
 use std::fs::{File, OpenOptions};
 
 use crate::devices::image_lock::{self, LockKind};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -91,14 +90,21 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// Another VM holds a conflicting lock on the image (or locking failed).
-    #[error(
-        "disk image {path} is in use by another VM ({source}); give it `,ro` to share it read-only"
-    )]
+    /// Another VM holds a conflicting lock on the image: a writer, or
+    /// (for a read-write image) any user.
+    #[error("disk image {path} is in use by another VM{}", if *.read_only { " (which writes it)" } else { "; give it `,ro` to share it read-only" })]
+    InUse {
+        /// The image.
+        path: PathBuf,
+        /// Whether this VM asked for it read-only.
+        read_only: bool,
+    },
+    /// Locking the image failed (not a conflict).
+    #[error("cannot lock disk image {path}")]
     Lock {
         /// The image.
         path: PathBuf,
-        /// Why (`WouldBlock`: the image is locked).
+        /// Why.
         #[source]
         source: std::io::Error,
     },
@@ -232,10 +238,14 @@ impl Block {
     pub fn new(config: &DiskConfig) -> Result<Self, Error> {
         let mut opts = OpenOptions::new();
         opts.read(true).write(!config.read_only);
-        if config.direct {
-            opts.custom_flags(libc::O_DIRECT);
-        }
-        let file = opts.open(&config.path).map_err(|source| Error::Open {
+        let flags = if config.direct { libc::O_DIRECT } else { 0 };
+        let file = crate::files::open(
+            &opts,
+            flags,
+            &config.path,
+            crate::files::Want::FileOrBlockDevice,
+        )
+        .map_err(|source| Error::Open {
             path: config.path.clone(),
             source,
         })?;
@@ -244,9 +254,18 @@ impl Block {
         } else {
             LockKind::Exclusive
         };
-        image_lock::lock(&file, kind).map_err(|source| Error::Lock {
-            path: config.path.clone(),
-            source,
+        image_lock::lock(&file, kind).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::WouldBlock {
+                Error::InUse {
+                    path: config.path.clone(),
+                    read_only: config.read_only,
+                }
+            } else {
+                Error::Lock {
+                    path: config.path.clone(),
+                    source,
+                }
+            }
         })?;
         // Seeking to the end also sizes block devices, where metadata says 0.
         let bytes = {
