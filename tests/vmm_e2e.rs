@@ -257,7 +257,7 @@ fn bad_input_is_a_clear_error() {
         ),
         (
             vec!["--kernel", gs, "--timeout", "1e30"],
-            "--timeout must be",
+            "too large",
         ),
         (
             vec!["--kernel", gs, "--disk", "/nonexistent/disk.img"],
