@@ -194,7 +194,7 @@ pub struct Verification {
     /// Boots that did not count, without and with the change (a pair
     /// counts only when both of its boots do).
     #[serde(default)]
-    pub failures: [super::report::Failures; 2],
+    pub failures: [super::failures::Failures; 2],
 }
 
 /// Whether a suggestion paid off.

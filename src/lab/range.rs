@@ -10,7 +10,8 @@
 
 use super::RangeArgs;
 use super::analysis::boot_metrics;
-use super::report::{Failures, num};
+use super::failures::Failures;
+use super::report::num;
 use super::runner::{self, Verdict};
 use super::stats::{self, Summary};
 use serde::{Deserialize, Serialize};

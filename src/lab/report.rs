@@ -2,8 +2,9 @@
 
 use super::analysis::{ActivityStats, ConsoleCost};
 use super::config::Header;
+use super::failures::{Failures, failures_line};
 use super::stats::{Interval, Summary};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::fmt::Write;
 
 /// One reported figure across boots.
@@ -18,112 +19,6 @@ pub struct MetricRow {
     /// Configuration B of `--vs`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub b: Option<Summary>,
-}
-
-/// Boots that did not count, per configuration.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Failures {
-    /// Killed at the timeout.
-    pub timed_out: usize,
-    /// Ended without reaching userspace.
-    pub no_userspace: usize,
-    /// The last console line of the first boot that did not count: usually
-    /// says where it got stuck.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_line: Option<String>,
-    /// That boot's first kernel oops (or warning, or RCU stall report), when
-    /// it printed one: what went wrong, where (`RIP:`) and the first frames
-    /// of its call trace. A panic's last line ("Fatal exception") says only
-    /// that something did.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub oops: Vec<String>,
-}
-
-/// Longest `last_line` we quote, in characters.
-const MAX_QUOTE: usize = 100;
-
-/// How a kernel oops starts (x86 Linux's own words), or a warning or an
-/// RCU stall, whose register dumps and traces have the same shape: a boot
-/// that stalls prints no oops, and its last line is only the dump's `Code:`.
-const OOPS_STARTS: [&str; 9] = [
-    "BUG:",
-    "WARNING: CPU:",
-    "detected stall",
-    "Oops:",
-    "general protection fault",
-    "kernel BUG at",
-    "invalid opcode:",
-    "divide error:",
-    "stack segment:",
-];
-
-/// Call-trace frames quoted after an oops's `RIP:` line.
-const OOPS_FRAMES: usize = 4;
-
-/// The first oops in a boot's console `lines` (printk stamps removed): its
-/// first line, its `RIP:` line and up to [`OOPS_FRAMES`] frames of its call
-/// trace; empty when there is none.
-pub fn oops_excerpt<'a>(lines: impl IntoIterator<Item = &'a str>) -> Vec<String> {
-    let quote = |l: &str| -> String { l.trim().chars().take(MAX_QUOTE).collect() };
-    let mut out = Vec::new();
-    let (mut rip, mut frames) = (false, None::<usize>);
-    for line in lines {
-        let body = super::analysis::split_printk(line).1;
-        let body = body.trim();
-        if out.is_empty() {
-            if OOPS_STARTS.iter().any(|s| body.contains(s)) {
-                out.push(quote(body));
-            }
-            continue;
-        }
-        if !rip && body.starts_with("RIP:") {
-            rip = true;
-            out.push(quote(body));
-        } else if body.starts_with("Call Trace:") {
-            frames = Some(0);
-        } else if let Some(n) = frames.as_mut() {
-            // (`<IRQ>`, `</IRQ>`, `<TASK>`: which stack, not frames.)
-            if body.starts_with('<') {
-                continue;
-            }
-            if *n == OOPS_FRAMES || body.is_empty() || body.starts_with("Kernel panic") {
-                break;
-            }
-            *n += 1;
-            out.push(quote(body));
-        } else if body.starts_with("Kernel panic") {
-            break;
-        }
-    }
-    out
-}
-
-impl Failures {
-    /// Counts the boots of `records` that did not count under `m`.
-    pub fn of(records: &[super::boot::BootRecord], m: &super::analysis::Milestones) -> Failures {
-        use super::runner::{Verdict, verdict};
-        let failed = |v| records.iter().filter(|r| verdict(r, m) == v).count();
-        let first_bad = records
-            .iter()
-            .find(|r| matches!(verdict(r, m), Verdict::TimedOut | Verdict::NoUserspace));
-        Failures {
-            timed_out: failed(Verdict::TimedOut),
-            no_userspace: failed(Verdict::NoUserspace),
-            last_line: first_bad.and_then(|r| {
-                let line = r.lines.iter().rev().find(|l| !l.text.trim().is_empty())?;
-                Some(
-                    super::analysis::split_printk(&line.text)
-                        .1
-                        .chars()
-                        .take(MAX_QUOTE)
-                        .collect(),
-                )
-            }),
-            oops: first_bad
-                .map(|r| oops_excerpt(r.lines.iter().map(|l| l.text.as_str())))
-                .unwrap_or_default(),
-        }
-    }
 }
 
 /// A full `ember bench` report.
@@ -174,39 +69,6 @@ pub fn num(x: f64) -> String {
 
 fn mean_sd(s: &Summary, unit: &str) -> String {
     format!("{}{unit} ±{}{unit}", num(s.mean), num(s.sd))
-}
-
-/// `timeout_s`: the timeout the boots ran under, when known (not for a
-/// recording loaded from a file, which does not keep it).
-fn failures_line(label: &str, f: &Failures, timeout_s: Option<f64>) -> Option<String> {
-    let mut parts = Vec::new();
-    match (f.timed_out, timeout_s) {
-        (0, _) => {}
-        (n, Some(t)) => parts.push(format!("{n} timed out after {t} s")),
-        (n, None) => parts.push(format!("{n} timed out")),
-    }
-    if f.no_userspace > 0 {
-        parts.push(format!(
-            "{} ended without reaching userspace",
-            f.no_userspace
-        ));
-    }
-    (!parts.is_empty()).then(|| {
-        let prefix = if label.is_empty() {
-            String::new()
-        } else {
-            format!("{label}: ")
-        };
-        let mut line = format!("{prefix}boot(s) not averaged in: {}", parts.join(", "));
-        if let Some(last) = &f.last_line {
-            line.push_str(&format!("; the first one's last console line: `{last}`"));
-        }
-        for (i, l) in f.oops.iter().enumerate() {
-            let lead = if i == 0 { "its oops:" } else { "" };
-            line.push_str(&format!("\n  {lead:<9} {l}"));
-        }
-        line
-    })
 }
 
 impl BenchReport {
@@ -524,87 +386,5 @@ mod tests {
         assert_eq!(num(2131.24), "2131.2");
         assert_eq!(num(12.345), "12.35");
         assert_eq!(num(0.1234), "0.123");
-    }
-
-    #[test]
-    fn failures_are_spelled_out() {
-        let f = Failures {
-            timed_out: 2,
-            no_userspace: 1,
-            last_line: None,
-            oops: Vec::new(),
-        };
-        assert_eq!(
-            failures_line("A", &f, Some(5.0)).unwrap(),
-            "A: boot(s) not averaged in: 2 timed out after 5 s, 1 ended without reaching userspace"
-        );
-        assert!(failures_line("", &Failures::default(), Some(5.0)).is_none());
-        // A loaded recording does not know its timeout: no made-up figure.
-        let f = Failures {
-            timed_out: 1,
-            ..Failures::default()
-        };
-        assert_eq!(
-            failures_line("", &f, None).unwrap(),
-            "boot(s) not averaged in: 1 timed out"
-        );
-    }
-
-    /// The shape of an x86 oops on a serial console, cut from a real one.
-    const OOPS: &str = "[    1.100000] serial8250: too much work for irq4
-[    1.200000] BUG: kernel NULL pointer dereference, address: 0000000000000008
-[    1.200001] #PF: supervisor read access in kernel mode
-[    1.200002] Oops: 0000 [#1] PREEMPT SMP NOPTI
-[    1.200003] CPU: 1 PID: 0 Comm: swapper/1 Not tainted 6.1.0-56-cloud-amd64 #1
-[    1.200004] RIP: 0010:hrtimer_interrupt+0x3c/0x230
-[    1.200005] Code: 41 56 41 55 41 54 55 53 48 83 ec 18
-[    1.200006] RSP: 0018:ffffb2c0000f8f48 EFLAGS: 00010046
-[    1.200007] Call Trace:
-[    1.200008]  <IRQ>
-[    1.200009]  __sysvec_apic_timer_interrupt+0x5e/0x110
-[    1.200010]  sysvec_apic_timer_interrupt+0x6d/0x90
-[    1.200011]  </IRQ>
-[    1.200012]  <TASK>
-[    1.200013]  asm_sysvec_apic_timer_interrupt+0x16/0x20
-[    1.200014] Kernel panic - not syncing: Fatal exception in interrupt";
-
-    #[test]
-    fn an_oops_is_quoted_by_its_cause_place_and_first_frames() {
-        assert_eq!(
-            oops_excerpt(OOPS.lines()),
-            [
-                "BUG: kernel NULL pointer dereference, address: 0000000000000008",
-                "RIP: 0010:hrtimer_interrupt+0x3c/0x230",
-                "__sysvec_apic_timer_interrupt+0x5e/0x110",
-                "sysvec_apic_timer_interrupt+0x6d/0x90",
-                "asm_sysvec_apic_timer_interrupt+0x16/0x20",
-            ]
-        );
-        let f = Failures {
-            no_userspace: 1,
-            last_line: Some("Kernel panic - not syncing: Fatal exception in interrupt".into()),
-            oops: oops_excerpt(OOPS.lines()),
-            ..Failures::default()
-        };
-        let text = failures_line("", &f, None).unwrap();
-        assert!(
-            text.contains("\n  its oops: BUG: kernel NULL")
-                && text.contains("\n            RIP: 0010:hrtimer_interrupt"),
-            "{text}"
-        );
-        assert!(oops_excerpt(OOPS.lines().take(1)).is_empty());
-        // An RCU stall's report starts without any oops's words.
-        let stall = "[   40.100000] rcu: INFO: rcu_preempt self-detected stall on CPU
-[   40.100001] rcu: \t1-....: (2099 ticks this GP) idle=d1c/1/0x4000000000000000
-[   40.100002] RIP: 0010:native_safe_halt+0xb/0x10
-[   40.100003] Code: 7a 0a fe fd 89 c6 41 39 c5 74 26";
-        assert_eq!(
-            oops_excerpt(stall.lines()),
-            [
-                "rcu: INFO: rcu_preempt self-detected stall on CPU",
-                "RIP: 0010:native_safe_halt+0xb/0x10",
-            ]
-        );
-        assert!(oops_excerpt(["[ 0.1] Run /init as init process"]).is_empty());
     }
 }
