@@ -2,8 +2,8 @@
 //! kernel (tests/fixtures/lab/*.json, written by `ember analyze --save`).
 
 use ember::lab::analysis::{self, Clock, Milestones};
-use ember::lab::boot::Outcome;
-use ember::lab::{analyze_records, load, metric_samples, rules, timeline};
+use ember::lab::record::Outcome;
+use ember::lab::{activities, analyze_records, load, metric_samples, timeline};
 use std::path::PathBuf;
 
 fn fixture(name: &str) -> ember::lab::Recording {
@@ -21,7 +21,7 @@ fn initcall_debug_boot_is_taken_apart() {
         rec.header.clone(),
         &rec.records,
         &Milestones::default(),
-        &rules::builtin_linux(),
+        &activities::builtin_linux(),
         4.0,
         false,
     );
@@ -98,7 +98,7 @@ fn quiet_boot_reaches_userspace_by_its_marker() {
 #[test]
 fn a_user_rule_file_adds_activities() {
     let rec = fixture("qemu-q35-tcg-initcall-debug.json");
-    let extra = rules::parse(
+    let extra = activities::parse(
         "[pci]\nstart = ^PCI: Using configuration type\nend = ^pci_bus 0000:00: resource\nparent = kernel\n\n\
          [acpi-tables]\nstart = ^ACPI: Early table checksum\nend = ^ACPI: Reserving FACP\n",
         "extra.rules",
@@ -145,7 +145,7 @@ fn ember_boot_places_vmm_events_on_the_same_axis() {
         rec.header.clone(),
         &rec.records,
         &m,
-        &rules::builtin_linux(),
+        &activities::builtin_linux(),
         15.0,
         false,
     );

@@ -7,11 +7,11 @@
 //! `--verify` then boots with each change applied, A/B interleaved
 //! ([`verify`]), and reports the measured saving with its interval.
 
+use super::activities::ActivityDef;
 use super::analysis::{self, ActivityStats, ConsoleCost, split_printk};
-use super::boot::BootRecord;
 use super::config::{GuestOpts, Header};
 use super::kconfig::KconfigMap;
-use super::rules::Rule;
+use super::record::BootRecord;
 use super::stats::{self, Interval, Summary};
 use crate::backend::qemu::QBOOT;
 use regex::Regex;
@@ -313,11 +313,11 @@ pub fn initcalls(boots: &[&BootRecord]) -> Vec<InitcallTime> {
 /// Mean length (ms) of the span `start` → `end` over the boots where it
 /// occurs, and in how many it did.
 fn span_ms(boots: &[&BootRecord], start: &str, end: &str) -> Option<(f64, usize)> {
-    let rule = Rule::new("span", start, end, None).expect("span regexes compile");
+    let def = ActivityDef::new("span", start, end, None).expect("span regexes compile");
     let lens: Vec<f64> = boots
         .iter()
         .filter_map(|r| {
-            analysis::activities(&analysis::timeline(r), std::slice::from_ref(&rule))
+            analysis::activities(&analysis::timeline(r), std::slice::from_ref(&def))
                 .first()
                 .map(|a| (a.end_us - a.start_us) / 1e3)
         })
@@ -341,13 +341,13 @@ fn span_on(
     boots: &[&BootRecord],
     start: &str,
     end: &str,
-    at: impl Fn(&super::boot::ConsoleLine) -> Option<f64>,
+    at: impl Fn(&super::record::ConsoleLine) -> Option<f64>,
 ) -> Option<f64> {
     let (start, end) = (Regex::new(start).ok()?, Regex::new(end).ok()?);
     let lens: Vec<f64> = boots
         .iter()
         .filter_map(|r| {
-            let body = |l: &super::boot::ConsoleLine| split_printk(&l.text).1;
+            let body = |l: &super::record::ConsoleLine| split_printk(&l.text).1;
             let s = r.lines.iter().position(|l| start.is_match(&body(l)))?;
             let e = r.lines[s..].iter().find(|l| end.is_match(&body(l)))?;
             let t0 = at(&r.lines[s])?;

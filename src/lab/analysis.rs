@@ -1,10 +1,10 @@
 //! From boot records to figures: one merged timeline per boot (console lines
 //! on the guest's printk clock where it has one, VMM events, and the lab's own
-//! spawn/first-output/exit), activities matched by rules, their statistics
+//! spawn/first-output/exit), activities matched by their definitions, their statistics
 //! across boots, and what the serial console itself cost.
 
-use super::boot::BootRecord;
-use super::rules::Rule;
+use super::activities::ActivityDef;
+use super::record::BootRecord;
 use super::stats::Summary;
 use regex::Regex;
 use serde::{Deserialize, Serialize};
@@ -36,7 +36,7 @@ pub struct Entry {
     pub t_us: f64,
     /// Where `t_us` came from.
     pub clock: Clock,
-    /// Text rules match: a console line without its printk prefix, or `@event`.
+    /// Text definitions match: a console line without its printk prefix, or `@event`.
     pub text: String,
     /// Stamped `[    0.000000]`: printed before the guest clock ran. Such
     /// lines often arrive in one burst when the console comes up, so a span
@@ -185,14 +185,14 @@ pub struct Activity {
     pub clock: Clock,
 }
 
-/// Matches `rules` against a timeline. An activity opens at the first start
+/// Matches `defs` against a timeline. An activity opens at the first start
 /// match (further starts while it is open are ignored) and closes at the next
 /// end match; activities still open at the end are dropped. Repeats of a
 /// closed activity in one boot add up under one name. A span whose both ends
 /// were printed before the guest clock ran is dropped: it cannot be measured.
-pub fn activities(entries: &[Entry], rules: &[Rule]) -> Vec<Activity> {
+pub fn activities(entries: &[Entry], defs: &[ActivityDef]) -> Vec<Activity> {
     struct Open {
-        rule: usize,
+        def: usize,
         name: String,
         start: f64,
         clock: Clock,
@@ -201,30 +201,30 @@ pub fn activities(entries: &[Entry], rules: &[Rule]) -> Vec<Activity> {
     let mut open: Vec<Open> = Vec::new();
     let mut done: Vec<Activity> = Vec::new();
     for e in entries {
-        for (ri, rule) in rules.iter().enumerate() {
-            if let Some(caps) = rule.end.captures(&e.text) {
-                let target = rule.is_template().then(|| rule.expand(&caps));
+        for (di, def) in defs.iter().enumerate() {
+            if let Some(caps) = def.end.captures(&e.text) {
+                let target = def.is_template().then(|| def.expand(&caps));
                 let pos = open
                     .iter()
-                    .rposition(|o| o.rule == ri && target.as_ref().is_none_or(|n| *n == o.name));
+                    .rposition(|o| o.def == di && target.as_ref().is_none_or(|n| *n == o.name));
                 if let Some(o) = pos.map(|p| open.remove(p))
                     && !(o.before_clock && e.before_clock)
                 {
                     add(
                         &mut done,
                         &o.name,
-                        rule,
+                        def,
                         o.start,
                         e.t_us,
                         Clock::of(o.clock, e.clock),
                     );
                 }
             }
-            if let Some(caps) = rule.start.captures(&e.text) {
-                let name = rule.expand(&caps);
+            if let Some(caps) = def.start.captures(&e.text) {
+                let name = def.expand(&caps);
                 if !open.iter().any(|o| o.name == name) {
                     open.push(Open {
-                        rule: ri,
+                        def: di,
                         name,
                         start: e.t_us,
                         clock: e.clock,
@@ -237,7 +237,14 @@ pub fn activities(entries: &[Entry], rules: &[Rule]) -> Vec<Activity> {
     done
 }
 
-fn add(done: &mut Vec<Activity>, name: &str, rule: &Rule, start: f64, end: f64, clock: Clock) {
+fn add(
+    done: &mut Vec<Activity>,
+    name: &str,
+    def: &ActivityDef,
+    start: f64,
+    end: f64,
+    clock: Clock,
+) {
     let length = (end - start).max(0.0);
     if let Some(a) = done.iter_mut().find(|a| a.name == name) {
         a.end_us += length;
@@ -245,7 +252,7 @@ fn add(done: &mut Vec<Activity>, name: &str, rule: &Rule, start: f64, end: f64, 
     }
     done.push(Activity {
         name: name.to_owned(),
-        parent: rule.parent.clone(),
+        parent: def.parent.clone(),
         start_us: start,
         end_us: start + length,
         clock,
@@ -344,14 +351,14 @@ fn tree_order(sorted: Vec<ActivityStats>) -> Vec<ActivityStats> {
         let children: Vec<usize> = children.collect();
         stack.extend(children.into_iter().rev());
     }
-    // A parent cycle in a user rule file leaves some unplaced: keep them at the end.
+    // A parent cycle in a user's definition file leaves some unplaced: keep them at the end.
     order.extend((0..sorted.len()).filter(|&i| !placed[i]));
     let mut slots: Vec<Option<ActivityStats>> = sorted.into_iter().map(Some).collect();
     order.into_iter().filter_map(|i| slots[i].take()).collect()
 }
 
 /// Nesting depth of `name`: the length of its parent chain among the
-/// activities that matched (bounded, so a parent cycle in a user rule file
+/// activities that matched (bounded, so a parent cycle in a user's definition file
 /// cannot hang us).
 fn depth(parents: &BTreeMap<String, Option<String>>, name: &str) -> usize {
     let mut d = 0;
@@ -545,7 +552,7 @@ pub fn boot_metrics(record: &BootRecord, m: &Milestones) -> Vec<(String, f64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lab::rules::builtin_linux;
+    use crate::lab::activities::builtin_linux;
 
     fn record(lines: &[(f64, &str)], exit: f64) -> BootRecord {
         BootRecord::from_lines(lines, exit)

@@ -3,7 +3,7 @@
 //! heads every report.
 
 use super::analysis::Milestones;
-use super::boot::BootConfig;
+use super::record::BootConfig;
 use crate::backend::qemu::{Accel, QemuBackend};
 use crate::backend::{
     Backend, BackendError, BackendKind, EmberBackend, GuestSpec, find_binary, parse_mem_mib,
@@ -308,7 +308,7 @@ pub fn milestones(opts: &GuestOpts) -> Result<Milestones, ConfigError> {
     let compile = |option: &str, re: &str| {
         Regex::new(re).map_err(|e| ConfigError::Regex {
             option: option.into(),
-            reason: super::rules::regex_reason(&e),
+            reason: super::activities::regex_reason(&e),
         })
     };
     let mut m = Milestones {

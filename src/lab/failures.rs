@@ -3,7 +3,7 @@
 //! line, its first oops).
 
 use super::analysis::{Milestones, split_printk};
-use super::boot::BootRecord;
+use super::record::BootRecord;
 use super::runner::{Verdict, verdict};
 use serde::{Deserialize, Serialize};
 

@@ -3,7 +3,7 @@
 //! powers the guest off at once, so a boot goes kernel → userspace →
 //! shutdown → VMM exit with nothing else in the way.
 //!
-//! Markers (matched by the built-in rules): `ember-lab: begin init-script` /
+//! Markers (matched by the built-in activity definitions): `ember-lab: begin init-script` /
 //! `ember-lab: end init-script` around the script's work, and
 //! `ember-lab: poweroff` just before `poweroff -f`.
 

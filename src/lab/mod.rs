@@ -3,26 +3,29 @@
 //! "Optimizing QEMU boot time", for any VMM a [`crate::backend::Backend`]
 //! can drive.
 //!
-//! - [`boot`] spawns one boot and records it (console lines stamped on
+//! - [`record`] spawns one boot and records it (console lines stamped on
 //!   arrival, the VMM's event file, exit time, peak RSS);
 //! - [`runner`] runs warm-ups and interleaved series with a progress bar and
-//!   Ctrl-C handling ([`signal`]);
+//!   Ctrl-C handling ([`signal`]); [`failures`] says which boots did not
+//!   count and why;
 //! - [`analysis`] merges console and events into a timeline (on the guest's
-//!   printk clock where it has one), matches [`rules`], aggregates, and costs
-//!   the console; [`stats`] has the statistics;
+//!   printk clock where it has one), matches [`activities`], aggregates, and
+//!   costs the console; [`stats`] has the statistics;
 //! - [`report`] and [`timeline`] print tables and draw the SVG/HTML;
+//! - [`advise`] is the boot doctor (`ember analyze --advise`), with
+//!   [`kconfig`] mapping initcalls to config symbols;
 //! - [`range`] benchmarks a git range.
 
+pub mod activities;
 pub mod advise;
 pub mod analysis;
-pub mod boot;
 pub mod config;
 pub mod failures;
 pub mod guest;
 pub mod kconfig;
 pub mod range;
+pub mod record;
 pub mod report;
-pub mod rules;
 pub mod runner;
 pub mod signal;
 pub mod stats;
@@ -30,10 +33,10 @@ pub mod timeline;
 
 use analysis::{Milestones, boot_metrics};
 use anyhow::Context;
-use boot::BootRecord;
 use clap::Args;
 use config::{GuestOpts, Header};
 use failures::Failures;
+use record::BootRecord;
 use report::{AnalyzeReport, AnalyzeView, BenchReport, MetricRow};
 use runner::{Series, Verdict};
 use serde::{Deserialize, Serialize};
@@ -85,10 +88,10 @@ pub struct AnalyzeArgs {
     /// Discarded warm-up boots.
     #[arg(short = 'w', long, default_value_t = 1)]
     pub warmup: usize,
-    /// More activity rules (see `ember::lab::rules` for the format). Repeatable.
+    /// More activity definitions (see `ember::lab::activities` for the format). Repeatable.
     #[arg(long, value_name = "FILE")]
     pub rules: Vec<PathBuf>,
-    /// Use only the `--rules` files, not the built-in Linux rules.
+    /// Use only the `--rules` files, not the built-in Linux definitions.
     #[arg(long)]
     pub no_builtin_rules: bool,
     /// Write the timeline as SVG.
@@ -371,7 +374,7 @@ pub fn analyze_records(
     header: Header,
     all: &[BootRecord],
     m: &Milestones,
-    rules: &[rules::Rule],
+    defs: &[activities::ActivityDef],
     char_cost_us: f64,
     interrupted: bool,
 ) -> AnalyzeReport {
@@ -384,7 +387,7 @@ pub fn analyze_records(
     let total_ms = total.map_or(0.0, |t| t.mean);
     let per_boot: Vec<Vec<analysis::Activity>> = good
         .iter()
-        .map(|r| analysis::activities(&analysis::timeline(r), rules))
+        .map(|r| analysis::activities(&analysis::timeline(r), defs))
         .collect();
     AnalyzeReport {
         header,
@@ -418,13 +421,13 @@ pub fn default_char_cost_us(backend: &str) -> f64 {
 pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(args.runs > 0, "-n/--runs must be at least 1");
     signal::install();
-    let mut rules = if args.no_builtin_rules {
+    let mut defs = if args.no_builtin_rules {
         Vec::new()
     } else {
-        rules::builtin_linux()
+        activities::builtin_linux()
     };
     for path in &args.rules {
-        rules.extend(rules::load(path)?);
+        defs.extend(activities::load(path)?);
     }
     let mut args = args;
     if args.advise
@@ -460,7 +463,7 @@ pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
     let cost = args
         .char_cost_us
         .unwrap_or_else(|| default_char_cost_us(&header.backend));
-    let mut report = analyze_records(header, &records, &milestones, &rules, cost, interrupted);
+    let mut report = analyze_records(header, &records, &milestones, &defs, cost, interrupted);
     report.timeout_s = args.load.is_none().then_some(args.guest.timeout);
     if args.advise && !interrupted && report.total.is_some() {
         report.advice = Some(doctor(&args, &report, &records, &milestones)?);

@@ -3,7 +3,7 @@
 //! Shows a progress bar on a terminal and stops cleanly on Ctrl-C.
 
 use super::analysis::Milestones;
-use super::boot::{BootConfig, BootError, BootRecord, Outcome, run_boot};
+use super::record::{BootConfig, BootError, BootRecord, Outcome, run_boot};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use std::io::IsTerminal;

@@ -1,14 +1,14 @@
-//! Activity rules: a named span from the first line matching `start` to the
-//! next line matching `end`.
+//! Activity definitions: an activity is a named span from the first line
+//! matching `start` to the next line matching `end`.
 //!
-//! Rules match *timeline entries*: console lines with any printk timestamp
+//! Definitions match *timeline entries*: console lines with any printk timestamp
 //! (`[    1.234567] `) stripped, and VMM events written as `@kind`, `@kind
 //! code=0x40` or `@kind TEXT` (the lab adds `@spawn`, `@first_output` and
 //! `@exit` itself). A name may use capture groups of the regexes — `$name`,
-//! `${name}` or `$1` — so one rule yields one activity per initcall; the end
+//! `${name}` or `$1` — so one definition yields one activity per initcall; the end
 //! then closes the open activity whose expanded name matches.
 //!
-//! # Rule files (`--rules FILE`)
+//! # Definition files (`--rules FILE`)
 //!
 //! ```text
 //! # Comments start with '#'. One block per activity.
@@ -26,9 +26,9 @@
 use regex::{Captures, Regex};
 use thiserror::Error;
 
-/// Rule-file errors.
+/// Definition-file errors.
 #[derive(Debug, Error)]
-pub enum RuleError {
+pub enum ActivityDefError {
     /// A regex does not compile.
     #[error("{origin}:{line}: bad regex in `{key}`: {reason}")]
     BadRegex {
@@ -61,7 +61,7 @@ pub enum RuleError {
         /// The missing key.
         key: &'static str,
     },
-    /// The rule file could not be read.
+    /// The definition file could not be read.
     #[error("cannot read rule file {origin}")]
     Read {
         /// File name.
@@ -85,9 +85,9 @@ pub fn regex_reason(e: &regex::Error) -> String {
     last.trim().trim_start_matches("error: ").to_owned()
 }
 
-/// One activity rule.
+/// How one activity starts and ends.
 #[derive(Debug, Clone)]
-pub struct Rule {
+pub struct ActivityDef {
     /// Activity name, possibly with `$group` references.
     pub name: String,
     /// Opens the activity.
@@ -98,15 +98,15 @@ pub struct Rule {
     pub parent: Option<String>,
 }
 
-impl Rule {
-    /// Builds a rule from regex sources.
+impl ActivityDef {
+    /// Builds a definition from regex sources.
     pub fn new(
         name: &str,
         start: &str,
         end: &str,
         parent: Option<&str>,
-    ) -> Result<Rule, regex::Error> {
-        Ok(Rule {
+    ) -> Result<ActivityDef, regex::Error> {
+        Ok(ActivityDef {
             name: name.to_owned(),
             start: Regex::new(start)?,
             end: Regex::new(end)?,
@@ -127,16 +127,16 @@ impl Rule {
     }
 }
 
-/// The built-in rules for a Linux guest booted with a serial console (and,
+/// The built-in definitions for a Linux guest booted with a serial console (and,
 /// for per-initcall bars, `initcall_debug ignore_loglevel`), plus the VMM
 /// events ember reports. Levels: 0 the whole run; 1 the phases; 2 kernel
 /// parts; 3 single initcalls and userspace markers.
-pub fn builtin_linux() -> Vec<Rule> {
+pub fn builtin_linux() -> Vec<ActivityDef> {
     /// Userspace begins: Linux starting /init, the lab's busybox /init
     /// marker, or the ember test guest's ring-3 banner.
     const USERSPACE: &str =
         r"^Run /init as init process|^ember-lab: begin |^ember-test-guest: ring 3";
-    const RULES: &[(&str, &str, &str, Option<&str>)] = &[
+    const DEFS: &[(&str, &str, &str, Option<&str>)] = &[
         ("run", r"^@spawn$", r"^@exit$", None),
         (
             "vmm:until-first-output",
@@ -259,49 +259,48 @@ pub fn builtin_linux() -> Vec<Rule> {
             Some("run"),
         ),
     ];
-    RULES
-        .iter()
-        .map(|(n, s, e, p)| Rule::new(n, s, e, *p).expect("built-in rules compile"))
+    DEFS.iter()
+        .map(|(n, s, e, p)| ActivityDef::new(n, s, e, *p).expect("built-in definitions compile"))
         .collect()
 }
 
-/// Reads a rule file.
-pub fn load(path: &std::path::Path) -> Result<Vec<Rule>, RuleError> {
+/// Reads a definition file.
+pub fn load(path: &std::path::Path) -> Result<Vec<ActivityDef>, ActivityDefError> {
     let origin = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| RuleError::Read {
+    let text = std::fs::read_to_string(path).map_err(|source| ActivityDefError::Read {
         origin: origin.clone(),
         source,
     })?;
     parse(&text, &origin)
 }
 
-/// Parses rule-file text (`origin` names it in errors).
-pub fn parse(text: &str, origin: &str) -> Result<Vec<Rule>, RuleError> {
+/// Parses definition-file text (`origin` names it in errors).
+pub fn parse(text: &str, origin: &str) -> Result<Vec<ActivityDef>, ActivityDefError> {
     struct Block {
         name: String,
         start: Option<Regex>,
         end: Option<Regex>,
         parent: Option<String>,
     }
-    let finish = |b: Block| -> Result<Rule, RuleError> {
-        let missing = |key| RuleError::Missing {
+    let finish = |b: Block| -> Result<ActivityDef, ActivityDefError> {
+        let missing = |key| ActivityDefError::Missing {
             origin: origin.to_owned(),
             name: b.name.clone(),
             key,
         };
-        Ok(Rule {
+        Ok(ActivityDef {
             start: b.start.clone().ok_or_else(|| missing("start"))?,
             end: b.end.clone().ok_or_else(|| missing("end"))?,
             name: b.name,
             parent: b.parent,
         })
     };
-    let mut rules = Vec::new();
+    let mut defs = Vec::new();
     let mut block: Option<Block> = None;
     for (i, raw) in text.lines().enumerate() {
         let line_no = i + 1;
         let line = raw.trim();
-        let syntax = |message: &str| RuleError::Syntax {
+        let syntax = |message: &str| ActivityDefError::Syntax {
             origin: origin.to_owned(),
             line: line_no,
             message: message.to_owned(),
@@ -314,7 +313,7 @@ pub fn parse(text: &str, origin: &str) -> Result<Vec<Rule>, RuleError> {
                 return Err(syntax("empty activity name"));
             }
             if let Some(b) = block.take() {
-                rules.push(finish(b)?);
+                defs.push(finish(b)?);
             }
             block = Some(Block {
                 name: name.trim().to_owned(),
@@ -332,7 +331,7 @@ pub fn parse(text: &str, origin: &str) -> Result<Vec<Rule>, RuleError> {
         };
         let (key, value) = (key.trim(), value.trim());
         let compile = |v: &str| {
-            Regex::new(v).map_err(|e| RuleError::BadRegex {
+            Regex::new(v).map_err(|e| ActivityDefError::BadRegex {
                 origin: origin.to_owned(),
                 line: line_no,
                 key: key.to_owned(),
@@ -351,9 +350,9 @@ pub fn parse(text: &str, origin: &str) -> Result<Vec<Rule>, RuleError> {
         }
     }
     if let Some(b) = block.take() {
-        rules.push(finish(b)?);
+        defs.push(finish(b)?);
     }
-    Ok(rules)
+    Ok(defs)
 }
 
 #[cfg(test)]
@@ -362,16 +361,16 @@ mod tests {
 
     #[test]
     fn parses_blocks_with_raw_regexes() {
-        let rules = parse(
+        let defs = parse(
             "# pci\n[kernel:pci]\nstart = ^PCI: Using (a|b) = x\nend=^done$\nparent = kernel\n\n[x]\nstart=a\nend=b\n",
             "r.txt",
         )
         .unwrap();
-        assert_eq!(rules.len(), 2);
-        assert_eq!(rules[0].name, "kernel:pci");
-        assert_eq!(rules[0].start.as_str(), "^PCI: Using (a|b) = x");
-        assert_eq!(rules[0].parent.as_deref(), Some("kernel"));
-        assert_eq!(rules[1].parent, None);
+        assert_eq!(defs.len(), 2);
+        assert_eq!(defs[0].name, "kernel:pci");
+        assert_eq!(defs[0].start.as_str(), "^PCI: Using (a|b) = x");
+        assert_eq!(defs[0].parent.as_deref(), Some("kernel"));
+        assert_eq!(defs[1].parent, None);
     }
 
     #[test]
