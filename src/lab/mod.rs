@@ -12,14 +12,14 @@
 //!   printk clock where it has one), matches [`activities`], aggregates, and
 //!   costs the console; [`stats`] has the statistics;
 //! - [`report`] and [`timeline`] print tables and draw the SVG/HTML;
-//! - [`advise`] is the boot doctor (`ember analyze --advise`), with
+//! - [`doctor`] is the boot doctor (`ember analyze --advise`), with
 //!   [`kconfig`] mapping initcalls to config symbols;
 //! - [`range`] benchmarks a git range.
 
 pub mod activities;
-pub mod advise;
 pub mod analysis;
 pub mod config;
+pub mod doctor;
 pub mod failures;
 pub mod guest;
 pub mod kconfig;
@@ -121,34 +121,9 @@ pub struct AnalyzeArgs {
     /// Analyse boots recorded earlier with `--save` instead of booting.
     #[arg(long, value_name = "FILE.json")]
     pub load: Option<PathBuf>,
-    /// The boot doctor: a ranked list of concrete changes, each with its
-    /// evidence and a predicted saving. Also boots `--profile-boots` times
-    /// with `initcall_debug ignore_loglevel` for the kernel's own initcall
-    /// durations, and (QEMU) logs the firmware.
-    #[arg(long)]
-    pub advise: bool,
-    /// With `--advise`: boot again with each automatic suggestion applied,
-    /// A/B interleaved, and report the measured saving with its 95 % interval.
-    #[arg(long, requires = "advise")]
-    pub verify: bool,
-    /// With `--advise`: profile boots (0: none, no initcall advice).
-    #[arg(long, default_value_t = 1)]
-    pub profile_boots: usize,
-    /// With `--verify`: verify only these suggestions (their ids, as
-    /// `--json` shows them: quiet, cryptomgr.notests, qboot…).
-    #[arg(long, value_name = "ID,…", value_delimiter = ',', requires = "verify")]
-    pub verify_only: Vec<String>,
-    /// With `--verify`: A/B pairs per suggestion.
-    #[arg(long, default_value_t = 3)]
-    pub verify_pairs: usize,
-    /// With `--advise`: kernel source (directory or linux-source-*.tar.xz) to
-    /// map initcalls to config symbols (default: $EMBER_KERNEL_SOURCE or
-    /// /usr/src/linux-source-*).
-    #[arg(long, value_name = "PATH")]
-    pub kernel_source: Option<PathBuf>,
-    /// With `--advise`: the kernel's .config (default: found beside the kernel).
-    #[arg(long, value_name = "FILE")]
-    pub kernel_config: Option<PathBuf>,
+    /// The boot doctor (`--advise`) and its options.
+    #[command(flatten)]
+    pub doctor: doctor::DoctorArgs,
 }
 
 /// Arguments of `ember bench-range`.
@@ -430,7 +405,7 @@ pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
         defs.extend(activities::load(path)?);
     }
     let mut args = args;
-    if args.advise
+    if args.doctor.advise
         && args.guest.backend.resolve() == crate::backend::BackendKind::Qemu
         && args.guest.bios.is_none()
         && !args.guest.machine.starts_with("microvm")
@@ -465,8 +440,15 @@ pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
         .unwrap_or_else(|| default_char_cost_us(&header.backend));
     let mut report = analyze_records(header, &records, &milestones, &defs, cost, interrupted);
     report.timeout_s = args.load.is_none().then_some(args.guest.timeout);
-    if args.advise && !interrupted && report.total.is_some() {
-        report.advice = Some(doctor(&args, &report, &records, &milestones)?);
+    if args.doctor.advise && !interrupted && report.total.is_some() {
+        let seen = doctor::Analysed {
+            header: &report.header,
+            records: &records,
+            milestones: &milestones,
+            console: report.console.as_ref(),
+        };
+        let advice = doctor::examine(&args.doctor, &args.guest, args.load.is_some(), &seen)?;
+        report.advice = Some(advice);
     }
     let view = AnalyzeView {
         top: args.top,
@@ -514,175 +496,6 @@ pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
         0
     } else {
         1
-    })
-}
-
-/// `--advise` (and `--verify`): profile boots, the initcall → config symbol
-/// map, the rules, and the A/B boots.
-fn doctor(
-    args: &AnalyzeArgs,
-    report: &AnalyzeReport,
-    records: &[BootRecord],
-    m: &Milestones,
-) -> anyhow::Result<advise::AdviceReport> {
-    let good: Vec<&BootRecord> = records
-        .iter()
-        .filter(|r| runner::verdict(r, m) == Verdict::Ok)
-        .collect();
-    let profiled = report.header.cmdline.contains("initcall_debug");
-    let profile_records: Vec<BootRecord> =
-        if profiled || args.profile_boots == 0 || args.load.is_some() {
-            Vec::new()
-        } else {
-            let mut p = args.guest.clone();
-            p.cmdline.push(' ');
-            p.cmdline.push_str(advise::PROFILE_CMDLINE);
-            eprintln!(
-                "ember: --advise: {} profile boot(s) with `{}`",
-                args.profile_boots,
-                advise::PROFILE_CMDLINE
-            );
-            let cfg = config::build(&p, "profile")?;
-            let mut series = runner::run_series(
-                std::slice::from_ref(&cfg),
-                0,
-                args.profile_boots,
-                signal::flag(),
-            )?;
-            series.records.remove(0)
-        };
-    let profile: Vec<&BootRecord> = if profiled {
-        good.clone()
-    } else {
-        profile_records
-            .iter()
-            .filter(|r| runner::verdict(r, m) == Verdict::Ok)
-            .collect()
-    };
-    let source = args.kernel_source.clone().or_else(kconfig::find_source);
-    let kmap = match &source {
-        Some(src) => {
-            let cache = crate::appliance::kernel::cache_dir()?.join("kconfig");
-            match kconfig::load_or_derive(src, &cache) {
-                Ok(m) => Some(m),
-                Err(e) => {
-                    eprintln!("ember: --advise: {e}; initcalls stay unattributed");
-                    None
-                }
-            }
-        }
-        None => None,
-    };
-    let config_path = args
-        .kernel_config
-        .clone()
-        .or_else(|| kconfig::find_config(Path::new(&report.header.kernel)));
-    let builtin = config_path
-        .as_ref()
-        .and_then(|p| std::fs::read_to_string(p).ok())
-        .map(|t| kconfig::builtin_symbols(&t));
-    let mut advice = advise::advise(&advise::Inputs {
-        header: &report.header,
-        opts: &args.guest,
-        boots: &good,
-        profile: &profile,
-        activities: &report.activities,
-        console: report.console.as_ref(),
-        total_ms: report.total.map_or(0.0, |t| t.mean),
-        kmap: kmap.as_ref(),
-        builtin: builtin.as_ref(),
-    });
-    let mut combined = None;
-    if args.verify && args.load.is_none() {
-        let chosen = |a: &advise::Advice| {
-            a.change.automatic()
-                && (args.verify_only.is_empty() || args.verify_only.contains(&a.id))
-        };
-        for a in advice.iter_mut().filter(|a| chosen(a)) {
-            let mut b = args.guest.clone();
-            a.change.apply(&mut b);
-            eprintln!(
-                "ember: --verify: {} ({} pairs)",
-                a.change.describe(),
-                args.verify_pairs
-            );
-            let clock = advise::VerifyClock::for_change(args.guest.icount, &a.change);
-            a.verified = Some(verify_one(&args.guest, &b, args.verify_pairs, m, clock)?);
-        }
-        let auto: Vec<&advise::Advice> = advice.iter().filter(|a| chosen(a)).collect();
-        if auto.len() > 1 && args.verify_only.is_empty() {
-            let mut b = args.guest.clone();
-            for a in &auto {
-                a.change.apply(&mut b);
-            }
-            eprintln!(
-                "ember: --verify: all {} automatic changes together",
-                auto.len()
-            );
-            // The guest's clock only if it sees every change.
-            let guest = advise::VerifyClock::Guest;
-            let clock = if auto
-                .iter()
-                .all(|a| advise::VerifyClock::for_change(args.guest.icount, &a.change) == guest)
-            {
-                guest
-            } else {
-                advise::VerifyClock::Wall
-            };
-            combined = Some(advise::Combined {
-                changes: auto.iter().map(|a| a.change.describe()).collect(),
-                predicted_ms: auto.iter().map(|a| a.predicted_ms).sum(),
-                verified: verify_one(&args.guest, &b, args.verify_pairs, m, clock)?,
-            });
-        }
-    }
-    Ok(advise::AdviceReport {
-        profile_boots: profile.len(),
-        kconfig_source: kmap.as_ref().map(|k| k.source.clone()),
-        kernel_config: config_path.map(|p| p.display().to_string()),
-        advice,
-        combined,
-    })
-}
-
-/// Boots `a` and `b` interleaved, `pairs` times each, and measures the
-/// per-pair saving of `b` on `clock` (spawn to exit, or the guest's own).
-fn verify_one(
-    a: &GuestOpts,
-    b: &GuestOpts,
-    pairs: usize,
-    m: &Milestones,
-    clock: advise::VerifyClock,
-) -> anyhow::Result<advise::Verification> {
-    let configs = [config::build(a, "A")?, config::build(b, "B")?];
-    let series = runner::run_series(&configs, 0, pairs, signal::flag())?;
-    let (xa, xb): (Vec<f64>, Vec<f64>) = series.records[0]
-        .iter()
-        .zip(&series.records[1])
-        .filter(|(x, y)| {
-            runner::verdict(x, m) == Verdict::Ok && runner::verdict(y, m) == Verdict::Ok
-        })
-        .filter_map(|(x, y)| Some((clock.of(x)?, clock.of(y)?)))
-        .unzip();
-    let b_ok = series.records[1]
-        .iter()
-        .any(|r| runner::verdict(r, m) == Verdict::Ok);
-    let saving = advise::paired_saving(&xa, &xb, 0.95);
-    Ok(advise::Verification {
-        pairs: xa.len(),
-        clock,
-        without_ms: Summary::of(&xa),
-        with_ms: Summary::of(&xb),
-        verdict: if b_ok || series.records[1].is_empty() {
-            advise::VerifyVerdict::of(saving.as_ref())
-        } else {
-            advise::VerifyVerdict::Broke
-        },
-        saving_ms: saving,
-        failures: [
-            Failures::of(&series.records[0], m),
-            Failures::of(&series.records[1], m),
-        ],
     })
 }
 

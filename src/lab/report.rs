@@ -226,7 +226,7 @@ pub struct AnalyzeReport {
     pub interrupted: bool,
     /// `--advise`: the doctor's suggestions, ranked.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub advice: Option<super::advise::AdviceReport>,
+    pub advice: Option<super::doctor::AdviceReport>,
 }
 
 /// What `render` shows.

@@ -165,7 +165,7 @@ pub fn html(
     total_ms: f64,
     title: &str,
     report_text: &str,
-    advice: &[super::advise::Advice],
+    advice: &[super::doctor::Advice],
 ) -> String {
     let mut rows = String::new();
     // The doctor's advice, beside the chart.
@@ -180,7 +180,7 @@ pub fn html(
                 a.predicted_ms,
                 a.verified.as_ref().map_or(String::new(), |v| format!(
                     "<br>verified: {}",
-                    esc(&super::advise::verification_text(v))
+                    esc(&super::doctor::verification_text(v))
                 )),
                 esc(&a.change.describe())
             );
@@ -294,12 +294,12 @@ mod tests {
         let h = html(&acts, 100.0, "t", "report", &[]);
         assert!(h.starts_with("<!DOCTYPE html>") && h.contains("<svg") && h.contains("mousemove"));
         assert!(!h.contains("id=\"advice\""));
-        let advice = [crate::lab::advise::Advice {
+        let advice = [crate::lab::doctor::Advice {
             id: "quiet".into(),
             title: "Quiet <please>".into(),
             evidence: vec!["900 lines".into()],
             predicted_ms: 12.5,
-            change: crate::lab::advise::Change::CmdlineAdd {
+            change: crate::lab::doctor::Change::CmdlineAdd {
                 option: "quiet".into(),
             },
             verified: None,
