@@ -26,13 +26,31 @@ const MAX_DEPTH: usize = 12;
 /// Errors deriving the map.
 #[derive(Debug, Error)]
 pub enum KconfigError {
-    /// The source tree or tarball could not be read or unpacked.
-    #[error("cannot read the kernel source {path}: {why}")]
+    /// The source tree or tarball could not be read, or not unpacked.
+    #[error("cannot read the kernel source {}", path.display())]
     Source {
         /// Where.
         path: PathBuf,
         /// Why.
-        why: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// `tar` could not be run on the tarball.
+    #[error("cannot read the kernel source {}: cannot run tar", path.display())]
+    NoTar {
+        /// The tarball.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `tar` failed on the tarball.
+    #[error("cannot read the kernel source {}: tar exited with {status}", path.display())]
+    Tar {
+        /// The tarball.
+        path: PathBuf,
+        /// How tar ended.
+        status: std::process::ExitStatus,
     },
 }
 
@@ -89,11 +107,11 @@ pub fn find_source() -> Option<PathBuf> {
 /// The map for `source` (a directory or a `.tar.xz`), from the cache in
 /// `cache_dir` when it was derived before.
 pub fn load_or_derive(source: &Path, cache_dir: &Path) -> Result<KconfigMap, KconfigError> {
-    let err = |why: String| KconfigError::Source {
+    let unreadable = |e| KconfigError::Source {
         path: source.to_path_buf(),
-        why,
+        source: e,
     };
-    let meta = std::fs::metadata(source).map_err(|e| err(e.to_string()))?;
+    let meta = std::fs::metadata(source).map_err(unreadable)?;
     let stamp = meta
         .modified()
         .ok()
@@ -114,7 +132,7 @@ pub fn load_or_derive(source: &Path, cache_dir: &Path) -> Result<KconfigMap, Kco
     } else {
         let scratch = cache_dir.join(format!("unpack-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&scratch);
-        std::fs::create_dir_all(&scratch).map_err(|e| err(e.to_string()))?;
+        std::fs::create_dir_all(&scratch).map_err(unreadable)?;
         eprintln!(
             "ember: deriving initcall → config symbol map from {} (once, ~30 s)",
             source.display()
@@ -133,8 +151,14 @@ pub fn load_or_derive(source: &Path, cache_dir: &Path) -> Result<KconfigMap, Kco
             .map(|e| e.path());
         let result = match (status, root) {
             (Ok(s), Some(root)) if s.success() => Ok(derive(&root)),
-            (Ok(s), _) => Err(err(format!("tar exited with {s}"))),
-            (Err(e), _) => Err(err(format!("cannot run tar: {e}"))),
+            (Ok(status), _) => Err(KconfigError::Tar {
+                path: source.to_path_buf(),
+                status,
+            }),
+            (Err(e), _) => Err(KconfigError::NoTar {
+                path: source.to_path_buf(),
+                source: e,
+            }),
         };
         let _ = std::fs::remove_dir_all(&scratch);
         result?

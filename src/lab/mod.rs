@@ -36,16 +36,14 @@ use anyhow::Context;
 use clap::Args;
 use config::{GuestOpts, Header};
 use failures::Failures;
+pub use range::RangeArgs;
 use record::BootRecord;
 use report::{AnalyzeReport, AnalyzeView, BenchReport, MetricRow};
-use runner::{Series, Verdict};
+use runner::{EXIT_INTERRUPTED, Series, Verdict};
 use serde::{Deserialize, Serialize};
 use stats::Summary;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
-
-/// Exit status after Ctrl-C (128 + SIGINT), as shells report it.
-const EXIT_INTERRUPTED: i32 = 130;
 
 /// Arguments of `ember bench`.
 #[derive(Debug, Clone, Args)]
@@ -124,48 +122,6 @@ pub struct AnalyzeArgs {
     /// The boot doctor (`--advise`) and its options.
     #[command(flatten)]
     pub doctor: doctor::DoctorArgs,
-}
-
-/// Arguments of `ember bench-range`.
-#[derive(Debug, Clone, Args)]
-pub struct RangeArgs {
-    /// The git repository.
-    pub repo: PathBuf,
-    /// Commits to benchmark, as `git rev-list` takes them (`A..B` excludes A;
-    /// write `A^..B` to include it).
-    pub range: String,
-    /// Shell command that builds the artifact, run in the commit's checkout.
-    #[arg(long, value_name = "CMD")]
-    pub build: String,
-    /// The artifact the build produces, relative to the checkout.
-    #[arg(long, value_name = "PATH")]
-    pub artifact: PathBuf,
-    /// How the artifact is used: as the guest kernel, or as the VMM binary
-    /// of `--backend`.
-    #[arg(long, value_enum, default_value_t = range::ArtifactKind::Kernel)]
-    pub artifact_kind: range::ArtifactKind,
-    /// The guest and the VMM (the artifact replaces one of them).
-    #[command(flatten)]
-    pub guest: GuestOpts,
-    /// Measured boots per commit.
-    #[arg(short = 'n', long, default_value_t = 10)]
-    pub runs: usize,
-    /// Discarded warm-up boots per commit.
-    #[arg(short = 'w', long, default_value_t = 1)]
-    pub warmup: usize,
-    /// The figure compared between commits.
-    #[arg(long, default_value = "exit")]
-    pub metric: String,
-    /// Significance level of the Welch t-test that marks a change.
-    #[arg(long, default_value_t = 0.01)]
-    pub alpha: f64,
-    /// Where the scratch worktree, artifacts and the state file live
-    /// (default: ~/.cache/ember/bench-range/<repo name>).
-    #[arg(long, value_name = "DIR")]
-    pub cache_dir: Option<PathBuf>,
-    /// Print the results as JSON.
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// Boots recorded by `--save`, reloadable with `ember analyze --load`.
@@ -506,5 +462,5 @@ pub fn bench_range(args: RangeArgs) -> anyhow::Result<i32> {
         "-n/--runs must be at least 2 (the t-test needs a spread)"
     );
     signal::install();
-    range::run(&args)
+    Ok(range::run(&args)?)
 }

@@ -8,12 +8,14 @@
 //! to `<cache>/logs/<hash>.log`. The worktree is reused between commits and not
 //! cleaned, so incremental builds stay incremental.
 
-use super::RangeArgs;
 use super::analysis::boot_metrics;
+use super::config::{self, ConfigError, GuestOpts};
 use super::failures::Failures;
 use super::report::num;
-use super::runner::{self, Verdict};
+use super::runner::{self, EXIT_INTERRUPTED, RunError, Verdict};
+use super::signal;
 use super::stats::{self, Summary};
+use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -23,9 +25,19 @@ use thiserror::Error;
 /// Version of the state file format.
 const STATE_VERSION: u32 = 1;
 
-/// Range errors.
+/// Range errors. Those of one commit (see [`RangeError::concerns_commit`])
+/// are recorded in its result; the others stop the range.
 #[derive(Debug, Error)]
 pub enum RangeError {
+    /// The repository cannot be found.
+    #[error("repository {}", path.display())]
+    Repo {
+        /// As given.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// A git command failed.
     #[error("git {args} failed: {stderr}")]
     Git {
@@ -49,6 +61,83 @@ pub enum RangeError {
         #[source]
         source: std::io::Error,
     },
+    /// The commit's build command failed.
+    #[error("build failed ({status}); log: {}", log.display())]
+    Build {
+        /// How it ended.
+        status: std::process::ExitStatus,
+        /// Its output.
+        log: PathBuf,
+    },
+    /// The commit's build did not produce the artifact.
+    #[error("the build did not produce {}", .0.display())]
+    NoArtifact(PathBuf),
+    /// The commit's artifact makes no configuration.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The commit's boots could not run.
+    #[error(transparent)]
+    Run(#[from] RunError),
+    /// Ctrl-C stopped the commit's boots.
+    #[error("interrupted")]
+    Interrupted,
+}
+
+impl RangeError {
+    /// Whether the error concerns only the commit being measured (recorded
+    /// in its result, and the range goes on).
+    pub fn concerns_commit(&self) -> bool {
+        matches!(
+            self,
+            RangeError::Build { .. }
+                | RangeError::NoArtifact(_)
+                | RangeError::Config(_)
+                | RangeError::Run(_)
+                | RangeError::Interrupted
+        )
+    }
+}
+
+/// Arguments of `ember bench-range`.
+#[derive(Debug, Clone, Args)]
+pub struct RangeArgs {
+    /// The git repository.
+    pub repo: PathBuf,
+    /// Commits to benchmark, as `git rev-list` takes them (`A..B` excludes A;
+    /// write `A^..B` to include it).
+    pub range: String,
+    /// Shell command that builds the artifact, run in the commit's checkout.
+    #[arg(long, value_name = "CMD")]
+    pub build: String,
+    /// The artifact the build produces, relative to the checkout.
+    #[arg(long, value_name = "PATH")]
+    pub artifact: PathBuf,
+    /// How the artifact is used: as the guest kernel, or as the VMM binary
+    /// of `--backend`.
+    #[arg(long, value_enum, default_value_t = ArtifactKind::Kernel)]
+    pub artifact_kind: ArtifactKind,
+    /// The guest and the VMM (the artifact replaces one of them).
+    #[command(flatten)]
+    pub guest: GuestOpts,
+    /// Measured boots per commit.
+    #[arg(short = 'n', long, default_value_t = 10)]
+    pub runs: usize,
+    /// Discarded warm-up boots per commit.
+    #[arg(short = 'w', long, default_value_t = 1)]
+    pub warmup: usize,
+    /// The figure compared between commits.
+    #[arg(long, default_value = "exit")]
+    pub metric: String,
+    /// Significance level of the Welch t-test that marks a change.
+    #[arg(long, default_value_t = 0.01)]
+    pub alpha: f64,
+    /// Where the scratch worktree, artifacts and the state file live
+    /// (default: ~/.cache/ember/bench-range/<repo name>).
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// How the built artifact is used.
@@ -230,15 +319,46 @@ fn checkout(repo: &Path, wt: &Path, hash: &str) -> Result<(), RangeError> {
     Ok(())
 }
 
-/// Builds and measures one commit. Errors that concern only this commit
-/// (build failure, missing artifact, boot problems) end up in the result.
+/// Builds and measures one commit (checked out in `wt`) into its result:
+/// an error that concerns only this commit (build failure, missing
+/// artifact, boot problems) is recorded there, the others stop the range.
+fn measure_commit(
+    args: &RangeArgs,
+    cache: &Path,
+    wt: &Path,
+    (hash, subject): (&str, &str),
+    fingerprint: &str,
+    bar: &indicatif::ProgressBar,
+) -> Result<CommitResult, RangeError> {
+    let (samples, failures, error) = match measure(args, cache, wt, hash, bar) {
+        Ok((s, f)) => (s, f, None),
+        Err(e) if e.concerns_commit() => (
+            Vec::new(),
+            Failures::default(),
+            Some(ember_vmm::error_chain(&e)),
+        ),
+        Err(e) => return Err(e),
+    };
+    Ok(CommitResult {
+        hash: hash.to_owned(),
+        subject: subject.to_owned(),
+        fingerprint: fingerprint.to_owned(),
+        summary: Summary::of(&samples),
+        samples,
+        failures,
+        error,
+    })
+}
+
+/// Builds and measures one commit: the metric's samples and the boots that
+/// did not count.
 fn measure(
     args: &RangeArgs,
     cache: &Path,
     wt: &Path,
     hash: &str,
     bar: &indicatif::ProgressBar,
-) -> Result<Result<(Vec<f64>, Failures), String>, RangeError> {
+) -> Result<(Vec<f64>, Failures), RangeError> {
     let logs = cache.join("logs");
     std::fs::create_dir_all(&logs).map_err(io(&logs))?;
     let log_path = logs.join(format!("{hash}.log"));
@@ -255,17 +375,14 @@ fn measure(
         .status()
         .map_err(io(&log_path))?;
     if !status.success() {
-        return Ok(Err(format!(
-            "build failed ({status}); log: {}",
-            log_path.display()
-        )));
+        return Err(RangeError::Build {
+            status,
+            log: log_path,
+        });
     }
     let built = wt.join(&args.artifact);
     if !built.is_file() {
-        return Ok(Err(format!(
-            "the build did not produce {}",
-            args.artifact.display()
-        )));
+        return Err(RangeError::NoArtifact(args.artifact.clone()));
     }
     let dir = cache.join("artifacts").join(hash);
     std::fs::create_dir_all(&dir).map_err(io(&dir))?;
@@ -276,23 +393,17 @@ fn measure(
         ArtifactKind::Kernel => guest.kernel = Some(artifact),
         ArtifactKind::Vmm => guest.vmm = Some(artifact),
     }
-    let cfg = match super::config::build(&guest, &hash[..7]) {
-        Ok(c) => c,
-        Err(e) => return Ok(Err(format!("{:#}", anyhow::Error::from(e)))),
-    };
+    let cfg = config::build(&guest, &hash[..7])?;
     bar.set_message(format!("{} booting", &hash[..7]));
-    let series = match runner::run_series_with(
+    let series = runner::run_series_with(
         std::slice::from_ref(&cfg),
         args.warmup,
         args.runs,
-        super::signal::flag(),
+        signal::flag(),
         bar,
-    ) {
-        Ok(s) => s,
-        Err(e) => return Ok(Err(format!("{:#}", anyhow::Error::from(e)))),
-    };
+    )?;
     if series.interrupted {
-        return Ok(Err("interrupted".into()));
+        return Err(RangeError::Interrupted);
     }
     let m = &cfg.1;
     let samples = series.records[0]
@@ -306,7 +417,7 @@ fn measure(
         })
         .collect();
     let failures = Failures::of(&series.records[0], m);
-    Ok(Ok((samples, failures)))
+    Ok((samples, failures))
 }
 
 fn short_subject(s: &str) -> String {
@@ -354,11 +465,14 @@ fn render(r: &CommitResult, change: Option<Change>) -> String {
 }
 
 /// Runs the whole range; returns the exit status.
-pub fn run(args: &RangeArgs) -> anyhow::Result<i32> {
+pub fn run(args: &RangeArgs) -> Result<i32, RangeError> {
     let repo = args
         .repo
         .canonicalize()
-        .map_err(|e| anyhow::anyhow!("repository {}: {e}", args.repo.display()))?;
+        .map_err(|source| RangeError::Repo {
+            path: args.repo.clone(),
+            source,
+        })?;
     let list = commits(&repo, &args.range)?;
     let cache = args
         .cache_dir
@@ -394,29 +508,16 @@ pub fn run(args: &RangeArgs) -> anyhow::Result<i32> {
         let result = match cached {
             Some(r) => r,
             None => {
-                if super::signal::interrupted() {
+                if signal::interrupted() {
                     interrupted = true;
                     break;
                 }
                 checkout(&repo, &wt, hash)?;
-                let outcome = measure(args, &cache, &wt, hash, &bar)?;
-                if super::signal::interrupted() {
+                let r = measure_commit(args, &cache, &wt, (hash, subject), &fp, &bar)?;
+                if signal::interrupted() {
                     interrupted = true;
                     break;
                 }
-                let (samples, failures, error) = match outcome {
-                    Ok((s, f)) => (s, f, None),
-                    Err(e) => (Vec::new(), Failures::default(), Some(e)),
-                };
-                let r = CommitResult {
-                    hash: hash.clone(),
-                    subject: subject.clone(),
-                    fingerprint: fp.clone(),
-                    summary: Summary::of(&samples),
-                    samples,
-                    failures,
-                    error,
-                };
                 state.commits.insert(hash.clone(), r.clone());
                 save_state(&state_path, &state)?;
                 r
@@ -435,29 +536,34 @@ pub fn run(args: &RangeArgs) -> anyhow::Result<i32> {
     }
     bar.finish_and_clear();
     if args.json {
-        #[derive(Serialize)]
-        struct Row<'a> {
-            #[serde(flatten)]
-            result: &'a CommitResult,
-            change: Option<Change>,
-        }
-        let rows: Vec<Row<'_>> = results
-            .iter()
-            .map(|(result, change)| Row {
-                result,
-                change: *change,
-            })
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        println!("{}", json(&results));
     }
     if interrupted {
         eprintln!(
             "ember bench-range: interrupted; {} commit(s) done, rerun to continue",
             results.len()
         );
-        return Ok(super::EXIT_INTERRUPTED);
+        return Ok(EXIT_INTERRUPTED);
     }
     Ok(0)
+}
+
+/// The results as `--json` prints them: each commit's result with its change.
+fn json(results: &[(CommitResult, Option<Change>)]) -> String {
+    #[derive(Serialize)]
+    struct Row<'a> {
+        #[serde(flatten)]
+        result: &'a CommitResult,
+        change: Option<Change>,
+    }
+    let rows: Vec<Row<'_>> = results
+        .iter()
+        .map(|(result, change)| Row {
+            result,
+            change: *change,
+        })
+        .collect();
+    serde_json::to_string_pretty(&rows).expect("results serialize")
 }
 
 #[cfg(test)]

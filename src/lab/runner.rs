@@ -10,6 +10,9 @@ use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
 use thiserror::Error;
 
+/// Exit status after Ctrl-C (128 + SIGINT), as shells report it.
+pub const EXIT_INTERRUPTED: i32 = 130;
+
 /// Errors that stop a series.
 #[derive(Debug, Error)]
 pub enum RunError {
