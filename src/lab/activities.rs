@@ -131,6 +131,7 @@ impl ActivityDef {
 /// for per-initcall bars, `initcall_debug ignore_loglevel`), plus the VMM
 /// events ember reports. Levels: 0 the whole run; 1 the phases; 2 kernel
 /// parts; 3 single initcalls and userspace markers.
+// Over a hundred lines only because the table is: one entry per definition.
 pub fn builtin_linux() -> Vec<ActivityDef> {
     /// Userspace begins: Linux starting /init, the lab's busybox /init
     /// marker, or the ember test guest's ring-3 banner.

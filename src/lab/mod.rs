@@ -411,6 +411,23 @@ pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
         min_ms: args.min_ms,
     };
     let text = report.render(view);
+    write_pictures(&args, &report, &text)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{text}");
+    }
+    Ok(if interrupted {
+        EXIT_INTERRUPTED
+    } else if report.total.is_some() {
+        0
+    } else {
+        1
+    })
+}
+
+/// `--svg` and `--html`: the timeline of `report` (whose text is `text`).
+fn write_pictures(args: &AnalyzeArgs, report: &AnalyzeReport, text: &str) -> anyhow::Result<()> {
     let total_ms = report.total.map_or(0.0, |t| t.mean);
     let title = format!(
         "ember analyze — {} on {} ({} boots, {}ms ±{}ms)",
@@ -435,24 +452,13 @@ pub fn analyze(args: AnalyzeArgs) -> anyhow::Result<i32> {
                 &report.activities,
                 total_ms,
                 &title,
-                &text,
+                text,
                 report.advice.as_ref().map_or(&[], |a| &a.advice),
             ),
         )
         .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{text}");
-    }
-    Ok(if interrupted {
-        EXIT_INTERRUPTED
-    } else if report.total.is_some() {
-        0
-    } else {
-        1
-    })
+    Ok(())
 }
 
 /// Runs `ember bench-range`; returns the exit status.

@@ -194,30 +194,7 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
         let _ = tx.send(reap(pid));
     });
 
-    let mut outcome = None;
-    let reaped = loop {
-        match rx.recv_timeout(POLL) {
-            Ok(r) => break r,
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                break Reaped {
-                    at: Instant::now(),
-                    status: 0,
-                    max_rss_kib: 0,
-                };
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-        }
-        if outcome.is_none() {
-            if cancel.load(Ordering::SeqCst) {
-                outcome = Some(Outcome::Cancelled);
-            } else if t0.elapsed() > cfg.timeout {
-                outcome = Some(Outcome::TimedOut);
-            }
-            if outcome.is_some() {
-                kill_group(pid);
-            }
-        }
-    };
+    let (reaped, outcome) = wait(&rx, pid, t0, cfg.timeout, cancel);
     // Reaped by wait4 above; dropping a Child neither waits nor kills.
     drop(child);
     // Anything the VMM left behind in its group (a helper still holding the
@@ -261,6 +238,43 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
         outcome,
         stderr,
     })
+}
+
+/// Waits for the reaper's report on `rx`, killing the VMM's group once
+/// `cancel` is set or `timeout` has passed since `t0`; the outcome when it
+/// was killed.
+fn wait(
+    rx: &mpsc::Receiver<Reaped>,
+    pid: libc::pid_t,
+    t0: Instant,
+    timeout: Duration,
+    cancel: &AtomicBool,
+) -> (Reaped, Option<Outcome>) {
+    let mut outcome = None;
+    let reaped = loop {
+        match rx.recv_timeout(POLL) {
+            Ok(r) => break r,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                break Reaped {
+                    at: Instant::now(),
+                    status: 0,
+                    max_rss_kib: 0,
+                };
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        if outcome.is_none() {
+            if cancel.load(Ordering::SeqCst) {
+                outcome = Some(Outcome::Cancelled);
+            } else if t0.elapsed() > timeout {
+                outcome = Some(Outcome::TimedOut);
+            }
+            if outcome.is_some() {
+                kill_group(pid);
+            }
+        }
+    };
+    (reaped, outcome)
 }
 
 /// Reads the console until EOF, stamping each line as its newline arrives.

@@ -102,6 +102,21 @@ impl BenchReport {
             "{:>13}: host clock, from VMM spawn to arrival of the console line\n",
             "times"
         );
+        self.render_metrics(&mut s, two);
+        s.push('\n');
+        let labels = if two { ["A", "B"] } else { ["", ""] };
+        for (i, f) in self.failures.iter().enumerate() {
+            if let Some(l) = failures_line(labels[i], f, Some(self.timeout_s)) {
+                let _ = writeln!(s, "{l}");
+            }
+        }
+        self.render_ratio(&mut s);
+        self.render_result(&mut s, two, labels);
+        s
+    }
+
+    /// The table of metrics: A and B side by side, or one configuration's spread.
+    fn render_metrics(&self, s: &mut String, two: bool) {
         if two {
             let _ = writeln!(
                 s,
@@ -143,13 +158,10 @@ impl BenchReport {
                 }
             }
         }
-        s.push('\n');
-        let labels = if two { ["A", "B"] } else { ["", ""] };
-        for (i, f) in self.failures.iter().enumerate() {
-            if let Some(l) = failures_line(labels[i], f, Some(self.timeout_s)) {
-                let _ = writeln!(s, "{l}");
-            }
-        }
+    }
+
+    /// `--vs`: B/A of the compared metric, pair by pair, and the verdict.
+    fn render_ratio(&self, s: &mut String) {
         if let (Some(r), Some(metric)) = (&self.ratio, &self.ratio_metric) {
             let change = (1.0 - r.estimate) * 100.0;
             let verdict = if r.high < 1.0 {
@@ -183,6 +195,10 @@ impl BenchReport {
                 known.join(", ")
             );
         }
+    }
+
+    /// The `Result` line(s): the exit time of each configuration.
+    fn render_result(&self, s: &mut String, two: bool, labels: [&str; 2]) {
         if let Some(exit) = self.metrics.iter().find(|m| m.name == "exit") {
             for (i, x) in [exit.a, exit.b].iter().enumerate() {
                 if let Some(x) = x {
@@ -200,7 +216,6 @@ impl BenchReport {
                 }
             }
         }
-        s
     }
 }
 
@@ -273,38 +288,27 @@ impl AnalyzeReport {
             num(total.mean),
             num(total.sd)
         );
-        let row = |s: &mut String, a: &ActivityStats, indent: bool| {
-            let pad = if indent { a.depth * 2 } else { 0 };
-            let name = format!("{:pad$}{}", "", a.name);
-            let _ = writeln!(
-                s,
-                "  {:<50} {:>9} {:>9} ±{:>8} {:>6.1}% {:<6} {:>2}",
-                name,
-                num(a.start_ms.mean),
-                num(a.duration_ms.mean),
-                num(a.duration_ms.sd),
-                a.pct_of_total,
-                format!("{:?}", a.clock).to_lowercase(),
-                a.duration_ms.n
-            );
-        };
-        let head = |s: &mut String| {
-            let _ = writeln!(
-                s,
-                "  {:<50} {:>9} {:>9}  {:>8} {:>7} {:<6} {:>2}",
-                "activity", "start ms", "mean ms", "sd", "% run", "clock", "n"
-            );
-        };
+        self.render_activities(&mut s, view);
+        self.render_initcalls(&mut s);
+        self.render_console(&mut s);
+        if let Some(a) = &self.advice {
+            s.push_str(&a.render());
+        }
+        s
+    }
+
+    /// The activities: all of them, nested, then the longest.
+    fn render_activities(&self, s: &mut String, view: AnalyzeView) {
         let _ = writeln!(
             s,
             "Activities (ms; hidden if shorter than {} ms):",
             view.min_ms
         );
-        head(&mut s);
+        activity_head(s);
         let mut hidden = 0;
         for a in &self.activities {
             if a.duration_ms.mean >= view.min_ms {
-                row(&mut s, a, true);
+                activity_row(s, a, true);
             } else {
                 hidden += 1;
             }
@@ -319,10 +323,14 @@ impl AnalyzeReport {
             self.activities.iter().filter(|a| a.depth > 0).collect();
         longest.sort_by(|a, b| b.duration_ms.mean.total_cmp(&a.duration_ms.mean));
         let _ = writeln!(s, "\nLongest activities:");
-        head(&mut s);
+        activity_head(s);
         for a in longest.iter().take(view.top) {
-            row(&mut s, a, false);
+            activity_row(s, a, false);
         }
+    }
+
+    /// The initcalls, in all and the longest.
+    fn render_initcalls(&self, s: &mut String) {
         let mut initcalls: Vec<&ActivityStats> = self
             .activities
             .iter()
@@ -348,6 +356,10 @@ impl AnalyzeReport {
                     .join(", ")
             );
         }
+    }
+
+    /// What the serial console cost.
+    fn render_console(&self, s: &mut String) {
         if let Some(c) = &self.console {
             let _ = writeln!(
                 s,
@@ -370,11 +382,33 @@ impl AnalyzeReport {
                 );
             }
         }
-        if let Some(a) = &self.advice {
-            s.push_str(&a.render());
-        }
-        s
     }
+}
+
+/// One row of an activity table, its name indented by depth if `indent`.
+fn activity_row(s: &mut String, a: &ActivityStats, indent: bool) {
+    let pad = if indent { a.depth * 2 } else { 0 };
+    let name = format!("{:pad$}{}", "", a.name);
+    let _ = writeln!(
+        s,
+        "  {:<50} {:>9} {:>9} ±{:>8} {:>6.1}% {:<6} {:>2}",
+        name,
+        num(a.start_ms.mean),
+        num(a.duration_ms.mean),
+        num(a.duration_ms.sd),
+        a.pct_of_total,
+        format!("{:?}", a.clock).to_lowercase(),
+        a.duration_ms.n
+    );
+}
+
+/// The heading of an activity table.
+fn activity_head(s: &mut String) {
+    let _ = writeln!(
+        s,
+        "  {:<50} {:>9} {:>9}  {:>8} {:>7} {:<6} {:>2}",
+        "activity", "start ms", "mean ms", "sd", "% run", "clock", "n"
+    );
 }
 
 #[cfg(test)]
