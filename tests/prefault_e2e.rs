@@ -1,7 +1,7 @@
 //! End-to-end: `--prefault sync|async`, `--mem-lock`, `--hugepages` and
 //! `--balloon-target` on ember's test guest (which has no balloon driver: the
 //! async path's driverless fallback). The fence with a driver is in
-//! tests/balloon_fence.rs.
+//! crates/ember-vmm/tests/balloon_fence.rs.
 
 mod common;
 

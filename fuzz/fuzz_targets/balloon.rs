@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use ember_vmm::devices::CountingInterrupt;
-use ember_vmm::devices::virtio::{VirtioInterrupt, balloon};
+use ember_vmm::devices::virtio::VirtioInterrupt;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -21,5 +21,5 @@ fuzz_target!(|data: &[u8]| {
     } else {
         order
     };
-    balloon::fuzz_queues(mem, queues, irq, order);
+    ember_vmm::fuzz::balloon(mem, queues, irq, order);
 });

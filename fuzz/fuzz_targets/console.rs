@@ -10,12 +10,11 @@ use std::sync::Arc;
 
 use ember_vmm::devices::CountingInterrupt;
 use ember_vmm::devices::virtio::VirtioInterrupt;
-use ember_vmm::devices::virtio::console;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let mem = common::memory(data);
     let irq = VirtioInterrupt::new(Arc::new(CountingInterrupt::default()));
     let input = &data[..data.len().min(64)];
-    console::fuzz_queues(mem, common::queue_n(0), common::queue_n(1), irq, input);
+    ember_vmm::fuzz::console(mem, common::queue_n(0), common::queue_n(1), irq, input);
 });

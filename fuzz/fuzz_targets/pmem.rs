@@ -8,7 +8,7 @@ mod common;
 use std::sync::{Arc, OnceLock};
 
 use ember_vmm::devices::CountingInterrupt;
-use ember_vmm::devices::virtio::{VirtioInterrupt, pmem};
+use ember_vmm::devices::virtio::VirtioInterrupt;
 use libfuzzer_sys::fuzz_target;
 
 fn backing() -> &'static std::fs::File {
@@ -30,5 +30,5 @@ fuzz_target!(|data: &[u8]| {
     let mem = common::memory(data);
     let irq = VirtioInterrupt::new(Arc::new(CountingInterrupt::default()));
     let file = backing().try_clone().unwrap();
-    pmem::fuzz_queue(mem, common::queue(), irq, file);
+    ember_vmm::fuzz::pmem(mem, common::queue(), irq, file);
 });

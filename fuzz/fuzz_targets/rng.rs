@@ -7,11 +7,11 @@ mod common;
 use std::sync::Arc;
 
 use ember_vmm::devices::CountingInterrupt;
-use ember_vmm::devices::virtio::{VirtioInterrupt, rng};
+use ember_vmm::devices::virtio::VirtioInterrupt;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let mem = common::memory(data);
     let irq = VirtioInterrupt::new(Arc::new(CountingInterrupt::default()));
-    rng::fuzz_queue(mem, common::queue(), irq);
+    ember_vmm::fuzz::rng(mem, common::queue(), irq);
 });

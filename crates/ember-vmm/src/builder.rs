@@ -11,7 +11,7 @@
 //! 4. meanwhile, load the kernel straight from its file into guest memory (ELF
 //!    with a PVH note, ELF without, or bzImage) and the initramfs after it;
 //! 5. create the virtio devices and attach them through the
-//!    [`DeviceManager`] (MMIO windows, irqfds, ioeventfds);
+//!    `DeviceManager` (MMIO windows, irqfds, ioeventfds);
 //! 6. write the boot structures: command line, GDT, page tables, MP table, ACPI
 //!    tables, and the zero page with its e820 map or the PVH start info;
 //! 7. attach the legacy devices (COM1, i8042, debug ports, ACPI sleep);

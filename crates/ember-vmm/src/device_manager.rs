@@ -52,17 +52,17 @@ pub enum DeviceManagerError {
 }
 
 /// Makes a device's MMIO transport once guest memory and its interrupt line exist.
-pub type TransportFactory = Box<
+pub(crate) type TransportFactory = Box<
     dyn FnOnce(GuestMemoryMmap, Arc<dyn Interrupt>) -> Result<MmioTransport, virtio::mmio::Error>,
 >;
 
 /// The factory for `dev`'s transport.
-pub fn transport_for<D: VirtioDevice + 'static>(dev: D) -> TransportFactory {
+pub(crate) fn transport_for<D: VirtioDevice + 'static>(dev: D) -> TransportFactory {
     Box::new(move |mem, irq| MmioTransport::new(dev, mem, irq))
 }
 
 /// The VM's buses and the devices announced to the guest.
-pub struct DeviceManager {
+pub(crate) struct DeviceManager {
     vm: Arc<Vm>,
     mem: GuestMemoryMmap,
     io: Bus,
@@ -73,7 +73,7 @@ pub struct DeviceManager {
 impl DeviceManager {
     /// Empty buses for `vm` (whose irqchip must exist: interrupt lines are
     /// registered with it) over guest memory `mem`.
-    pub fn new(vm: Arc<Vm>, mem: GuestMemoryMmap) -> Self {
+    pub(crate) fn new(vm: Arc<Vm>, mem: GuestMemoryMmap) -> Self {
         DeviceManager {
             vm,
             mem,
@@ -87,7 +87,7 @@ impl DeviceManager {
     /// irqfd and each queue's notify register an ioeventfd, so neither an
     /// interrupt nor a notify stops a vCPU. Returns its transport (a snapshot
     /// saves and restores it).
-    pub fn attach_virtio(
+    pub(crate) fn attach_virtio(
         &mut self,
         make: TransportFactory,
     ) -> Result<Arc<Mutex<MmioTransport>>, DeviceManagerError> {
@@ -123,14 +123,14 @@ impl DeviceManager {
     /// COM1's interrupt line: an irqfd on its ISA IRQ. The caller makes the
     /// UART with it (fresh, or from a snapshot) and attaches it with
     /// [`DeviceManager::attach_legacy`].
-    pub fn com1_irq(&self) -> Result<SerialIrq, DeviceManagerError> {
+    pub(crate) fn com1_irq(&self) -> Result<SerialIrq, DeviceManagerError> {
         Ok(SerialIrq(self.irq_line(layout::COM1_IRQ)?))
     }
 
     /// Attaches the PC devices a direct-booted guest needs: COM1, the i8042
     /// reset line, the POST port's boot marks, isa-debug-exit, the ACPI sleep
     /// register and the boot-timer page.
-    pub fn attach_legacy(
+    pub(crate) fn attach_legacy(
         &mut self,
         serial: Arc<Mutex<Serial>>,
         end: &Arc<VmEnd>,
@@ -169,7 +169,7 @@ impl DeviceManager {
     /// `cmdline` with every virtio device announced on it
     /// (`virtio_mmio.device=4K@0xd0000000:5`), for kernels with
     /// `VIRTIO_MMIO_CMDLINE_DEVICES`.
-    pub fn announce_on_cmdline(&self, cmdline: &str) -> String {
+    pub(crate) fn announce_on_cmdline(&self, cmdline: &str) -> String {
         let mut out = cmdline.trim().to_owned();
         for d in &self.virtio {
             out.push(' ');
@@ -179,17 +179,17 @@ impl DeviceManager {
     }
 
     /// The virtio devices as the DSDT describes them, for kernels that only read ACPI.
-    pub fn acpi_devices(&self) -> &[VirtioMmioAcpi] {
+    pub(crate) fn acpi_devices(&self) -> &[VirtioMmioAcpi] {
         &self.virtio
     }
 
     /// The finished buses: port I/O, then MMIO.
-    pub fn into_buses(self) -> (Bus, Bus) {
+    pub(crate) fn into_buses(self) -> (Bus, Bus) {
         (self.io, self.mmio)
     }
 
     /// The ACPI Generic Event Device's interrupt line (`layout::GED_GSI`).
-    pub fn ged_irq(&self) -> Result<Arc<dyn Interrupt>, DeviceManagerError> {
+    pub(crate) fn ged_irq(&self) -> Result<Arc<dyn Interrupt>, DeviceManagerError> {
         Ok(Arc::new(IrqFdLine(self.irq_line(layout::GED_GSI)?)))
     }
 

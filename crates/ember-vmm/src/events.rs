@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 /// Version of the on-disk event format.
-pub const EVENT_FORMAT_VERSION: u32 = 1;
+pub(crate) const EVENT_FORMAT_VERSION: u32 = 1;
 
 /// One thing that happened.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -34,7 +34,7 @@ pub struct Event {
 /// The whole file written by `ember run --events FILE.json`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EventFile {
-    /// [`EVENT_FORMAT_VERSION`].
+    /// `EVENT_FORMAT_VERSION`.
     pub version: u32,
     /// Who wrote it (`ember 0.1.0`).
     pub producer: String,
@@ -110,7 +110,7 @@ pub fn monotonic_ns() -> u64 {
 }
 
 /// Microseconds since [`process_start`].
-pub fn now_us() -> f64 {
+pub(crate) fn now_us() -> f64 {
     process_start().elapsed().as_secs_f64() * 1e6
 }
 

@@ -44,12 +44,15 @@ fn hex_string<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
 }
 
 /// One structure (`#[serde(with = "hex")]`).
-pub fn serialize<T: IntoBytes + Immutable, S: Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn serialize<T: IntoBytes + Immutable, S: Serializer>(
+    v: &T,
+    s: S,
+) -> Result<S::Ok, S::Error> {
     s.serialize_str(&encode(v.as_bytes()))
 }
 
 /// One structure (`#[serde(with = "hex")]`).
-pub fn deserialize<'de, T: FromBytes, D: Deserializer<'de>>(d: D) -> Result<T, D::Error> {
+pub(crate) fn deserialize<'de, T: FromBytes, D: Deserializer<'de>>(d: D) -> Result<T, D::Error> {
     let bytes = hex_string(d)?;
     T::read_from_bytes(&bytes).map_err(|_| {
         D::Error::custom(format!(
@@ -62,11 +65,11 @@ pub fn deserialize<'de, T: FromBytes, D: Deserializer<'de>>(d: D) -> Result<T, D
 
 /// A list of structures, their bytes back to back (`#[serde(with =
 /// "hex::vec")]`).
-pub mod vec {
+pub(crate) mod vec {
     use super::*;
 
     /// Serializes the list.
-    pub fn serialize<T: IntoBytes + Immutable, S: Serializer>(
+    pub(crate) fn serialize<T: IntoBytes + Immutable, S: Serializer>(
         v: &[T],
         s: S,
     ) -> Result<S::Ok, S::Error> {
@@ -74,7 +77,9 @@ pub mod vec {
     }
 
     /// Deserializes the list; its length must be a whole number of entries.
-    pub fn deserialize<'de, T: FromBytes, D: Deserializer<'de>>(d: D) -> Result<Vec<T>, D::Error> {
+    pub(crate) fn deserialize<'de, T: FromBytes, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Vec<T>, D::Error> {
         let bytes = hex_string(d)?;
         let size = std::mem::size_of::<T>();
         if size == 0 || bytes.len() % size != 0 {

@@ -8,7 +8,7 @@
 //!
 //! A guest can make a device log as often as it likes (a broken ring per kick, an
 //! out-of-memory descriptor per request), so device messages go through [`guest_warn!`] and
-//! [`guest_error!`]: at most [`BURST`] lines per call site per second, and a count of what
+//! [`guest_error!`]: at most `BURST` lines per call site per second, and a count of what
 //! was held back when the next one goes out.
 
 use std::io::Write;
@@ -19,9 +19,9 @@ use std::time::Instant;
 use log::{Level, LevelFilter, Log, Metadata, Record};
 
 /// The environment variable that sets the level.
-pub const ENV: &str = "EMBER_LOG";
+pub(crate) const ENV: &str = "EMBER_LOG";
 /// Lines a single guest-triggered call site may print per second.
-pub const BURST: u64 = 10;
+pub(crate) const BURST: u64 = 10;
 
 struct StderrLogger;
 
@@ -52,7 +52,7 @@ impl Log for StderrLogger {
 static LOGGER: StderrLogger = StderrLogger;
 
 /// The level `EMBER_LOG` and `verbose` (the count of `-v`) ask for.
-pub fn level_from(env: Option<&str>, verbose: u8) -> Result<LevelFilter, String> {
+pub(crate) fn level_from(env: Option<&str>, verbose: u8) -> Result<LevelFilter, String> {
     let base = match env.map(str::trim) {
         None | Some("") => LevelFilter::Info,
         Some(v) => v

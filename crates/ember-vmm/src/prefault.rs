@@ -52,11 +52,11 @@ const HUGE_PAGE: u64 = 2 << 20;
 /// call itself is noise, small enough that threads finish together).
 const POPULATE_UNIT: u64 = 64 << 20;
 /// The boot window of `async` when none is given.
-pub const DEFAULT_WINDOW: u64 = 256 << 20;
+pub(crate) const DEFAULT_WINDOW: u64 = 256 << 20;
 /// The background chunk of `async` when none is given.
-pub const DEFAULT_CHUNK: u64 = 256 << 20;
+pub(crate) const DEFAULT_CHUNK: u64 = 256 << 20;
 /// How long `async` waits for a balloon driver before saying there is none.
-pub const DEFAULT_DRIVER_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_DRIVER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long, after everything is committed, the driver may take to deflate
 /// before the fence comes down anyway.
 const DEFLATE_WAIT: Duration = Duration::from_secs(120);
@@ -336,7 +336,7 @@ fn populate(host: u64, len: u64) -> std::io::Result<()> {
 
 /// Whether every page of `host..host+len` is resident (mincore), for tests and
 /// checks: committed memory is resident memory.
-pub fn resident(host: u64, len: u64) -> std::io::Result<bool> {
+pub(crate) fn resident(host: u64, len: u64) -> std::io::Result<bool> {
     let pages = len.div_ceil(PAGE) as usize;
     let mut vec = vec![0u8; pages];
     // SAFETY: `vec` has one byte per page of the range, as mincore writes; the

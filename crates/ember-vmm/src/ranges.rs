@@ -19,32 +19,33 @@ pub struct RangeSet {
 
 impl RangeSet {
     /// An empty set.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Sum of the lengths.
-    pub fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.total
     }
 
     /// Number of (merged) ranges.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.map.len()
     }
 
     /// No ranges at all.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
 
     /// The ranges in order.
-    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.map.iter().map(|(&s, &e)| (s, e))
     }
 
     /// Adds `start..end` (merging with neighbours).
-    pub fn insert(&mut self, start: u64, end: u64) {
+    pub(crate) fn insert(&mut self, start: u64, end: u64) {
         if start >= end {
             return;
         }
@@ -69,7 +70,7 @@ impl RangeSet {
     }
 
     /// Removes `start..end`; returns how much of it was in the set.
-    pub fn remove(&mut self, start: u64, end: u64) -> u64 {
+    pub(crate) fn remove(&mut self, start: u64, end: u64) -> u64 {
         if start >= end {
             return 0;
         }
@@ -99,7 +100,7 @@ impl RangeSet {
     }
 
     /// Whether all of `start..end` is in the set.
-    pub fn contains(&self, start: u64, end: u64) -> bool {
+    pub(crate) fn contains(&self, start: u64, end: u64) -> bool {
         if start >= end {
             return true;
         }
@@ -108,7 +109,7 @@ impl RangeSet {
 
     /// The parts of `start..end` NOT in the set, in order, at most `budget`
     /// units in all (the last part is cut short to fit).
-    pub fn gaps(&self, start: u64, end: u64, budget: u64) -> Vec<(u64, u64)> {
+    pub(crate) fn gaps(&self, start: u64, end: u64, budget: u64) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
         let mut left = budget;
         let mut at = start;

@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 
 /// Whether an image is locked for writing (exclusive) or reading (shared).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LockKind {
+pub(crate) enum LockKind {
     /// Read-only use: shared with other readers.
     Shared,
     /// Read-write use: no one else may hold any lock.
@@ -22,7 +22,7 @@ pub enum LockKind {
 
 /// Locks the whole of `file` without waiting. `Err` of kind `WouldBlock` means another
 /// open file (another VM) holds a conflicting lock.
-pub fn lock(file: &File, kind: LockKind) -> io::Result<()> {
+pub(crate) fn lock(file: &File, kind: LockKind) -> io::Result<()> {
     // SAFETY: `flock` is plain data; all-zero is a valid value we then fill in.
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
     fl.l_type = match kind {

@@ -78,7 +78,8 @@ impl vm_superio::Trigger for SerialIrq {
 }
 
 /// The 16550 UART from vm-superio.
-pub type SerialUart = vm_superio::Serial<SerialIrq, vm_superio::serial::NoEvents, ConsoleSink>;
+pub(crate) type SerialUart =
+    vm_superio::Serial<SerialIrq, vm_superio::serial::NoEvents, ConsoleSink>;
 
 /// COM1 on the port-I/O bus.
 pub struct Serial(pub SerialUart);
@@ -101,7 +102,7 @@ impl BusDevice for Serial {
 
 /// The i8042 keyboard controller, reduced to what guests use it for: the
 /// CPU-reset command (0xfe on the command port).
-pub struct I8042 {
+pub(crate) struct I8042 {
     end: Arc<VmEnd>,
 }
 
@@ -112,7 +113,7 @@ const I8042_STATUS_EMPTY: u8 = 0;
 
 impl I8042 {
     /// A controller that reports resets to `end`.
-    pub fn new(end: Arc<VmEnd>) -> Self {
+    pub(crate) fn new(end: Arc<VmEnd>) -> Self {
         I8042 { end }
     }
 }
@@ -138,26 +139,14 @@ impl BusDevice for I8042 {
 /// Port 0x80: guests write progress codes there; each becomes a timestamped
 /// boot mark (Cloud Hypervisor's ranges: 0x00–0x1f firmware, 0x20–0x3f
 /// bootloader, 0x40–0x5f kernel, 0x60–0x7f userspace).
-pub struct DebugPort {
+pub(crate) struct DebugPort {
     recorder: Arc<Recorder>,
 }
 
 impl DebugPort {
     /// A port recording into `recorder`.
-    pub fn new(recorder: Arc<Recorder>) -> Self {
+    pub(crate) fn new(recorder: Arc<Recorder>) -> Self {
         DebugPort { recorder }
-    }
-}
-
-/// Names for boot-mark codes, for humans reading the timeline.
-pub fn boot_mark_label(code: u32) -> &'static str {
-    match code {
-        BOOT_TIMER_MAGIC_CODE => "boot-timer",
-        0x00..=0x1f => "firmware",
-        0x20..=0x3f => "bootloader",
-        0x40..=0x5f => "kernel",
-        0x60..=0x7f => "userspace",
-        _ => "other",
     }
 }
 
@@ -174,19 +163,19 @@ impl BusDevice for DebugPort {
 }
 
 /// Firecracker's boot-timer magic: the guest writes this byte to the boot-timer page.
-pub const BOOT_TIMER_MAGIC: u8 = 123;
+pub(crate) const BOOT_TIMER_MAGIC: u8 = 123;
 /// The event code a boot-timer write is recorded with (outside the 8-bit port-0x80 range).
 pub const BOOT_TIMER_MAGIC_CODE: u32 = 0x100 | BOOT_TIMER_MAGIC as u32;
 
 /// Firecracker-style boot timer: a write of [`BOOT_TIMER_MAGIC`] anywhere in
 /// its page records a mark and logs the time since the VMM started.
-pub struct BootTimer {
+pub(crate) struct BootTimer {
     recorder: Arc<Recorder>,
 }
 
 impl BootTimer {
     /// A boot timer recording into `recorder`.
-    pub fn new(recorder: Arc<Recorder>) -> Self {
+    pub(crate) fn new(recorder: Arc<Recorder>) -> Self {
         BootTimer { recorder }
     }
 }
@@ -210,13 +199,13 @@ impl BusDevice for BootTimer {
 }
 
 /// isa-debug-exit (QEMU's device, same port): the guest writes its exit status.
-pub struct DebugExit {
+pub(crate) struct DebugExit {
     end: Arc<VmEnd>,
 }
 
 impl DebugExit {
     /// A port reporting to `end`.
-    pub fn new(end: Arc<VmEnd>) -> Self {
+    pub(crate) fn new(end: Arc<VmEnd>) -> Self {
         DebugExit { end }
     }
 }
@@ -239,17 +228,17 @@ const SLP_EN: u8 = 1 << 5;
 const SLP_TYP_SHIFT: u8 = 2;
 const SLP_TYP_MASK: u8 = 0b111;
 /// The sleep type our DSDT's `\_S5` names.
-pub const S5_SLP_TYP: u8 = 5;
+pub(crate) const S5_SLP_TYP: u8 = 5;
 
 /// The hardware-reduced ACPI sleep control/status registers (FADT): writing
 /// SLP_EN with the S5 type powers the guest off.
-pub struct AcpiSleep {
+pub(crate) struct AcpiSleep {
     end: Arc<VmEnd>,
 }
 
 impl AcpiSleep {
     /// A sleep register reporting to `end`.
-    pub fn new(end: Arc<VmEnd>) -> Self {
+    pub(crate) fn new(end: Arc<VmEnd>) -> Self {
         AcpiSleep { end }
     }
 }
@@ -319,8 +308,6 @@ mod tests {
         timer.write(0, &[BOOT_TIMER_MAGIC]);
         let codes: Vec<_> = rec.snapshot().events.iter().map(|e| e.code).collect();
         assert_eq!(codes, [Some(0x41), Some(BOOT_TIMER_MAGIC_CODE)]);
-        assert_eq!(boot_mark_label(0x41), "kernel");
-        assert_eq!(boot_mark_label(0x61), "userspace");
     }
 
     #[test]

@@ -2,10 +2,10 @@
 //! reach the outside world only through what they are given (an [`Interrupt`],
 //! a `Write` sink, a file), so each can be unit-tested on its own.
 
-pub mod image_lock;
+pub(crate) mod image_lock;
 pub mod legacy;
 pub mod virtio;
-pub mod vmgenid;
+pub(crate) mod vmgenid;
 
 use std::io;
 
@@ -18,7 +18,7 @@ pub trait Interrupt: Send + Sync {
 
 /// An [`Interrupt`] backed by an eventfd registered with KVM as an irqfd.
 #[derive(Debug)]
-pub struct IrqFdLine(pub vmm_sys_util::eventfd::EventFd);
+pub(crate) struct IrqFdLine(pub vmm_sys_util::eventfd::EventFd);
 
 impl Interrupt for IrqFdLine {
     fn trigger(&self) -> io::Result<()> {

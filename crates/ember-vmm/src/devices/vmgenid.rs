@@ -31,7 +31,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
 use super::Interrupt;
 
 /// Size of the generation ID.
-pub const GUID_LEN: usize = 16;
+pub(crate) const GUID_LEN: usize = 16;
 
 /// vmgenid errors.
 #[derive(Debug, thiserror::Error)]
@@ -49,7 +49,7 @@ pub enum Error {
 
 /// A fresh generation ID: 128 random bits, as the specification asks (its
 /// only requirement is that no two generations share one).
-pub fn fresh_id() -> Result<[u8; GUID_LEN], Error> {
+pub(crate) fn fresh_id() -> Result<[u8; GUID_LEN], Error> {
     let mut id = [0u8; GUID_LEN];
     super::virtio::rng::getrandom(&mut id).map_err(Error::Random)?;
     Ok(id)
@@ -57,7 +57,7 @@ pub fn fresh_id() -> Result<[u8; GUID_LEN], Error> {
 
 /// Writes a fresh generation ID at `addr` (at boot: the guest's driver reads
 /// it when it probes); returns it.
-pub fn write_fresh_id(mem: &GuestMemoryMmap, addr: u64) -> Result<[u8; GUID_LEN], Error> {
+pub(crate) fn write_fresh_id(mem: &GuestMemoryMmap, addr: u64) -> Result<[u8; GUID_LEN], Error> {
     let id = fresh_id()?;
     mem.write_slice(&id, GuestAddress(addr))
         .map_err(|e| Error::Write(addr, e))?;
@@ -66,7 +66,7 @@ pub fn write_fresh_id(mem: &GuestMemoryMmap, addr: u64) -> Result<[u8; GUID_LEN]
 
 /// The device of a restored VM: its GUID's place and the Generic Event
 /// Device's interrupt.
-pub struct VmGenId {
+pub(crate) struct VmGenId {
     mem: GuestMemoryMmap,
     addr: u64,
     ged: Arc<dyn Interrupt>,
@@ -74,7 +74,7 @@ pub struct VmGenId {
 
 impl VmGenId {
     /// The device whose GUID lives at `addr` in `mem`, announced through `ged`.
-    pub fn new(mem: GuestMemoryMmap, addr: u64, ged: Arc<dyn Interrupt>) -> Self {
+    pub(crate) fn new(mem: GuestMemoryMmap, addr: u64, ged: Arc<dyn Interrupt>) -> Self {
         VmGenId { mem, addr, ged }
     }
 
@@ -83,7 +83,7 @@ impl VmGenId {
     /// and reseeds). Call it once the vCPUs' interrupt controllers are
     /// restored (an interrupt raised before would be overwritten by the
     /// restored local APIC state) and before they run. Returns the new ID.
-    pub fn new_generation(&self) -> Result<[u8; GUID_LEN], Error> {
+    pub(crate) fn new_generation(&self) -> Result<[u8; GUID_LEN], Error> {
         let id = write_fresh_id(&self.mem, self.addr)?;
         self.ged.trigger().map_err(Error::Interrupt)?;
         Ok(id)

@@ -123,7 +123,7 @@ impl Cond {
 }
 
 /// One rule: allowed when all its conditions hold.
-pub type Rule = Vec<Cond>;
+pub(super) type Rule = Vec<Cond>;
 
 /// An allow-list: system call number to the rules under which it is
 /// allowed, any of them (none: always).
@@ -700,7 +700,7 @@ fn call_block(nr: i64, rules: &[Rule]) -> Vec<Op> {
 /// architecture, then one comparison per allowed call, argument checks only
 /// where a call has rules, and the two returns shared (repeated every ~200
 /// instructions, as a conditional jump reaches at most 255 on).
-pub fn compact(rules: &Rules, mismatch: u32, matched: u32) -> BpfProgram {
+pub(crate) fn compact(rules: &Rules, mismatch: u32, matched: u32) -> BpfProgram {
     let stmt = |code, k| sock_filter {
         code,
         jt: 0,
@@ -779,7 +779,7 @@ fn code(a: SeccompAction) -> u32 {
 
 /// Compiles `thread`'s list ([`compact`]): a call on it is allowed, any
 /// other gets `mismatch` (trap or log).
-pub fn program(thread: Thread, mismatch: SeccompAction) -> Result<BpfProgram, String> {
+pub(crate) fn program(thread: Thread, mismatch: SeccompAction) -> Result<BpfProgram, String> {
     Ok(compact(
         &rules(thread),
         code(mismatch),
@@ -788,6 +788,7 @@ pub fn program(thread: Thread, mismatch: SeccompAction) -> Result<BpfProgram, St
 }
 
 /// clone3 alone, for [`no_clone3_program`].
+#[cfg_attr(not(test), allow(dead_code))] // the build script's (build.rs includes this file)
 fn clone3_only() -> Rules {
     let mut r = Rules::new();
     allow(&mut r, &[libc::SYS_clone3]);
@@ -796,7 +797,8 @@ fn clone3_only() -> Rules {
 
 /// The second filter of threads that create threads: clone3 fails with
 /// ENOSYS (its flags cannot be checked), so the C library uses clone.
-pub fn no_clone3_program() -> Result<BpfProgram, String> {
+#[cfg_attr(not(test), allow(dead_code))] // the build script's (build.rs includes this file)
+pub(crate) fn no_clone3_program() -> Result<BpfProgram, String> {
     Ok(compact(
         &clone3_only(),
         code(SeccompAction::Allow),
@@ -807,7 +809,7 @@ pub fn no_clone3_program() -> Result<BpfProgram, String> {
 /// seccompiler's compilation of the same lists, which [`program`] and
 /// [`no_clone3_program`] must agree with (the unit tests run both).
 #[cfg(test)]
-pub mod reference {
+pub(super) mod reference {
     use super::{Cond, Rules, Thread, clone3_only, rules};
     use seccompiler::{
         BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
@@ -853,7 +855,7 @@ pub mod reference {
     /// seccompiler's program for `rules`: a call on the list (and its rules
     /// holding) gets `matched`, any other `mismatch`.
     /// seccompiler's program for any `rules` (allowed, or `mismatch`).
-    pub fn compile(rules: &Rules, mismatch: SeccompAction) -> Result<BpfProgram, String> {
+    pub(crate) fn compile(rules: &Rules, mismatch: SeccompAction) -> Result<BpfProgram, String> {
         seccompiler_program(rules, mismatch, SeccompAction::Allow)
     }
 
@@ -874,13 +876,13 @@ pub mod reference {
     }
 
     /// seccompiler's program for `thread`'s list.
-    pub fn program(thread: Thread, mismatch: SeccompAction) -> Result<BpfProgram, String> {
+    pub(crate) fn program(thread: Thread, mismatch: SeccompAction) -> Result<BpfProgram, String> {
         seccompiler_program(&rules(thread), mismatch, SeccompAction::Allow)
             .map_err(|e| format!("the {} list: {e}", thread.name()))
     }
 
     /// seccompiler's clone3 filter.
-    pub fn no_clone3_program() -> Result<BpfProgram, String> {
+    pub(crate) fn no_clone3_program() -> Result<BpfProgram, String> {
         seccompiler_program(
             &clone3_only(),
             SeccompAction::Allow,

@@ -10,7 +10,7 @@
 //!   built programs against the lists as compiled at run time.
 //! - [`init`] (once per process, before any thread starts) installs the
 //!   SIGSYS handler. The device manager starts the *spawner* when it
-//!   attaches the first virtio device ([`start_spawner`]): a VM without one
+//!   attaches the first virtio device (`start_spawner`): a VM without one
 //!   needs none.
 //! - Each thread installs its own filter with [`confine`] before it does
 //!   anything the guest can reach: a vCPU as soon as it is set up, while the
@@ -43,7 +43,8 @@
 
 mod lists;
 
-pub use lists::{Rules, Thread, rules};
+pub use lists::Thread;
+pub use lists::{Rules, rules};
 use seccompiler::{BpfProgram, SeccompAction, sock_filter};
 use std::cell::Cell;
 use std::io;
@@ -111,8 +112,10 @@ pub fn compile_rules(rules: &Rules, mode: Mode) -> BpfProgram {
     lists::compact(rules, mismatch(mode).into(), SeccompAction::Allow.into())
 }
 
-/// The clone3 filter, compiled at run time (see [`compile`]).
-pub fn no_clone3() -> Result<BpfProgram, SeccompError> {
+/// The clone3 filter, compiled at run time (see [`compile`]), which the
+/// tests hold the build script's against.
+#[cfg(test)]
+fn no_clone3() -> Result<BpfProgram, SeccompError> {
     lists::no_clone3_program().map_err(|e| SeccompError::Compile("clone3", e))
 }
 
@@ -160,11 +163,6 @@ pub fn init(mode: Mode, exit_status: i32) -> Result<(), SeccompError> {
 /// terminal back) before ember exits.
 pub fn on_violation(f: fn()) {
     let _ = ON_VIOLATION.set(f);
-}
-
-/// The mode [`init`] set ([`Mode::Off`] before it).
-pub fn mode() -> Mode {
-    MODE.get().copied().unwrap_or(Mode::Off)
 }
 
 /// Installs `thread`'s filter on the calling thread (and `no_new_privs`).
@@ -338,7 +336,7 @@ extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut
 }
 
 /// The name of x86-64 system call `nr`.
-pub fn syscall_name(nr: i32) -> Option<&'static str> {
+pub(crate) fn syscall_name(nr: i32) -> Option<&'static str> {
     let n = usize::try_from(nr).ok()?;
     let name = if n < SYSCALLS_LOW.len() {
         SYSCALLS_LOW[n]
@@ -357,7 +355,7 @@ type SpawnJob = (
 /// Starts the spawner, which starts every device I/O thread from then on
 /// (see the module docs), unless it runs or no filters are on. Call on the
 /// thread that builds the VM, before any vCPU runs.
-pub fn start_spawner() -> Result<(), SeccompError> {
+pub(crate) fn start_spawner() -> Result<(), SeccompError> {
     if MODE.get().is_none() || SPAWNER.get().is_some() {
         return Ok(());
     }

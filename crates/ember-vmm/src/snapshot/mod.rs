@@ -6,13 +6,13 @@
 //! - `memory`: guest RAM, its regions back to back in guest-address order,
 //!   sparse (only non-zero pages the guest may have written take space);
 //! - `state`: everything else — every vCPU ([`vcpu::VcpuState`]), the VM's
-//!   interrupt controllers, PIT and clock ([`vm::VmState`]), COM1, each
+//!   interrupt controllers, PIT and clock (`vm::VmState`), COM1, each
 //!   virtio-mmio transport and the device behind it, and the host CPUID the
 //!   snapshot was taken on. It is a fixed header (magic, format version,
 //!   payload length, CRC-32 of the payload) and a JSON payload.
 //!
 //! Both are written into a private directory beside the target and swapped
-//! into place in one step ([`staging`]), so a snapshot directory is always
+//! into place in one step (`staging`), so a snapshot directory is always
 //! whole: the previous snapshot, or this one.
 //!
 //! [`create`] takes a snapshot of a paused VM; [`restore::restore`] builds a
@@ -25,8 +25,8 @@ pub mod memory;
 pub mod restore;
 mod staging;
 
-pub use crate::vstate::vcpu_state as vcpu;
-pub use crate::vstate::vm_state as vm;
+pub(crate) use crate::vstate::vcpu_state as vcpu;
+pub(crate) use crate::vstate::vm_state as vm;
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};

@@ -28,7 +28,7 @@ pub enum BusError {
 }
 
 /// A shared device handle.
-pub type SharedDevice = Arc<Mutex<dyn BusDevice>>;
+pub(crate) type SharedDevice = Arc<Mutex<dyn BusDevice>>;
 
 struct Entry {
     base: u64,
@@ -39,7 +39,7 @@ struct Entry {
 /// A set of non-overlapping address ranges, each owned by one device. Small
 /// (a handful of devices), so a sorted vector beats a tree.
 #[derive(Default)]
-pub struct Bus {
+pub(crate) struct Bus {
     entries: Vec<Entry>,
 }
 
@@ -52,12 +52,17 @@ impl std::fmt::Debug for Bus {
 
 impl Bus {
     /// An empty bus.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Puts `device` at `base..base+len`.
-    pub fn insert(&mut self, device: SharedDevice, base: u64, len: u64) -> Result<(), BusError> {
+    pub(crate) fn insert(
+        &mut self,
+        device: SharedDevice,
+        base: u64,
+        len: u64,
+    ) -> Result<(), BusError> {
         if len == 0 {
             return Err(BusError::Empty(base));
         }
@@ -89,7 +94,7 @@ impl Bus {
 
     /// Dispatches a read; returns false (and leaves `data` as all-ones, as an
     /// unclaimed ISA/PCI read would) when nothing is there.
-    pub fn read(&self, addr: u64, data: &mut [u8]) -> bool {
+    pub(crate) fn read(&self, addr: u64, data: &mut [u8]) -> bool {
         match self.find(addr, data.len()) {
             Some((e, offset)) => {
                 e.device
@@ -106,7 +111,7 @@ impl Bus {
     }
 
     /// Dispatches a write; returns false when nothing is there.
-    pub fn write(&self, addr: u64, data: &[u8]) -> bool {
+    pub(crate) fn write(&self, addr: u64, data: &[u8]) -> bool {
         match self.find(addr, data.len()) {
             Some((e, offset)) => {
                 e.device

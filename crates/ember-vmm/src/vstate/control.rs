@@ -119,7 +119,7 @@ fn kick_signal() -> libc::c_int {
 }
 
 /// Installs the kick handler once per process.
-pub fn install_kick_handler() -> Result<(), ControlError> {
+pub(crate) fn install_kick_handler() -> Result<(), ControlError> {
     static RESULT: OnceLock<Result<(), String>> = OnceLock::new();
     RESULT
         .get_or_init(|| {
@@ -132,12 +132,12 @@ pub fn install_kick_handler() -> Result<(), ControlError> {
 
 /// Records `run` as this thread's kvm_run page for the kick handler.
 /// Call on the vCPU thread before its loop; [`leave_run_loop`] undoes it.
-pub fn enter_run_loop(run: *mut kvm_run) {
+pub(crate) fn enter_run_loop(run: *mut kvm_run) {
     KVM_RUN.with(|c| c.set(run));
 }
 
 /// Forgets this thread's kvm_run page.
-pub fn leave_run_loop() {
+pub(crate) fn leave_run_loop() {
     KVM_RUN.with(|c| c.set(std::ptr::null_mut()));
 }
 

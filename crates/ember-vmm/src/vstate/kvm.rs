@@ -46,7 +46,7 @@ pub enum KvmError {
 }
 
 /// Opens /dev/kvm and checks that it can run ember's VMs.
-pub fn open() -> Result<Kvm, KvmError> {
+pub(crate) fn open() -> Result<Kvm, KvmError> {
     let kvm = Kvm::new().map_err(|e| match e.errno() {
         libc::ENOENT | libc::ENODEV | libc::ENXIO => KvmError::NotPresent,
         libc::EACCES | libc::EPERM => KvmError::Permission,
@@ -67,13 +67,13 @@ pub fn open() -> Result<Kvm, KvmError> {
 
 /// Whether KVM's in-kernel LAPIC emulates TSC-deadline mode: a KVM feature,
 /// so `KVM_GET_SUPPORTED_CPUID` does not report it and the VMM sets its CPUID bit.
-pub fn tsc_deadline_timer(kvm: &Kvm) -> bool {
+pub(crate) fn tsc_deadline_timer(kvm: &Kvm) -> bool {
     kvm.check_extension(Cap::TscDeadlineTimer)
 }
 
 /// The CPUID KVM supports, asked once per process: every vCPU's CPUID is
 /// derived from it (QEMU Lite's "query CPUID once").
-pub fn supported_cpuid(kvm: &Kvm) -> Result<&'static CpuId, KvmError> {
+pub(crate) fn supported_cpuid(kvm: &Kvm) -> Result<&'static CpuId, KvmError> {
     // Callers racing here wait for the one fetch rather than repeating it.
     static CPUID: OnceLock<Result<CpuId, kvm_ioctls::Error>> = OnceLock::new();
     CPUID

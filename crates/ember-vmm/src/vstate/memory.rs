@@ -13,9 +13,9 @@ use vm_memory::{
 
 /// Smallest guest ember will build: room for the boot structures in the low
 /// megabyte plus a kernel above it.
-pub const MIN_MEM_SIZE: u64 = 4 << 20;
+pub(crate) const MIN_MEM_SIZE: u64 = 4 << 20;
 /// Largest guest: KVM's guest-physical limit on common hosts is 2^46+; stay well under.
-pub const MAX_MEM_SIZE: u64 = 1 << 42;
+pub(crate) const MAX_MEM_SIZE: u64 = 1 << 42;
 
 /// Guest memory errors.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -58,7 +58,7 @@ pub fn parse_size(s: &str) -> Result<u64, MemoryError> {
 }
 
 /// Checks a guest memory size.
-pub fn check_size(size: u64) -> Result<(), MemoryError> {
+pub(crate) fn check_size(size: u64) -> Result<(), MemoryError> {
     if size < MIN_MEM_SIZE {
         return Err(MemoryError::TooSmall(size));
     }
@@ -76,7 +76,7 @@ pub fn check_size(size: u64) -> Result<(), MemoryError> {
 /// there every 4 KiB page the guest touched was a nested page fault of its
 /// own — 17 558 of them in a Debian boot in the nested rig against QEMU's
 /// 1 201, QEMU aligning its RAM to 2 MiB.
-pub const HOST_ALIGN: usize = 2 << 20;
+pub(crate) const HOST_ALIGN: usize = 2 << 20;
 
 /// Maps `len` bytes of anonymous, MAP_NORESERVE memory starting on a
 /// [`HOST_ALIGN`] boundary: `len + HOST_ALIGN` bytes are mapped and the
@@ -126,7 +126,7 @@ const RAM_MAP_FLAGS: i32 = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_N
 /// The mappings live as long as the process: ember runs one VM per process and
 /// leaves the VM's teardown to its exit (`vstate::teardown`), and vm-memory
 /// unmaps only the mappings it made itself.
-pub fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
+pub(crate) fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
     check_size(size)?;
     let mut regions = Vec::new();
     for (start, len) in layout::ram_ranges(size) {

@@ -5,10 +5,10 @@
 pub mod bus;
 pub mod control;
 pub mod end;
-pub mod kvm;
+pub(crate) mod kvm;
 pub mod memory;
 pub mod teardown;
-pub mod vcpu;
+pub(crate) mod vcpu;
 pub mod vcpu_state;
 pub mod vm;
-pub mod vm_state;
+pub(crate) mod vm_state;

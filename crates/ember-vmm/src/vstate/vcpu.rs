@@ -101,11 +101,11 @@ pub enum VcpuError {
 
 /// The pause control every vCPU of a VM shares; parked vCPUs save their
 /// snapshot state through it.
-pub type Control = VcpuControl<crate::vstate::vcpu_state::VcpuState>;
+pub(crate) type Control = VcpuControl<crate::vstate::vcpu_state::VcpuState>;
 
 /// How the boot vCPU enters the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BootEntry {
+pub(crate) enum BootEntry {
     /// 32-bit protected mode, paging off, EBX = hvm_start_info (PVH).
     Pvh(u64),
     /// 64-bit long mode, identity paging, RSI = zero page (Linux boot protocol).
@@ -114,7 +114,7 @@ pub enum BootEntry {
 
 /// One vCPU.
 #[derive(Debug)]
-pub struct Vcpu {
+pub(crate) struct Vcpu {
     fd: VcpuFd,
     id: u32,
 }
@@ -126,7 +126,7 @@ thread_local! {
 
 impl Vcpu {
     /// Creates vCPU `id` (also its APIC id).
-    pub fn new(vm: &VmFd, id: u32) -> Result<Vcpu, VcpuError> {
+    pub(crate) fn new(vm: &VmFd, id: u32) -> Result<Vcpu, VcpuError> {
         let fd = vm
             .create_vcpu(u64::from(id))
             .map_err(|source| VcpuError::Create { id, source })?;
@@ -134,17 +134,17 @@ impl Vcpu {
     }
 
     /// The vCPU's KVM descriptor (snapshot state is read and written through it).
-    pub fn fd(&self) -> &VcpuFd {
+    pub(crate) fn fd(&self) -> &VcpuFd {
         &self.fd
     }
 
     /// The vCPU index.
-    pub fn id(&self) -> u32 {
+    pub(crate) fn id(&self) -> u32 {
         self.id
     }
 
     /// The guest TSC frequency in kHz, when KVM knows it.
-    pub fn tsc_khz(&self) -> Option<u32> {
+    pub(crate) fn tsc_khz(&self) -> Option<u32> {
         self.fd.get_tsc_khz().ok().filter(|&k| k != 0)
     }
 
@@ -157,7 +157,7 @@ impl Vcpu {
     }
 
     /// Sets CPUID, MSRs and the LAPIC's local interrupt pins: what every vCPU needs.
-    pub fn configure(&self, cpuid: &CpuId, msrs: &[kvm_msr_entry]) -> Result<(), VcpuError> {
+    pub(crate) fn configure(&self, cpuid: &CpuId, msrs: &[kvm_msr_entry]) -> Result<(), VcpuError> {
         self.fd.set_cpuid2(cpuid).map_err(self.cfg("CPUID"))?;
         let wanted = msrs.len();
         let list = Msrs::from_entries(msrs).map_err(|_| VcpuError::Msrs { set: 0, wanted })?;
@@ -170,7 +170,7 @@ impl Vcpu {
 
     /// Puts the boot vCPU at the kernel's entry point. Application processors
     /// skip this: they wait for INIT/SIPI in the in-kernel LAPIC.
-    pub fn set_boot_state(&self, entry: BootEntry) -> Result<(), VcpuError> {
+    pub(crate) fn set_boot_state(&self, entry: BootEntry) -> Result<(), VcpuError> {
         let mut sregs = self.fd.get_sregs().map_err(self.cfg("segment registers"))?;
         let regs = match entry {
             BootEntry::Pvh(rip) => {
@@ -212,7 +212,7 @@ impl Vcpu {
     /// `vm` and `mem` serve guest RAM that KVM learns about lazily (see
     /// [`Vm::register_memory`]): an access to it arrives here as MMIO once.
     /// `control` parks the vCPU on request (see [`crate::vstate::control`]).
-    pub fn run(
+    pub(crate) fn run(
         &mut self,
         io: &Bus,
         mmio: &Bus,
@@ -239,7 +239,7 @@ impl Vcpu {
     /// the program), which is then off the way to the guest's first
     /// instruction. Creating, configuring, restoring and running a vCPU are
     /// all on the list.
-    pub fn confine_thread(id: u32) -> Result<(), VcpuError> {
+    pub(crate) fn confine_thread(id: u32) -> Result<(), VcpuError> {
         if CONFINED.get() {
             return Ok(());
         }

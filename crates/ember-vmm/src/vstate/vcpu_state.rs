@@ -14,7 +14,7 @@ use thiserror::Error;
 
 /// Errors saving or restoring a vCPU.
 #[derive(Debug, Error)]
-pub enum VcpuStateError {
+pub(crate) enum VcpuStateError {
     /// An ioctl failed.
     #[error("cannot {op} vCPU {id} {what}")]
     Ioctl {
@@ -129,7 +129,7 @@ fn read_msrs(fd: &VcpuFd, id: u32) -> Result<Vec<kvm_msr_entry>, VcpuStateError>
 
 /// Reads vCPU `id`'s state. The vCPU must be out of KVM_RUN with its last
 /// exit completed (parked; see `vstate::control`).
-pub fn save(fd: &VcpuFd, id: u32) -> Result<VcpuState, VcpuStateError> {
+pub(crate) fn save(fd: &VcpuFd, id: u32) -> Result<VcpuState, VcpuStateError> {
     let read = |what| {
         move |source| VcpuStateError::Ioctl {
             op: "read",
@@ -173,7 +173,7 @@ pub fn save(fd: &VcpuFd, id: u32) -> Result<VcpuState, VcpuStateError> {
 
 /// Writes `state` into a freshly created vCPU (Firecracker's order: CPUID
 /// before anything that depends on it, MSRs after the LAPIC, events last).
-pub fn restore(fd: &VcpuFd, state: &VcpuState) -> Result<(), VcpuStateError> {
+pub(crate) fn restore(fd: &VcpuFd, state: &VcpuState) -> Result<(), VcpuStateError> {
     let id = state.id;
     let set = |what| {
         move |source| VcpuStateError::Ioctl {

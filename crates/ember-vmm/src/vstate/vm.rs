@@ -49,7 +49,7 @@ pub enum VmError {
 
 /// Guest RAM registered with KVM as soon as the VM exists; the rest waits for
 /// the guest's first touch (see [`Vm::register_memory`]).
-pub const EAGER_RAM: u64 = 1 << 30;
+pub(crate) const EAGER_RAM: u64 = 1 << 30;
 
 /// A RAM range (guest address, length, host address) not yet given to KVM.
 #[derive(Debug, Clone, Copy)]
@@ -131,7 +131,7 @@ impl Vm {
         &self.fd
     }
 
-    /// Gives guest RAM to KVM: the first [`EAGER_RAM`] bytes now, the rest on
+    /// Gives guest RAM to KVM: the first `EAGER_RAM` bytes now, the rest on
     /// the guest's first touch ([`Vm::claim_ram`]).
     ///
     /// Why lazily: where KVM shadows guest page tables (as on this workplace's

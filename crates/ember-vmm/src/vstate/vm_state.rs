@@ -12,7 +12,7 @@ use thiserror::Error;
 /// Errors saving or restoring the VM's state.
 #[derive(Debug, Error)]
 #[error("cannot {op} the VM's {what}")]
-pub struct VmStateError {
+pub(crate) struct VmStateError {
     op: &'static str,
     what: &'static str,
     source: kvm_ioctls::Error,
@@ -53,7 +53,7 @@ fn chip(fd: &VmFd, id: u32, what: &'static str) -> Result<kvm_irqchip, VmStateEr
 }
 
 /// Reads the VM's state (the vCPUs are parked).
-pub fn save(fd: &VmFd) -> Result<VmState, VmStateError> {
+pub(crate) fn save(fd: &VmFd) -> Result<VmState, VmStateError> {
     let read = |what| {
         move |source| VmStateError {
             op: "read",
@@ -73,7 +73,7 @@ pub fn save(fd: &VmFd) -> Result<VmState, VmStateError> {
 /// Writes `state` into a VM whose irqchip and PIT exist and whose vCPUs
 /// have not run. The clock resumes where it stopped: guest time neither
 /// jumps back nor over the time the snapshot sat on disk.
-pub fn restore(fd: &VmFd, state: &VmState) -> Result<(), VmStateError> {
+pub(crate) fn restore(fd: &VmFd, state: &VmState) -> Result<(), VmStateError> {
     let set = |what| {
         move |source| VmStateError {
             op: "set",

@@ -88,28 +88,28 @@ const IOAPIC_GSI_BASE: u32 = 0;
 
 /// Hardware-reduced sleep: SLP_TYP for S5 (soft off). Linux writes
 /// `SLP_EN | SLP_TYP << 2` = 0x34 to the sleep control register to power off.
-pub const S5_SLEEP_TYPE: u8 = 5;
+pub(crate) const S5_SLEEP_TYPE: u8 = 5;
 /// The ACPI ID Linux's virtio-mmio driver binds to.
-pub const VIRTIO_MMIO_HID: &str = "LNRO0005";
+pub(crate) const VIRTIO_MMIO_HID: &str = "LNRO0005";
 /// 16550-compatible UART.
 const COM_HID: &str = "PNP0501";
 /// The IDs Linux's vmgenid driver binds to (`drivers/virt/vmgenid.c`).
-pub const VMGENID_HID: &str = "VMGENCTR";
+pub(crate) const VMGENID_HID: &str = "VMGENCTR";
 /// The compatible ID of Microsoft's VM generation ID specification.
-pub const VMGENID_CID: &str = "VM_GEN_COUNTER";
+pub(crate) const VMGENID_CID: &str = "VM_GEN_COUNTER";
 /// ACPI Generic Event Device (ACPI 6, §5.6.9).
-pub const GED_HID: &str = "ACPI0013";
+pub(crate) const GED_HID: &str = "ACPI0013";
 /// The notification a vmgenid driver expects when the ID changes
 /// (device-specific notify values start at 0x80).
-pub const VMGENID_NOTIFY: u8 = 0x80;
+pub(crate) const VMGENID_NOTIFY: u8 = 0x80;
 
 /// Highest vCPU count the MADT can describe with 8-bit APIC IDs (0xff is
 /// broadcast, and the I/O APIC takes the ID after the last vCPU).
-pub const MAX_CPUS: u32 = super::cpuid::MAX_VCPUS;
+pub(crate) const MAX_CPUS: u32 = super::cpuid::MAX_VCPUS;
 
 /// One virtio-mmio device to describe in the DSDT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct VirtioMmioAcpi {
+pub(crate) struct VirtioMmioAcpi {
     /// Guest-physical base of the device's register window.
     pub base: u64,
     /// Window length.
@@ -337,7 +337,7 @@ fn fadt(dsdt_addr: u64) -> Vec<u8> {
 /// Writes the RSDP at `RSDP_START` and the XSDT, FADT, MADT and DSDT from
 /// `ACPI_TABLES_START`; returns the RSDP address (for the zero page's
 /// `acpi_rsdp_addr` or PVH's `rsdp_paddr`).
-pub fn setup_acpi(
+pub(crate) fn setup_acpi(
     mem: &GuestMemoryMmap,
     num_cpus: u32,
     virtio: &[VirtioMmioAcpi],

@@ -13,7 +13,7 @@
 //!   with `%ebx` pointing at a start-info block.
 //!
 //! Everything here is a pure function over guest memory; registers are in
-//! [`super::regs`].
+//! `super::regs`.
 
 use linux_loader::configurator::linux::LinuxBootConfigurator;
 use linux_loader::configurator::pvh::PvhBootConfigurator;
@@ -36,9 +36,9 @@ use super::layout::{
 };
 
 /// e820 type: usable RAM.
-pub const E820_RAM: u32 = 1;
+pub(crate) const E820_RAM: u32 = 1;
 /// e820 type: reserved, the kernel must not use it as RAM.
-pub const E820_RESERVED: u32 = 2;
+pub(crate) const E820_RESERVED: u32 = 2;
 
 /// `boot_flag` at 0x1fe: the old boot-sector signature, checked by the kernel.
 pub const BOOT_FLAG_MAGIC: u16 = 0xaa55;
@@ -47,35 +47,35 @@ pub const HDRS_MAGIC: u32 = 0x5372_6448;
 /// The protocol version we claim when no bzImage header is given: 2.15,
 /// recent enough that the kernel reads `acpi_rsdp_addr` (2.14+) and the
 /// `ext_*` fields.
-pub const DEFAULT_PROTOCOL_VERSION: u16 = 0x020f;
+pub(crate) const DEFAULT_PROTOCOL_VERSION: u16 = 0x020f;
 /// Protocol 2.03 introduced `initrd_addr_max`; older kernels imply this limit.
-pub const LEGACY_INITRD_ADDR_MAX: u32 = 0x37ff_ffff;
+pub(crate) const LEGACY_INITRD_ADDR_MAX: u32 = 0x37ff_ffff;
 /// `type_of_loader` 0xff: "undefined" boot loader, the right choice for a VMM
 /// that has no ID assigned by the kernel maintainers.
-pub const LOADER_TYPE_UNDEFINED: u8 = 0xff;
+pub(crate) const LOADER_TYPE_UNDEFINED: u8 = 0xff;
 /// `heap_end_ptr`: end of the real-mode setup heap, relative to the start of
 /// the setup code, as boot.rst recommends (0xfe00 = 0x10000 minus 0x200 for
 /// the stack). Only the 16-bit setup code uses it; we still fill it so the
 /// header is what a conventional loader would hand over.
-pub const SETUP_HEAP_END: u16 = 0xfe00;
+pub(crate) const SETUP_HEAP_END: u16 = 0xfe00;
 /// Kernel alignment we advertise in the default header (2 MiB, what x86-64
 /// kernels use for `CONFIG_PHYSICAL_ALIGN`).
-pub const DEFAULT_KERNEL_ALIGNMENT: u32 = 0x20_0000;
+pub(crate) const DEFAULT_KERNEL_ALIGNMENT: u32 = 0x20_0000;
 
 /// Longest command line (without the NUL) an x86 Linux kernel keeps when it
 /// brings no setup header to say so (ELF `vmlinux`, PVH): `COMMAND_LINE_SIZE`
 /// is 2048 on x86, and the kernel silently truncates anything longer.
-pub const LINUX_CMDLINE_MAX: usize = 2047;
+pub(crate) const LINUX_CMDLINE_MAX: usize = 2047;
 /// Protocol 2.10 added `pref_address` and `init_size`.
-pub const PROTOCOL_2_10: u16 = 0x020a;
+pub(crate) const PROTOCOL_2_10: u16 = 0x020a;
 /// Protocol 2.12 added `xloadflags`, where XLF_KERNEL_64 announces the 64-bit
 /// entry point at offset 0x200.
-pub const PROTOCOL_2_12: u16 = 0x020c;
+pub(crate) const PROTOCOL_2_12: u16 = 0x020c;
 
 /// PVH `hvm_start_info.magic`: "xEn3" with the top bit of each byte set.
-pub const XEN_HVM_START_MAGIC: u32 = 0x336e_c578;
+pub(crate) const XEN_HVM_START_MAGIC: u32 = 0x336e_c578;
 /// Start-info version 1 carries the memory map fields.
-pub const XEN_HVM_START_VERSION: u32 = 1;
+pub(crate) const XEN_HVM_START_VERSION: u32 = 1;
 
 const PAGE_SIZE: u64 = 0x1000;
 const MIB: u64 = 1 << 20;
@@ -142,7 +142,7 @@ pub enum Error {
 
 /// Where things are, for the boot-protocol writers.
 #[derive(Debug, Clone, Copy)]
-pub struct BootLayout<'a> {
+pub(crate) struct BootLayout<'a> {
     /// Guest RAM as (start, len) ranges, from `layout::ram_ranges`.
     pub ram: &'a [(u64, u64)],
     /// The kernel command line, without the terminating NUL.
@@ -160,7 +160,7 @@ pub struct BootLayout<'a> {
 /// probes the legacy configuration ports (0xcf8/0xcfc) and BIOS tables, ~90
 /// port accesses, each a trap out to the VMM that answers "nothing here".
 /// Firecracker appends the same option for the same reason.
-pub fn with_no_pci(cmdline: &str) -> String {
+pub(crate) fn with_no_pci(cmdline: &str) -> String {
     let given = cmdline.split_whitespace().any(|w| w.starts_with("pci="));
     match (given, cmdline.trim()) {
         (true, c) => c.to_owned(),
@@ -175,7 +175,11 @@ pub fn with_no_pci(cmdline: &str) -> String {
 /// `cmdline_size`, or [`LINUX_CMDLINE_MAX`] for ELF kernels);
 /// it is further capped by the space ember reserves (`CMDLINE_MAX_SIZE`,
 /// including the NUL).
-pub fn write_cmdline(mem: &GuestMemoryMmap, cmdline: &str, max_len: usize) -> Result<(), Error> {
+pub(crate) fn write_cmdline(
+    mem: &GuestMemoryMmap,
+    cmdline: &str,
+    max_len: usize,
+) -> Result<(), Error> {
     let max = max_len.min(CMDLINE_MAX_SIZE - 1);
     if cmdline.len() > max {
         return Err(Error::CmdlineTooLong {
@@ -202,7 +206,7 @@ pub fn write_cmdline(mem: &GuestMemoryMmap, cmdline: &str, max_len: usize) -> Re
 /// would reserve most of that by itself, but saying so keeps it from ever
 /// handing those pages to the page allocator. RAM resumes at 1 MiB, up to the
 /// 32-bit device hole, and continues above 4 GiB for large guests.
-pub fn e820_entries(ram: &[(u64, u64)]) -> Vec<(u64, u64, u32)> {
+pub(crate) fn e820_entries(ram: &[(u64, u64)]) -> Vec<(u64, u64, u32)> {
     let mut entries = Vec::new();
     let mut covers_low_megabyte = false;
     for &(start, len) in ram {
@@ -248,7 +252,7 @@ fn default_setup_header() -> setup_header {
 /// "write" fields. For ELF kernels pass `None` and a default header is used.
 /// The command line must already be (or later be) written by
 /// [`write_cmdline`].
-pub fn configure_linux(
+pub(crate) fn configure_linux(
     mem: &GuestMemoryMmap,
     b: &BootLayout,
     hdr: Option<setup_header>,
@@ -305,7 +309,7 @@ pub fn configure_linux(
 
 /// Writes the PVH `hvm_start_info` at `PVH_INFO_START`, with the initramfs as
 /// module 0 at `PVH_MODLIST_START` and the memory map at `PVH_MEMMAP_START`.
-pub fn configure_pvh(mem: &GuestMemoryMmap, b: &BootLayout) -> Result<(), Error> {
+pub(crate) fn configure_pvh(mem: &GuestMemoryMmap, b: &BootLayout) -> Result<(), Error> {
     let memmap: Vec<hvm_memmap_table_entry> = e820_entries(b.ram)
         .into_iter()
         .map(|(addr, size, type_)| hvm_memmap_table_entry {
@@ -355,7 +359,7 @@ pub fn configure_pvh(mem: &GuestMemoryMmap, b: &BootLayout) -> Result<(), Error>
 
 /// Where a bzImage's setup header starts in the file (boot.rst: at 0x1f1 of
 /// the boot sector, running on into the setup code).
-pub const SETUP_HEADER_OFFSET: usize = 0x1f1;
+pub(crate) const SETUP_HEADER_OFFSET: usize = 0x1f1;
 /// Where the setup code starts in the file: the header's `jump` is there,
 /// and `kernel_version` points relative to it.
 pub const SETUP_CODE_OFFSET: usize = 0x200;
@@ -384,7 +388,7 @@ pub fn write_setup_header(image: &mut [u8], hdr: &setup_header) -> Option<()> {
 /// Checks that a bzImage's setup header offers the 64-bit boot protocol
 /// entry (`startup_64`, 0x200 bytes into the protected-mode kernel), the only
 /// bzImage entry ember uses.
-pub fn check_64bit_entry(hdr: &setup_header) -> Result<(), Error> {
+pub(crate) fn check_64bit_entry(hdr: &setup_header) -> Result<(), Error> {
     let (boot_flag, header, version, xloadflags) =
         (hdr.boot_flag, hdr.header, hdr.version, hdr.xloadflags);
     if boot_flag != BOOT_FLAG_MAGIC || header != HDRS_MAGIC {
@@ -414,7 +418,7 @@ pub fn check_64bit_entry(hdr: &setup_header) -> Result<(), Error> {
 /// `kernel_alignment` if that is higher) and decompresses there, using
 /// `init_size` bytes (boot.rst: "init_size"). Kernels before protocol 2.10
 /// don't say; then only the loaded image counts.
-pub fn bzimage_kernel_end(hdr: &setup_header, load_addr: u64, loaded_end: u64) -> u64 {
+pub(crate) fn bzimage_kernel_end(hdr: &setup_header, load_addr: u64, loaded_end: u64) -> u64 {
     let (version, relocatable, alignment, pref_address, init_size) = (
         hdr.version,
         hdr.relocatable_kernel,
@@ -444,7 +448,7 @@ pub fn bzimage_kernel_end(hdr: &setup_header, load_addr: u64, loaded_end: u64) -
 /// `kernel_end` — for a bzImage that is the load address plus the header's
 /// `init_size`, the room the kernel decompresses into. Highest placement keeps
 /// it clear of everything the kernel allocates early from low memory.
-pub fn initrd_address(
+pub(crate) fn initrd_address(
     ram: &[(u64, u64)],
     initrd_size: u64,
     initrd_addr_max: Option<u32>,

@@ -26,18 +26,18 @@ use kvm_bindings::{CpuId, KVM_CPUID_FLAG_SIGNIFCANT_INDEX, kvm_cpuid_entry2};
 
 /// Highest vCPU count: APIC IDs are 8 bits in xAPIC mode, 0xff is the
 /// broadcast ID, and the I/O APIC takes the ID after the last vCPU.
-pub const MAX_VCPUS: u32 = 254;
+pub(crate) const MAX_VCPUS: u32 = 254;
 
 /// KVM's hypervisor signature, "KVMKVMKVM\0\0\0" as EBX, ECX, EDX.
-pub const KVM_SIGNATURE: [u32; 3] = [0x4b4d_564b, 0x564b_4d56, 0x0000_004d];
+pub(crate) const KVM_SIGNATURE: [u32; 3] = [0x4b4d_564b, 0x564b_4d56, 0x0000_004d];
 /// Hypervisor leaf: max hypervisor leaf in EAX, signature in EBX/ECX/EDX.
-pub const LEAF_HYPERVISOR: u32 = 0x4000_0000;
+pub(crate) const LEAF_HYPERVISOR: u32 = 0x4000_0000;
 /// KVM paravirtual feature bits (kvmclock, PV EOI, ...) in EAX.
-pub const LEAF_KVM_FEATURES: u32 = 0x4000_0001;
+pub(crate) const LEAF_KVM_FEATURES: u32 = 0x4000_0001;
 /// Timing leaf (the VMware/KVM convention): TSC and APIC bus kHz.
-pub const LEAF_TIMING: u32 = 0x4000_0010;
+pub(crate) const LEAF_TIMING: u32 = 0x4000_0010;
 /// KVM's local APIC timer ticks once per nanosecond: 1 GHz, in kHz.
-pub const KVM_APIC_BUS_KHZ: u32 = 1_000_000;
+pub(crate) const KVM_APIC_BUS_KHZ: u32 = 1_000_000;
 
 const LEAF_VENDOR: u32 = 0x0;
 const LEAF_FEATURES: u32 = 0x1;
@@ -206,7 +206,7 @@ const SIGNATURE_LEAVES: [(u32, u32); 10] = [
 /// several for each of its ~75 leaves, ~0.4 ms where CPUID traps to a
 /// hypervisor (as in a cloud VM). What the host's *kernel* adds or hides
 /// shows when the vCPU state is set: KVM refuses what it cannot give.
-pub fn host_signature() -> Vec<kvm_cpuid_entry2> {
+pub(crate) fn host_signature() -> Vec<kvm_cpuid_entry2> {
     use std::arch::x86_64::__cpuid_count;
     let max_basic = __cpuid_count(0, 0).eax;
     let max_ext = __cpuid_count(0x8000_0000, 0).eax;
@@ -271,7 +271,7 @@ fn set_cache_sharing(eax: u32, cores: u32) -> u32 {
 /// What KVM's timers offer the guest, beyond what `KVM_GET_SUPPORTED_CPUID`
 /// says: both come from other KVM calls.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Timers {
+pub(crate) struct Timers {
     /// The guest TSC frequency in kHz (`KVM_GET_TSC_KHZ`) when known,
     /// advertised in leaf 0x40000010.
     pub tsc_khz: Option<u32>,
@@ -282,7 +282,7 @@ pub struct Timers {
 /// The CPUID table for vCPU `vcpu_id` of `num_vcpus` (pass to `KVM_SET_CPUID2`).
 ///
 /// `supported` is `KVM_GET_SUPPORTED_CPUID`; `timers` what KVM's timers add.
-pub fn configure_cpuid(
+pub(crate) fn configure_cpuid(
     supported: &CpuId,
     vcpu_id: u32,
     num_vcpus: u32,

@@ -11,41 +11,40 @@
 /// zeroing 2 MiB on the boot path (about 0.5 ms measured where the VMM
 /// itself runs in a VM and each page zeroed is slower, before the first
 /// guest instruction).
-pub const SMALL_PAGES_END: u64 = 0x20_0000;
+pub(crate) const SMALL_PAGES_END: u64 = 0x20_0000;
 /// Boot GDT (four 8-byte descriptors).
-pub const BOOT_GDT_START: u64 = 0x500;
+pub(crate) const BOOT_GDT_START: u64 = 0x500;
 /// Boot IDT: an empty table; the guest installs its own.
-pub const BOOT_IDT_START: u64 = 0x520;
+pub(crate) const BOOT_IDT_START: u64 = 0x520;
 /// PVH `hvm_start_info` for kernels entered through their PVH note.
-pub const PVH_INFO_START: u64 = 0x6000;
+pub(crate) const PVH_INFO_START: u64 = 0x6000;
 /// PVH module list (one entry: the initramfs).
-pub const PVH_MODLIST_START: u64 = 0x6040;
+pub(crate) const PVH_MODLIST_START: u64 = 0x6040;
 /// PVH memory map (e820-style entries).
-pub const PVH_MEMMAP_START: u64 = 0x7000;
+pub(crate) const PVH_MEMMAP_START: u64 = 0x7000;
 /// Linux zero page (`struct boot_params`), for the 64-bit boot protocol.
-pub const ZERO_PAGE_START: u64 = 0x7000;
+pub(crate) const ZERO_PAGE_START: u64 = 0x7000;
 /// Identity page tables: PML4, PDPTE, and one PDE page mapping 1 GiB with 2 MiB pages.
-pub const PML4_START: u64 = 0x9000;
+pub(crate) const PML4_START: u64 = 0x9000;
 /// Page-directory-pointer table.
-pub const PDPTE_START: u64 = 0xa000;
+pub(crate) const PDPTE_START: u64 = 0xa000;
 /// Page directory (512 × 2 MiB = the first 1 GiB).
-pub const PDE_START: u64 = 0xb000;
+pub(crate) const PDE_START: u64 = 0xb000;
 /// Kernel command line (NUL-terminated), at most `CMDLINE_MAX_SIZE` bytes.
-pub const CMDLINE_START: u64 = 0x20000;
+pub(crate) const CMDLINE_START: u64 = 0x20000;
 /// Largest command line we pass (the boot protocol's `cmdline_size` may be smaller).
 pub const CMDLINE_MAX_SIZE: usize = 0x10000;
 /// Initial stack pointer for the 64-bit boot protocol entry.
-pub const BOOT_STACK_POINTER: u64 = 0x8ff0;
+pub(crate) const BOOT_STACK_POINTER: u64 = 0x8ff0;
 /// Start of the Extended BIOS Data Area; the MP table lives here, where Linux scans for it.
-pub const EBDA_START: u64 = 0x9fc00;
-/// The legacy hole (VGA, option ROMs, BIOS) is not RAM.
-pub const LEGACY_HOLE_START: u64 = 0xa0000;
-/// End of the legacy hole.
-pub const LEGACY_HOLE_END: u64 = 0x10_0000;
+pub(crate) const EBDA_START: u64 = 0x9fc00;
+/// End of the legacy hole (VGA, option ROMs, BIOS: not RAM), which starts at
+/// 0xa0000.
+pub(crate) const LEGACY_HOLE_END: u64 = 0x10_0000;
 /// ACPI RSDP, in the BIOS read-only area Linux scans (0xe0000..0x100000).
-pub const RSDP_START: u64 = 0xe0000;
+pub(crate) const RSDP_START: u64 = 0xe0000;
 /// Other ACPI tables follow the RSDP.
-pub const ACPI_TABLES_START: u64 = 0xe0100;
+pub(crate) const ACPI_TABLES_START: u64 = 0xe0100;
 /// The VM generation ID: a 16-byte GUID the guest finds through the DSDT's
 /// `VGEN.ADDR`, in the last page of the BIOS area. That area is reserved in
 /// the e820 map (the guest never uses it as RAM) and is part of guest memory
@@ -58,61 +57,61 @@ pub const KERNEL_START: u64 = 0x10_0000;
 pub const HIMEM_START: u64 = 0x10_0000;
 
 /// The 32-bit device hole: no RAM between here and 4 GiB.
-pub const MMIO_GAP_START: u64 = 0xc000_0000;
+pub(crate) const MMIO_GAP_START: u64 = 0xc000_0000;
 /// End of the device hole.
-pub const MMIO_GAP_END: u64 = 0x1_0000_0000;
+pub(crate) const MMIO_GAP_END: u64 = 0x1_0000_0000;
 /// Firecracker-style boot-timer page: the guest writes the magic byte here.
-pub const BOOT_TIMER_MMIO_START: u64 = 0xc000_0000;
+pub(crate) const BOOT_TIMER_MMIO_START: u64 = 0xc000_0000;
 /// Size of the boot-timer region.
-pub const BOOT_TIMER_MMIO_SIZE: u64 = 0x1000;
+pub(crate) const BOOT_TIMER_MMIO_SIZE: u64 = 0x1000;
 /// First virtio-mmio device window; each device takes `VIRTIO_MMIO_SIZE`.
-pub const VIRTIO_MMIO_START: u64 = 0xd000_0000;
+pub(crate) const VIRTIO_MMIO_START: u64 = 0xd000_0000;
 /// Size of one virtio-mmio window.
-pub const VIRTIO_MMIO_SIZE: u64 = 0x1000;
+pub(crate) const VIRTIO_MMIO_SIZE: u64 = 0x1000;
 /// At most this many virtio-mmio devices.
-pub const VIRTIO_MMIO_MAX_DEVICES: usize = 16;
+pub(crate) const VIRTIO_MMIO_MAX_DEVICES: usize = 16;
 /// Where virtio-pmem regions are mapped (above the 4 GiB hole and any RAM
 /// there): 64 GiB, well below 2^39. KVM refuses a memory slot past the host
 /// CPU's physical address width, which is 39 bits on many Intel client CPUs
 /// and 40 under QEMU/TCG (the nested rig): 1 TiB, the earlier choice, failed
 /// on both.
-pub const PMEM_START_MIN: u64 = 0x10_0000_0000;
+pub(crate) const PMEM_START_MIN: u64 = 0x10_0000_0000;
 /// IOAPIC registers.
-pub const IOAPIC_START: u64 = 0xfec0_0000;
+pub(crate) const IOAPIC_START: u64 = 0xfec0_0000;
 /// Local APIC registers.
-pub const APIC_START: u64 = 0xfee0_0000;
+pub(crate) const APIC_START: u64 = 0xfee0_0000;
 /// KVM needs three pages for the TSS (Intel-only, harmless elsewhere).
-pub const KVM_TSS_ADDRESS: u64 = 0xfffb_d000;
+pub(crate) const KVM_TSS_ADDRESS: u64 = 0xfffb_d000;
 /// KVM's identity-map page, right below the TSS.
-pub const KVM_IDENTITY_MAP_ADDRESS: u64 = 0xfffb_c000;
+pub(crate) const KVM_IDENTITY_MAP_ADDRESS: u64 = 0xfffb_c000;
 
 /// First GSI handed to virtio-mmio devices (IOAPIC pins 5.. are free on our board).
-pub const VIRTIO_IRQ_BASE: u32 = 5;
+pub(crate) const VIRTIO_IRQ_BASE: u32 = 5;
 /// Number of IOAPIC pins KVM's in-kernel IOAPIC provides.
-pub const IOAPIC_PINS: u32 = 24;
+pub(crate) const IOAPIC_PINS: u32 = 24;
 /// The ACPI Generic Event Device's interrupt (the last IOAPIC pin, above
 /// every virtio device's): how a hardware-reduced machine raises an ACPI
 /// event, here "the VM generation ID changed" after a restore.
-pub const GED_GSI: u32 = IOAPIC_PINS - 1;
+pub(crate) const GED_GSI: u32 = IOAPIC_PINS - 1;
 
 /// COM1 16550 UART: ports and IRQ.
-pub const COM1_PORT: u16 = 0x3f8;
+pub(crate) const COM1_PORT: u16 = 0x3f8;
 /// Number of COM1 registers.
-pub const COM1_PORT_LEN: u16 = 8;
+pub(crate) const COM1_PORT_LEN: u16 = 8;
 /// COM1 interrupt line.
-pub const COM1_IRQ: u32 = 4;
+pub(crate) const COM1_IRQ: u32 = 4;
 /// i8042 controller data port (we only handle the command port's reset).
-pub const I8042_DATA_PORT: u16 = 0x60;
+pub(crate) const I8042_DATA_PORT: u16 = 0x60;
 /// i8042 command port.
-pub const I8042_COMMAND_PORT: u16 = 0x64;
+pub(crate) const I8042_COMMAND_PORT: u16 = 0x64;
 /// POST/debug port: boot-progress codes (Cloud Hypervisor's convention).
-pub const DEBUG_PORT: u16 = 0x80;
+pub(crate) const DEBUG_PORT: u16 = 0x80;
 /// isa-debug-exit (same port as QEMU's default): write N to exit with status N.
-pub const DEBUG_EXIT_PORT: u16 = 0x501;
+pub(crate) const DEBUG_EXIT_PORT: u16 = 0x501;
 /// Hardware-reduced ACPI sleep control register (FADT), for ACPI poweroff.
-pub const ACPI_SLEEP_CONTROL_PORT: u16 = 0x3c0;
+pub(crate) const ACPI_SLEEP_CONTROL_PORT: u16 = 0x3c0;
 /// Hardware-reduced ACPI sleep status register.
-pub const ACPI_SLEEP_STATUS_PORT: u16 = 0x3c1;
+pub(crate) const ACPI_SLEEP_STATUS_PORT: u16 = 0x3c1;
 
 // Checked at compile time: the generation ID sits after the ACPI tables, in
 // the BIOS area, within one page; the GED's pin is nobody else's.
@@ -124,7 +123,7 @@ const _: () = {
 };
 
 /// Guest RAM split around the 32-bit device hole: ranges of (start, len).
-pub fn ram_ranges(mem_size: u64) -> Vec<(u64, u64)> {
+pub(crate) fn ram_ranges(mem_size: u64) -> Vec<(u64, u64)> {
     if mem_size <= MMIO_GAP_START {
         vec![(0, mem_size)]
     } else {

@@ -103,7 +103,7 @@ const LINT1: u8 = 1;
 
 /// Room for the MP structures: the reserved low memory from the EBDA up to
 /// the ACPI tables.
-pub const MPTABLE_MAX_SIZE: usize = (RSDP_START - EBDA_START) as usize;
+pub(crate) const MPTABLE_MAX_SIZE: usize = (RSDP_START - EBDA_START) as usize;
 /// APIC IDs are 8 bits, 0xff is the broadcast ID, and the I/O APIC takes
 /// the ID after the last vCPU: at most 254 vCPUs.
 const MAX_APIC_CPUS: u32 = super::cpuid::MAX_VCPUS;
@@ -131,7 +131,7 @@ fn table_size(num_cpus: usize) -> usize {
 }
 
 /// The most vCPUs an MP table can describe here.
-pub fn max_cpus() -> u32 {
+pub(crate) fn max_cpus() -> u32 {
     let fits = (MPTABLE_MAX_SIZE - table_size(0)) / PROCESSOR_ENTRY_SIZE;
     MAX_APIC_CPUS.min(u32::try_from(fits).unwrap_or(u32::MAX))
 }
@@ -252,7 +252,7 @@ fn floating_pointer(config_addr: u32) -> [u8; MPF_SIZE] {
 }
 
 /// Writes the MP floating pointer and configuration table at `EBDA_START`.
-pub fn setup_mptable(mem: &GuestMemoryMmap, num_cpus: u32) -> Result<(), Error> {
+pub(crate) fn setup_mptable(mem: &GuestMemoryMmap, num_cpus: u32) -> Result<(), Error> {
     if num_cpus == 0 {
         return Err(Error::NoCpus);
     }

@@ -8,38 +8,38 @@
 use kvm_bindings::kvm_msr_entry;
 
 /// IA32_TSC: the time-stamp counter. Zero at boot so every vCPU starts in step.
-pub const MSR_IA32_TSC: u32 = 0x10;
+pub(crate) const MSR_IA32_TSC: u32 = 0x10;
 /// IA32_SYSENTER_CS: code segment for SYSENTER (32-bit fast system calls).
-pub const MSR_IA32_SYSENTER_CS: u32 = 0x174;
+pub(crate) const MSR_IA32_SYSENTER_CS: u32 = 0x174;
 /// IA32_SYSENTER_ESP: stack for SYSENTER.
-pub const MSR_IA32_SYSENTER_ESP: u32 = 0x175;
+pub(crate) const MSR_IA32_SYSENTER_ESP: u32 = 0x175;
 /// IA32_SYSENTER_EIP: entry point for SYSENTER.
-pub const MSR_IA32_SYSENTER_EIP: u32 = 0x176;
+pub(crate) const MSR_IA32_SYSENTER_EIP: u32 = 0x176;
 /// IA32_MISC_ENABLE: assorted feature switches.
-pub const MSR_IA32_MISC_ENABLE: u32 = 0x1a0;
+pub(crate) const MSR_IA32_MISC_ENABLE: u32 = 0x1a0;
 /// IA32_MTRR_DEF_TYPE: memory type for addresses no MTRR range covers.
-pub const MSR_MTRR_DEF_TYPE: u32 = 0x2ff;
+pub(crate) const MSR_MTRR_DEF_TYPE: u32 = 0x2ff;
 /// STAR: SYSCALL/SYSRET segment selectors.
-pub const MSR_STAR: u32 = 0xc000_0081;
+pub(crate) const MSR_STAR: u32 = 0xc000_0081;
 /// LSTAR: 64-bit SYSCALL entry point.
-pub const MSR_LSTAR: u32 = 0xc000_0082;
+pub(crate) const MSR_LSTAR: u32 = 0xc000_0082;
 /// CSTAR: compatibility-mode SYSCALL entry point.
-pub const MSR_CSTAR: u32 = 0xc000_0083;
+pub(crate) const MSR_CSTAR: u32 = 0xc000_0083;
 /// SYSCALL_MASK (FMASK): RFLAGS bits cleared on SYSCALL.
-pub const MSR_SYSCALL_MASK: u32 = 0xc000_0084;
+pub(crate) const MSR_SYSCALL_MASK: u32 = 0xc000_0084;
 /// KERNEL_GS_BASE: the GS base SWAPGS exchanges in.
-pub const MSR_KERNEL_GS_BASE: u32 = 0xc000_0102;
+pub(crate) const MSR_KERNEL_GS_BASE: u32 = 0xc000_0102;
 
 /// IA32_MISC_ENABLE bit 0: fast-string operations. Linux checks it to decide
 /// whether `rep movsb/stosb` are fast (X86_FEATURE_REP_GOOD / ERMS); without
 /// it the kernel falls back to slower unrolled copies.
-pub const MISC_ENABLE_FAST_STRING: u64 = 1 << 0;
+pub(crate) const MISC_ENABLE_FAST_STRING: u64 = 1 << 0;
 /// IA32_MTRR_DEF_TYPE bits 0-7 = 6: write-back. With no variable ranges set,
 /// all RAM is then cacheable, and Linux's MTRR sanity check sees a usable map.
-pub const MTRR_TYPE_WRITE_BACK: u64 = 6;
+pub(crate) const MTRR_TYPE_WRITE_BACK: u64 = 6;
 /// IA32_MTRR_DEF_TYPE bit 11 (E): MTRRs enabled; if clear, all memory is
 /// uncacheable regardless of the default type.
-pub const MTRR_DEF_TYPE_ENABLE: u64 = 1 << 11;
+pub(crate) const MTRR_DEF_TYPE_ENABLE: u64 = 1 << 11;
 
 fn msr(index: u32, data: u64) -> kvm_msr_entry {
     kvm_msr_entry {
@@ -53,7 +53,7 @@ fn msr(index: u32, data: u64) -> kvm_msr_entry {
 ///
 /// The system-call MSRs are cleared: the kernel programs them itself in
 /// `syscall_init()`, and zero means "not set up" rather than a stale pointer.
-pub fn boot_msrs() -> Vec<kvm_msr_entry> {
+pub(crate) fn boot_msrs() -> Vec<kvm_msr_entry> {
     vec![
         msr(MSR_IA32_SYSENTER_CS, 0),
         msr(MSR_IA32_SYSENTER_ESP, 0),

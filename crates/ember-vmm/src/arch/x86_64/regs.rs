@@ -31,11 +31,11 @@ use super::layout::{
 };
 
 /// Selector of the 32-bit flat code segment (PVH entry).
-pub const CODE32_SELECTOR: u16 = 0x08;
+pub(crate) const CODE32_SELECTOR: u16 = 0x08;
 /// Selector of the 64-bit code segment: Linux's `__BOOT_CS`.
-pub const CODE64_SELECTOR: u16 = 0x10;
+pub(crate) const CODE64_SELECTOR: u16 = 0x10;
 /// Selector of the flat data segment: Linux's `__BOOT_DS`.
-pub const DATA_SELECTOR: u16 = 0x18;
+pub(crate) const DATA_SELECTOR: u16 = 0x18;
 
 // Segment descriptor fields, as a 16-bit "flags" word: the access byte in
 // bits 0-7 and the flags nibble (descriptor bits 52-55) in bits 12-15.
@@ -140,13 +140,13 @@ const MXCSR_DEFAULT: u32 = 0x1f80;
 pub enum Error {
     /// Guest memory does not cover the boot GDT.
     #[error("cannot write the boot GDT to guest memory")]
-    WriteGdt(#[source] GuestMemoryError),
+    Gdt(#[source] GuestMemoryError),
     /// Guest memory does not cover the boot IDT.
     #[error("cannot write the boot IDT to guest memory")]
-    WriteIdt(#[source] GuestMemoryError),
+    Idt(#[source] GuestMemoryError),
     /// Guest memory does not cover the page tables.
     #[error("cannot write the identity page tables to guest memory")]
-    WritePageTables(#[source] GuestMemoryError),
+    PageTables(#[source] GuestMemoryError),
 }
 
 /// Encodes a segment descriptor. The base and limit are scattered over the
@@ -207,12 +207,12 @@ fn boot_tr() -> kvm_segment {
 }
 
 /// Writes the boot GDT at `BOOT_GDT_START` and an empty IDT at `BOOT_IDT_START`.
-pub fn write_gdt_and_idt(mem: &GuestMemoryMmap) -> Result<(), Error> {
+pub(crate) fn write_gdt_and_idt(mem: &GuestMemoryMmap) -> Result<(), Error> {
     let gdt: Vec<u8> = GDT.iter().flat_map(|e| e.to_le_bytes()).collect();
     mem.write_slice(&gdt, GuestAddress(BOOT_GDT_START))
-        .map_err(Error::WriteGdt)?;
+        .map_err(Error::Gdt)?;
     mem.write_slice(&[0; IDT_BYTES], GuestAddress(BOOT_IDT_START))
-        .map_err(Error::WriteIdt)
+        .map_err(Error::Idt)
 }
 
 /// Writes 4-level page tables identity-mapping the first 1 GiB with 2 MiB
@@ -221,10 +221,10 @@ pub fn write_gdt_and_idt(mem: &GuestMemoryMmap) -> Result<(), Error> {
 /// Long mode cannot run without paging. The 64-bit boot protocol only asks
 /// that the kernel image, zero page and command line be identity-mapped;
 /// `startup_64` then switches to its own tables.
-pub fn write_identity_page_tables(mem: &GuestMemoryMmap) -> Result<(), Error> {
+pub(crate) fn write_identity_page_tables(mem: &GuestMemoryMmap) -> Result<(), Error> {
     let write = |value: u64, addr: u64| {
         mem.write_obj(value, GuestAddress(addr))
-            .map_err(Error::WritePageTables)
+            .map_err(Error::PageTables)
     };
     write(PDPTE_START | PTE_PRESENT | PTE_WRITABLE, PML4_START)?;
     write(PDE_START | PTE_PRESENT | PTE_WRITABLE, PDPTE_START)?;
@@ -234,7 +234,7 @@ pub fn write_identity_page_tables(mem: &GuestMemoryMmap) -> Result<(), Error> {
         })
         .collect();
     mem.write_slice(&pd, GuestAddress(PDE_START))
-        .map_err(Error::WritePageTables)
+        .map_err(Error::PageTables)
 }
 
 fn set_descriptor_tables(sregs: &mut kvm_sregs) {
@@ -258,7 +258,7 @@ fn set_data_segments(sregs: &mut kvm_sregs) {
 /// paging on the identity tables, CS = `__BOOT_CS`, data segments =
 /// `__BOOT_DS`. Fields not named here (LDT, APIC base, CR8) keep the values
 /// KVM reported.
-pub fn long_mode_sregs(sregs: &mut kvm_sregs) {
+pub(crate) fn long_mode_sregs(sregs: &mut kvm_sregs) {
     set_descriptor_tables(sregs);
     sregs.cs = segment(CODE64_SELECTOR);
     set_data_segments(sregs);
@@ -271,7 +271,7 @@ pub fn long_mode_sregs(sregs: &mut kvm_sregs) {
 /// Special registers for the PVH 32-bit entry: flat 4 GiB segments, CR0.PE
 /// only (paging off), CR4 = 0, EFER = 0, TR a busy 32-bit TSS with base 0 and
 /// limit 0x67 — exactly the state the PVH spec lists.
-pub fn protected_mode_sregs(sregs: &mut kvm_sregs) {
+pub(crate) fn protected_mode_sregs(sregs: &mut kvm_sregs) {
     set_descriptor_tables(sregs);
     sregs.cs = segment(CODE32_SELECTOR);
     set_data_segments(sregs);
@@ -282,7 +282,7 @@ pub fn protected_mode_sregs(sregs: &mut kvm_sregs) {
 }
 
 /// General registers for the 64-bit Linux entry: `%rsi` = zero page.
-pub fn linux64_regs(entry: u64) -> kvm_regs {
+pub(crate) fn linux64_regs(entry: u64) -> kvm_regs {
     kvm_regs {
         rip: entry,
         rsi: ZERO_PAGE_START,
@@ -296,7 +296,7 @@ pub fn linux64_regs(entry: u64) -> kvm_regs {
 }
 
 /// General registers for the PVH entry: `%ebx` = `hvm_start_info`.
-pub fn pvh_regs(entry: u64) -> kvm_regs {
+pub(crate) fn pvh_regs(entry: u64) -> kvm_regs {
     kvm_regs {
         rip: entry,
         rbx: PVH_INFO_START,
@@ -306,7 +306,7 @@ pub fn pvh_regs(entry: u64) -> kvm_regs {
 }
 
 /// FPU state at entry: as after FNINIT, with SSE exceptions masked.
-pub fn boot_fpu() -> kvm_fpu {
+pub(crate) fn boot_fpu() -> kvm_fpu {
     kvm_fpu {
         fcw: FCW_DEFAULT,
         mxcsr: MXCSR_DEFAULT,
@@ -467,7 +467,7 @@ mod tests {
         write_gdt_and_idt(&small).unwrap();
         assert!(matches!(
             write_identity_page_tables(&small),
-            Err(Error::WritePageTables(_))
+            Err(Error::PageTables(_))
         ));
     }
 }

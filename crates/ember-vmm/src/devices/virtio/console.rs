@@ -22,23 +22,23 @@ use super::{
 };
 
 /// Entries per queue.
-pub const QUEUE_SIZE: u16 = 256;
+pub(crate) const QUEUE_SIZE: u16 = 256;
 /// Index of the receive queue (host to guest).
-pub const RX_QUEUE: usize = 0;
+pub(crate) const RX_QUEUE: usize = 0;
 /// Index of the transmit queue (guest to host).
-pub const TX_QUEUE: usize = 1;
+pub(crate) const TX_QUEUE: usize = 1;
 /// Bytes read from the input in one go.
 const INPUT_CHUNK: usize = 4096;
 /// Bytes copied from guest memory to the output in one go: all the transmit path ever
 /// holds on the host, however long the guest's descriptors say they are.
-pub const TX_CHUNK: usize = 64 * 1024;
+pub(crate) const TX_CHUNK: usize = 64 * 1024;
 /// The most one transmit chain may carry. Linux's hvc driver sends at most a page per
 /// chain; a longer chain is a broken or hostile driver, and it is dropped, not sent.
-pub const MAX_TX_CHAIN: u64 = 1 << 20;
+pub(crate) const MAX_TX_CHAIN: u64 = 1 << 20;
 /// The most descriptors one transmit chain may have. An indirect table's length is the
 /// guest's to write (up to 65535 descriptors), and the segment list is held while the chain
 /// is checked: this bounds it to 4 KiB. Linux sends one descriptor per chain.
-pub const MAX_TX_SEGMENTS: usize = QUEUE_SIZE as usize;
+pub(crate) const MAX_TX_SEGMENTS: usize = QUEUE_SIZE as usize;
 const DEVICE: &str = "virtio-console";
 
 /// Where guest input comes from: anything readable with an fd epoll can watch (a socket,
@@ -382,7 +382,13 @@ impl QueueHandler for ConsoleHandler {
 /// transmit, receive (with `input` waiting to be delivered), transmit again, on arbitrary
 /// memory.
 #[cfg(fuzzing)]
-pub fn fuzz_queues(mem: GuestMemory, rx: Queue, tx: Queue, irq: VirtioInterrupt, input: &[u8]) {
+pub(crate) fn fuzz_queues(
+    mem: GuestMemory,
+    rx: Queue,
+    tx: Queue,
+    irq: VirtioInterrupt,
+    input: &[u8],
+) {
     let console = Console::new(None, Box::new(io::sink()));
     console
         .io

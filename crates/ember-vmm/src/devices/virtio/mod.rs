@@ -17,40 +17,10 @@
 //!
 //! # Wiring devices into a VM
 //!
-//! ```
-//! use std::sync::{Arc, Mutex};
-//! use ember_vmm::arch::x86_64::layout::{VIRTIO_IRQ_BASE, VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START};
-//! use ember_vmm::devices::IrqFdLine;
-//! use ember_vmm::vstate::bus::Bus;
-//! use ember_vmm::devices::virtio::{mmio::cmdline_device, MmioTransport, Rng, VirtioDevice};
-//! use vm_memory::{GuestAddress, GuestMemoryMmap};
-//! use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
-//!
-//! let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 16 << 20)]).unwrap();
-//! let devices: Vec<Box<dyn FnOnce() -> Box<dyn VirtioDevice>>> =
-//!     vec![Box::new(|| Box::new(Rng::new()))];
-//! let mut bus = Bus::new();
-//! let mut cmdline = Vec::new();
-//! for (i, make) in devices.into_iter().enumerate() {
-//!     let base = VIRTIO_MMIO_START + i as u64 * VIRTIO_MMIO_SIZE;
-//!     let gsi = VIRTIO_IRQ_BASE + i as u32;
-//!     // In the VMM: vm.register_irqfd(&irqfd, gsi).
-//!     let irqfd = EventFd::new(EFD_NONBLOCK).unwrap();
-//!     let line = Arc::new(IrqFdLine(irqfd.try_clone().unwrap()));
-//!     let transport = MmioTransport::new(make(), mem.clone(), line).unwrap();
-//!     for (q, evt) in transport.queue_evts().iter().enumerate() {
-//!         // In the VMM: vm.register_ioevent(evt, &IoEventAddress::Mmio(base + 0x50), q as u32)
-//!         let _ = (q, evt);
-//!     }
-//!     bus.insert(Arc::new(Mutex::new(transport)), base, VIRTIO_MMIO_SIZE).unwrap();
-//!     cmdline.push(cmdline_device(base, VIRTIO_MMIO_SIZE, gsi));
-//! }
-//! assert_eq!(cmdline, ["virtio_mmio.device=4K@0xd0000000:5"]);
-//! // A guest read of MagicValue through the bus:
-//! let mut magic = [0u8; 4];
-//! assert!(bus.read(VIRTIO_MMIO_START, &mut magic));
-//! assert_eq!(&magic, b"virt");
-//! ```
+//! `device_manager` puts each transport on the MMIO bus in its window
+//! (`layout::VIRTIO_MMIO_START` + i × `VIRTIO_MMIO_SIZE`), registers its queue
+//! eventfds as ioeventfds and its interrupt line as an irqfd, and announces it
+//! to the guest (ACPI, or `mmio::cmdline_device` on the command line).
 //!
 //! Boxed devices work too (`Box<dyn VirtioDevice>` is a `VirtioDevice`). On VM exit call
 //! [`MmioTransport::shutdown`] (or drop the transport): device threads finish what is in

@@ -11,25 +11,25 @@ use vm_memory::{Bytes, GuestAddress};
 use super::GuestMemory;
 
 /// Size of the test guest memory.
-pub const MEM_SIZE: usize = 0x40_0000;
+pub(crate) const MEM_SIZE: usize = 0x40_0000;
 /// Where test data buffers start (above the rings).
-pub const DATA_START: u64 = 0x10_0000;
+pub(crate) const DATA_START: u64 = 0x10_0000;
 
 /// A fresh guest memory of `MEM_SIZE` bytes at address 0.
-pub fn memory() -> GuestMemory {
+pub(crate) fn memory() -> GuestMemory {
     GuestMemory::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap()
 }
 
 /// One descriptor of a test chain.
 #[derive(Clone, Copy, Debug)]
-pub struct Seg {
+pub(crate) struct Seg {
     pub addr: u64,
     pub len: u32,
     pub write: bool,
 }
 
 /// A device-readable segment.
-pub fn r(addr: u64, len: u32) -> Seg {
+pub(crate) fn r(addr: u64, len: u32) -> Seg {
     Seg {
         addr,
         len,
@@ -38,7 +38,7 @@ pub fn r(addr: u64, len: u32) -> Seg {
 }
 
 /// A device-writable segment.
-pub fn w(addr: u64, len: u32) -> Seg {
+pub(crate) fn w(addr: u64, len: u32) -> Seg {
     Seg {
         addr,
         len,
@@ -52,7 +52,7 @@ pub fn w(addr: u64, len: u32) -> Seg {
 /// bytes, so its used ring overlaps the second half of the available ring; with more than
 /// a few requests in flight the two corrupt each other. This one lays the rings out as the
 /// spec does.)
-pub struct TestQueue<'a> {
+pub(crate) struct TestQueue<'a> {
     mem: &'a GuestMemory,
     size: u16,
     desc: u64,
@@ -62,12 +62,12 @@ pub struct TestQueue<'a> {
 
 impl<'a> TestQueue<'a> {
     /// A queue of `size` entries with its rings from address 0.
-    pub fn new(mem: &'a GuestMemory, size: u16) -> Self {
+    pub(crate) fn new(mem: &'a GuestMemory, size: u16) -> Self {
         Self::create(mem, GuestAddress(0), size)
     }
 
     /// A queue of `size` entries with its rings from `start`.
-    pub fn create(mem: &'a GuestMemory, start: GuestAddress, size: u16) -> Self {
+    pub(crate) fn create(mem: &'a GuestMemory, start: GuestAddress, size: u16) -> Self {
         let desc = start.0;
         let avail = desc + 16 * u64::from(size);
         // flags, idx, ring[size], used_event; the used ring is 4-byte aligned.
@@ -86,7 +86,7 @@ impl<'a> TestQueue<'a> {
     }
 
     /// A device-side queue over these rings, ready for use.
-    pub fn create_queue(&self) -> Result<Queue, virtio_queue::Error> {
+    pub(crate) fn create_queue(&self) -> Result<Queue, virtio_queue::Error> {
         let mut q = Queue::new(self.size)?;
         q.try_set_size(self.size)?;
         q.try_set_desc_table_address(GuestAddress(self.desc))?;
@@ -97,30 +97,30 @@ impl<'a> TestQueue<'a> {
     }
 
     /// Sets the available index (to fake a driver that lies about it).
-    pub fn set_avail_idx(&self, idx: u16) {
+    pub(crate) fn set_avail_idx(&self, idx: u16) {
         self.mem
             .write_obj(idx, GuestAddress(self.avail + 2))
             .unwrap();
     }
 
     /// Sets the available ring's flags (`VRING_AVAIL_F_NO_INTERRUPT`).
-    pub fn set_avail_flags(&self, flags: u16) {
+    pub(crate) fn set_avail_flags(&self, flags: u16) {
         self.mem.write_obj(flags, GuestAddress(self.avail)).unwrap();
     }
 
     /// The used ring's flags (`VRING_USED_F_NO_NOTIFY`).
-    pub fn used_flags(&self) -> u16 {
+    pub(crate) fn used_flags(&self) -> u16 {
         self.mem.read_obj(GuestAddress(self.used)).unwrap()
     }
 
     /// The used index the device has published.
-    pub fn used_idx(&self) -> u16 {
+    pub(crate) fn used_idx(&self) -> u16 {
         self.mem.read_obj(GuestAddress(self.used + 2)).unwrap()
     }
 }
 
 /// Writes `segs` as one chain at descriptor-table index `first` and makes it available.
-pub fn add_chain(vq: &TestQueue, first: u16, segs: &[Seg]) {
+pub(crate) fn add_chain(vq: &TestQueue, first: u16, segs: &[Seg]) {
     for (i, s) in segs.iter().enumerate() {
         let last = i + 1 == segs.len();
         let mut flags = if s.write { VRING_DESC_F_WRITE } else { 0 };
@@ -134,7 +134,7 @@ pub fn add_chain(vq: &TestQueue, first: u16, segs: &[Seg]) {
 }
 
 /// Writes one raw descriptor at `index` without touching the available ring.
-pub fn put_desc(vq: &TestQueue, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
+pub(crate) fn put_desc(vq: &TestQueue, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
     assert!(index < vq.size, "descriptor {index} outside the table");
     let d = Descriptor::new(addr, len, flags, next);
     vq.mem
@@ -145,7 +145,7 @@ pub fn put_desc(vq: &TestQueue, index: u16, addr: u64, len: u32, flags: u16, nex
 /// Writes `segs` as an indirect descriptor table at `table` and makes it available as one
 /// chain whose head, at descriptor-table index `head`, points at the table. Indirect
 /// tables can be far longer than the queue.
-pub fn add_indirect_chain(vq: &TestQueue, head: u16, table: u64, segs: &[Seg]) {
+pub(crate) fn add_indirect_chain(vq: &TestQueue, head: u16, table: u64, segs: &[Seg]) {
     for (i, s) in segs.iter().enumerate() {
         let last = i + 1 == segs.len();
         let mut flags = if s.write { VRING_DESC_F_WRITE } else { 0 };
@@ -164,7 +164,7 @@ pub fn add_indirect_chain(vq: &TestQueue, head: u16, table: u64, segs: &[Seg]) {
 }
 
 /// Makes the chain starting at `head` available on a queue of `size` entries.
-pub fn publish(vq: &TestQueue, size: u16, head: u16) {
+pub(crate) fn publish(vq: &TestQueue, size: u16, head: u16) {
     let idx: u16 = vq.mem.read_obj(GuestAddress(vq.avail + 2)).unwrap();
     let slot = vq.avail + 4 + 2 * u64::from(idx % size);
     vq.mem.write_obj(head, GuestAddress(slot)).unwrap();
@@ -172,7 +172,7 @@ pub fn publish(vq: &TestQueue, size: u16, head: u16) {
 }
 
 /// The used-ring entries so far, as (head, len) (up to one ring's worth).
-pub fn used(vq: &TestQueue) -> Vec<(u32, u32)> {
+pub(crate) fn used(vq: &TestQueue) -> Vec<(u32, u32)> {
     let n = vq.used_idx().min(vq.size);
     (0..n)
         .map(|i| {
@@ -186,19 +186,19 @@ pub fn used(vq: &TestQueue) -> Vec<(u32, u32)> {
 }
 
 /// Reads a byte of guest memory.
-pub fn byte(mem: &GuestMemory, addr: u64) -> u8 {
+pub(crate) fn byte(mem: &GuestMemory, addr: u64) -> u8 {
     mem.read_obj(GuestAddress(addr)).unwrap()
 }
 
 /// A uniquely named file under the system temp dir, removed on drop.
 #[derive(Debug)]
-pub struct TempFile {
+pub(crate) struct TempFile {
     pub path: std::path::PathBuf,
 }
 
 impl TempFile {
     /// Creates the file with `contents`.
-    pub fn new(contents: &[u8]) -> Self {
+    pub(crate) fn new(contents: &[u8]) -> Self {
         use std::sync::atomic::{AtomicUsize, Ordering};
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let path = std::env::temp_dir().join(format!(
@@ -211,7 +211,7 @@ impl TempFile {
     }
 
     /// Opens it read-write.
-    pub fn open(&self) -> std::fs::File {
+    pub(crate) fn open(&self) -> std::fs::File {
         std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -220,7 +220,7 @@ impl TempFile {
     }
 
     /// Its current contents.
-    pub fn contents(&self) -> Vec<u8> {
+    pub(crate) fn contents(&self) -> Vec<u8> {
         std::fs::read(&self.path).unwrap()
     }
 }
@@ -281,18 +281,18 @@ unsafe impl GlobalAlloc for CountingAlloc {
 static ALLOCATOR: CountingAlloc = CountingAlloc;
 
 /// Heap allocations (and reallocations) made by this thread so far.
-pub fn allocations() -> u64 {
+pub(crate) fn allocations() -> u64 {
     ALLOCATIONS.with(Cell::get)
 }
 
 /// The largest single allocation (or reallocation) this thread made since the last
 /// [`reset_largest_allocation`]: how a test checks a guest-written length did not size a
 /// host buffer.
-pub fn largest_allocation() -> usize {
+pub(crate) fn largest_allocation() -> usize {
     LARGEST.with(Cell::get)
 }
 
 /// Starts a new [`largest_allocation`] measurement on this thread.
-pub fn reset_largest_allocation() {
+pub(crate) fn reset_largest_allocation() {
     LARGEST.with(|n| n.set(0));
 }

@@ -27,7 +27,7 @@ use super::handler::BlockHandler;
 /// maximum, polling would have been wasted, so it halves, down to zero. An idle device
 /// therefore costs at most a few windows of CPU before it only sleeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PollWindow {
+pub(crate) struct PollWindow {
     ns: u64,
     max_ns: u64,
 }
@@ -37,18 +37,18 @@ const POLL_GROW_START_NS: u64 = 4_000;
 
 impl PollWindow {
     /// A window of at most `max` (zero: never poll), starting at `max`.
-    pub fn new(max: Duration) -> Self {
+    pub(crate) fn new(max: Duration) -> Self {
         let max_ns = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
         Self { ns: max_ns, max_ns }
     }
 
     /// How long to poll now.
-    pub fn window(&self) -> Duration {
+    pub(crate) fn window(&self) -> Duration {
         Duration::from_nanos(self.ns)
     }
 
     /// Adapts to one idle period of length `idle`.
-    pub fn record(&mut self, idle: Duration) {
+    pub(crate) fn record(&mut self, idle: Duration) {
         let idle = u64::try_from(idle.as_nanos()).unwrap_or(u64::MAX);
         if idle <= self.ns || self.max_ns == 0 {
             return;
@@ -79,7 +79,12 @@ const COMPLETION_TOKEN: u64 = 2;
 
 /// The I/O thread body: runs until `kill`, then finishes what is in flight. It polls for
 /// up to `poll_max` (adaptively) before sleeping; zero disables polling.
-pub fn run(mut handler: BlockHandler, queue_evt: EventFd, kill: EventFd, poll_max: Duration) {
+pub(crate) fn run(
+    mut handler: BlockHandler,
+    queue_evt: EventFd,
+    kill: EventFd,
+    poll_max: Duration,
+) {
     let mut poll = Windows {
         guest: PollWindow::new(poll_max),
         engine: PollWindow::new(poll_max),

@@ -15,7 +15,7 @@ use io_uring::{IoUring, Probe, opcode, squeue, types};
 
 /// One disk operation. Offsets and lengths are in bytes.
 #[derive(Debug, Clone, Copy)]
-pub enum Op {
+pub(crate) enum Op {
     /// Read into the iovecs.
     Read {
         /// File offset.
@@ -53,10 +53,10 @@ pub enum Op {
 }
 
 /// A finished operation: its token and the bytes transferred (0 for non-data ops).
-pub type Completion = (u64, io::Result<usize>);
+pub(crate) type Completion = (u64, io::Result<usize>);
 
 /// What the I/O thread needs from an engine.
-pub trait Engine: Send {
+pub(crate) trait Engine: Send {
     /// Queues `op`; its completion carries `token`.
     ///
     /// # Safety
@@ -90,7 +90,7 @@ pub enum EngineKind {
     /// io_uring if the host kernel supports the opcodes we need, else synchronous.
     /// [`Block`](super::Block) narrows this to `O_DIRECT` disks: on buffered ones the
     /// synchronous engine is as fast for reads and ~2x faster for writes, while with
-    /// `O_DIRECT` io_uring is 4-5x faster (`tests/virtio_bench.rs`).
+    /// `O_DIRECT` io_uring is 4-5x faster (`crates/ember-vmm/tests/virtio_bench.rs`).
     #[default]
     Auto,
     /// io_uring or fail.
@@ -100,7 +100,7 @@ pub enum EngineKind {
 }
 
 /// Opens the engine `kind` asks for over `file`.
-pub fn open(kind: EngineKind, file: File) -> io::Result<Box<dyn Engine>> {
+pub(crate) fn open(kind: EngineKind, file: File) -> io::Result<Box<dyn Engine>> {
     match kind {
         EngineKind::Sync => Ok(Box::new(SyncEngine::new(file))),
         EngineKind::IoUring => Ok(Box::new(UringEngine::new(file)?)),
@@ -121,14 +121,14 @@ const WRITE_ZEROES_MODE: i32 = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP
 
 /// The synchronous engine.
 #[derive(Debug)]
-pub struct SyncEngine {
+pub(crate) struct SyncEngine {
     file: File,
     done: VecDeque<Completion>,
 }
 
 impl SyncEngine {
     /// An engine doing blocking syscalls on `file`.
-    pub fn new(file: File) -> Self {
+    pub(crate) fn new(file: File) -> Self {
         Self {
             file,
             done: VecDeque::new(),
@@ -337,7 +337,7 @@ unsafe fn transfer_all(
 const URING_ENTRIES: u32 = 256;
 
 /// The io_uring engine, with an eventfd registered for completions.
-pub struct UringEngine {
+pub(crate) struct UringEngine {
     file: File,
     ring: IoUring,
     completion_evt: vmm_sys_util::eventfd::EventFd,
@@ -357,7 +357,7 @@ impl std::fmt::Debug for UringEngine {
 impl UringEngine {
     /// Sets up a ring, checks the kernel supports every opcode we use, and registers a
     /// completion eventfd.
-    pub fn new(file: File) -> io::Result<Self> {
+    pub(crate) fn new(file: File) -> io::Result<Self> {
         let ring = IoUring::new(URING_ENTRIES)?;
         let mut probe = Probe::new();
         ring.submitter().register_probe(&mut probe)?;
@@ -483,7 +483,7 @@ impl Engine for UringEngine {
 }
 
 /// A zeroed heap buffer aligned for `O_DIRECT`.
-pub struct AlignedBuf {
+pub(crate) struct AlignedBuf {
     ptr: *mut u8,
     layout: std::alloc::Layout,
 }
@@ -492,11 +492,11 @@ pub struct AlignedBuf {
 unsafe impl Send for AlignedBuf {}
 
 /// Alignment of bounce buffers: a page satisfies every logical block size.
-pub const DIRECT_ALIGN: usize = 4096;
+pub(crate) const DIRECT_ALIGN: usize = 4096;
 
 impl AlignedBuf {
     /// A zeroed buffer of `len` bytes (at least one), page-aligned.
-    pub fn new(len: usize) -> io::Result<Self> {
+    pub(crate) fn new(len: usize) -> io::Result<Self> {
         let layout = std::alloc::Layout::from_size_align(len.max(1), DIRECT_ALIGN)
             .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         // SAFETY: the layout has a non-zero size.
@@ -508,14 +508,14 @@ impl AlignedBuf {
     }
 
     /// The buffer.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: `ptr` is a live allocation of `layout.size()` initialised bytes, borrowed
         // mutably through `self`.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
     }
 
     /// Start of the buffer.
-    pub fn as_ptr(&self) -> *mut u8 {
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr
     }
 }

@@ -8,13 +8,13 @@
 //! The engines and the handler are this crate's own: an engine's `push` hands raw
 //! iovec pointers to the kernel (an `unsafe fn`), and only the handler's per-slot
 //! buffers call it. Outside the crate, [`BlockHandler`] (the I/O thread's queue logic,
-//! for tests, benchmarks and fuzzing) is the way in; [`request`] is the pure
+//! for tests, benchmarks and fuzzing) is the way in; `request` is the pure
 //! request parser.
 
 pub(crate) mod event_loop;
 pub(crate) mod handler;
 pub(crate) mod io;
-pub mod request;
+pub(crate) mod request;
 #[cfg(test)]
 mod test_rig;
 
@@ -54,16 +54,16 @@ const DISCARD_ALIGNMENT_SECTORS: u32 = 8;
 
 /// Offsets in `struct virtio_blk_config` (§5.2.4).
 mod config_offset {
-    pub const CAPACITY: usize = 0;
-    pub const SEG_MAX: usize = 12;
-    pub const BLK_SIZE: usize = 20;
-    pub const MAX_DISCARD_SECTORS: usize = 36;
-    pub const MAX_DISCARD_SEG: usize = 40;
-    pub const DISCARD_SECTOR_ALIGNMENT: usize = 44;
-    pub const MAX_WRITE_ZEROES_SECTORS: usize = 48;
-    pub const MAX_WRITE_ZEROES_SEG: usize = 52;
+    pub(super) const CAPACITY: usize = 0;
+    pub(super) const SEG_MAX: usize = 12;
+    pub(super) const BLK_SIZE: usize = 20;
+    pub(super) const MAX_DISCARD_SECTORS: usize = 36;
+    pub(super) const MAX_DISCARD_SEG: usize = 40;
+    pub(super) const DISCARD_SECTOR_ALIGNMENT: usize = 44;
+    pub(super) const MAX_WRITE_ZEROES_SECTORS: usize = 48;
+    pub(super) const MAX_WRITE_ZEROES_SEG: usize = 52;
     /// Size of the structure up to and including `write_zeroes_may_unmap` and padding.
-    pub const LEN: usize = 60;
+    pub(super) const LEN: usize = 60;
 }
 
 /// virtio-blk errors.

@@ -18,15 +18,15 @@ use super::super::GuestMemory;
 use super::QUEUE_SIZE;
 
 /// Size of the request header (`struct virtio_blk_outhdr`).
-pub const HEADER_LEN: usize = 16;
+pub(crate) const HEADER_LEN: usize = 16;
 /// Offset of `sector` in the header.
 const HEADER_SECTOR_OFFSET: usize = 8;
 /// Size of one discard / write-zeroes segment (`struct virtio_blk_discard_write_zeroes`).
-pub const DISCARD_SEGMENT_LEN: usize = 16;
+pub(crate) const DISCARD_SEGMENT_LEN: usize = 16;
 
 /// What the driver asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RequestType {
+pub(crate) enum RequestType {
     /// Read sectors into the data area.
     In,
     /// Write the data area to sectors.
@@ -64,7 +64,7 @@ impl RequestType {
 
 /// A contiguous piece of guest memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Segment {
+pub(crate) struct Segment {
     /// Guest-physical start.
     pub addr: GuestAddress,
     /// Length in bytes.
@@ -76,7 +76,7 @@ pub struct Segment {
 /// status included), and Linux never sends more than the `seg_max` we advertise (two
 /// fewer). A longer chain, only possible through an indirect table, completes with
 /// `VIRTIO_BLK_S_IOERR`.
-pub const MAX_SEGMENTS: usize = QUEUE_SIZE as usize;
+pub(crate) const MAX_SEGMENTS: usize = QUEUE_SIZE as usize;
 
 /// The data area of one request: up to [`MAX_SEGMENTS`] segments, in order.
 ///
@@ -84,7 +84,7 @@ pub const MAX_SEGMENTS: usize = QUEUE_SIZE as usize;
 /// refills the list for each request, so a steady stream of requests costs no heap
 /// allocation (musl's allocator made per-request `Vec`s a visible share of a 4 KiB read).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Segments {
+pub(crate) struct Segments {
     /// Never longer than `MAX_SEGMENTS`; `new` reserves that much, so pushing never
     /// reallocates. (`Default` reserves nothing: it is a placeholder to swap with.)
     segs: Vec<Segment>,
@@ -92,7 +92,7 @@ pub struct Segments {
 
 impl Segments {
     /// An empty list with room for [`MAX_SEGMENTS`] segments.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             segs: Vec::with_capacity(MAX_SEGMENTS),
         }
@@ -123,7 +123,7 @@ impl std::ops::Deref for Segments {
 /// A parsed request: what to do, and where in guest memory. Its data area is in the
 /// [`Segments`] given to [`parse`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Request {
+pub(crate) struct Request {
     /// Head descriptor index, for the used ring.
     pub head: u16,
     /// The operation.
@@ -138,7 +138,7 @@ pub struct Request {
 
 /// Why a chain is not a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ParseError {
+pub(crate) enum ParseError {
     /// Malformed, but there is a writable status byte to report `IOERR` in.
     Invalid {
         /// Head descriptor index.
@@ -164,7 +164,7 @@ pub enum ParseError {
 /// which also tells, before the first device-writable descriptor, which side of the chain
 /// the data is on; the last writable descriptor is held back, since its last byte is the
 /// status.
-pub fn parse(
+pub(crate) fn parse(
     mem: &GuestMemory,
     chain: DescriptorChain<&GuestMemory>,
     data: &mut Segments,

@@ -21,14 +21,16 @@ use crate::devices::Interrupt;
 use crate::vstate::bus::BusDevice;
 
 mod state;
-pub use state::{QueueRegs, StateError, TransportState};
+#[cfg(test)]
+pub(crate) use state::QueueRegs;
+pub(crate) use state::TransportState;
 
 /// "virt" in little-endian: the value of the `MagicValue` register.
-pub const MMIO_MAGIC: u32 = 0x7472_6976;
+pub(crate) const MMIO_MAGIC: u32 = 0x7472_6976;
 /// The modern register layout.
-pub const MMIO_VERSION: u32 = 2;
+pub(crate) const MMIO_VERSION: u32 = 2;
 /// Our `VendorID`: "EMBR" read as a little-endian word.
-pub const MMIO_VENDOR_ID: u32 = u32::from_le_bytes(*b"EMBR");
+pub(crate) const MMIO_VENDOR_ID: u32 = u32::from_le_bytes(*b"EMBR");
 /// `SHMLen` of a shared-memory region that does not exist (all ones, §4.2.2).
 const SHM_ABSENT: u32 = u32::MAX;
 /// Registers are 32 bits wide and must be accessed as such.
@@ -58,12 +60,8 @@ const MAX_QUEUES: usize = 1024;
 
 /// The kernel command-line parameter that tells Linux about a virtio-mmio device when
 /// there is no ACPI/device-tree description: `virtio_mmio.device=<size>@<base>:<gsi>`.
-///
-/// ```
-/// use ember_vmm::devices::virtio::mmio::cmdline_device;
-/// assert_eq!(cmdline_device(0xd000_0000, 0x1000, 5), "virtio_mmio.device=4K@0xd0000000:5");
-/// ```
-pub fn cmdline_device(base: u64, size: u64, gsi: u32) -> String {
+/// E.g. `virtio_mmio.device=4K@0xd0000000:5`.
+pub(crate) fn cmdline_device(base: u64, size: u64, gsi: u32) -> String {
     format!("virtio_mmio.device={}K@{base:#x}:{gsi}", size >> 10)
 }
 
@@ -476,6 +474,38 @@ mod tests {
     use crate::devices::virtio::ActivateError;
     use std::sync::Mutex;
     use vm_memory::GuestAddress;
+
+    /// A device wired as `device_manager` wires it: a transport on the MMIO bus
+    /// at its window, announced on the command line, its interrupt an irqfd.
+    #[test]
+    fn a_device_on_the_bus_answers_the_guest_and_is_announced() {
+        use crate::arch::x86_64::layout::{VIRTIO_IRQ_BASE, VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START};
+        use crate::devices::IrqFdLine;
+        use crate::devices::virtio::Rng;
+        use crate::vstate::bus::Bus;
+        use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+        let mem =
+            vm_memory::GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 16 << 20)]).unwrap();
+        let mut bus = Bus::new();
+        let line = Arc::new(IrqFdLine(EventFd::new(EFD_NONBLOCK).unwrap()));
+        let transport = MmioTransport::new(Rng::new(), mem, line).unwrap();
+        assert_eq!(transport.queue_evts().len(), 1);
+        bus.insert(
+            Arc::new(Mutex::new(transport)),
+            VIRTIO_MMIO_START,
+            VIRTIO_MMIO_SIZE,
+        )
+        .unwrap();
+        assert_eq!(
+            cmdline_device(VIRTIO_MMIO_START, VIRTIO_MMIO_SIZE, VIRTIO_IRQ_BASE),
+            "virtio_mmio.device=4K@0xd0000000:5"
+        );
+        // A guest read of MagicValue through the bus.
+        let mut magic = [0u8; 4];
+        assert!(bus.read(VIRTIO_MMIO_START, &mut magic));
+        assert_eq!(&magic, b"virt");
+    }
 
     /// A device that records what the transport tells it.
     #[derive(Default)]

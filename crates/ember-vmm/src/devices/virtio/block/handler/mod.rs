@@ -45,7 +45,7 @@ const MAX_BOUNCE_BYTES: u32 = 32 << 20;
 /// queue's worth (256) of [`MAX_BOUNCE_BYTES`] requests in flight: 8 GiB per disk whatever
 /// `--mem` says. Past the budget, the I/O thread waits for earlier bounced requests to
 /// finish before starting the next (the guest sees a slower disk, never an error).
-pub const BOUNCE_BUDGET: usize = 64 << 20;
+pub(crate) const BOUNCE_BUDGET: usize = 64 << 20;
 /// Guest buffers handed to `O_DIRECT` must be aligned to the logical block size.
 const DIRECT_IO_ALIGN: usize = SECTOR_SIZE as usize;
 

@@ -3,10 +3,8 @@
 //! must accept the result (`KVM_SET_CPUID2` validates it) for every vCPU, as
 //! it must accept every boot MSR.
 
-mod common;
-
-use common::require_kvm;
-use ember_vmm::arch::x86_64::{cpuid, msr};
+use super::require_kvm;
+use crate::arch::x86_64::{cpuid, msr};
 use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, Msrs, kvm_cpuid_entry2};
 use kvm_ioctls::{Cap, Kvm};
 

@@ -2,7 +2,7 @@
 //! path (parse, submit, complete into the used ring). A benchmark, not a test: it prints
 //! figures and asserts nothing about time.
 //!
-//! `cargo test --release --test virtio_bench -- --ignored --nocapture`
+//! `cargo test --release -p ember-vmm --test virtio_bench -- --ignored --nocapture`
 
 use std::sync::Arc;
 use std::time::Instant;

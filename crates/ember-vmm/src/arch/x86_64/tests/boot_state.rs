@@ -1,9 +1,9 @@
-//! Public-API test of the x86-64 boot-state writers together: written in the
-//! order a VMM would, no structure may clobber another. Each writer's own
-//! format is unit-tested beside it; this checks they share guest memory.
+//! The x86-64 boot-state writers together: written in the order a VMM would,
+//! no structure may clobber another. Each writer's own format is unit-tested
+//! beside it; this checks they share guest memory.
 
-use ember_vmm::arch::x86_64::acpi::{self, VirtioMmioAcpi};
-use ember_vmm::arch::x86_64::{boot, layout, mptable, regs};
+use crate::arch::x86_64::acpi::{self, VirtioMmioAcpi};
+use crate::arch::x86_64::{boot, layout, mptable, regs};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 const MEM_SIZE: u64 = 256 << 20;
