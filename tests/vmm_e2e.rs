@@ -255,10 +255,7 @@ fn bad_input_is_a_clear_error() {
             vec!["--kernel", gs, "--timeout", "nan"],
             "--timeout must be",
         ),
-        (
-            vec!["--kernel", gs, "--timeout", "1e30"],
-            "too large",
-        ),
+        (vec!["--kernel", gs, "--timeout", "1e30"], "too large"),
         (
             vec!["--kernel", gs, "--disk", "/nonexistent/disk.img"],
             "cannot attach disk",

@@ -10,7 +10,7 @@ use std::path::Path;
 
 /// What a path may name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Want {
+pub(crate) enum Want {
     /// A regular file.
     File,
     /// A regular file or a block device (a disk image).
@@ -20,7 +20,7 @@ pub enum Want {
 /// Opens `path` as `opts` says, with `flags` (e.g. `O_DIRECT`) and
 /// `O_NONBLOCK`, and refuses what `want` does not allow, naming what it is
 /// (a FIFO, a directory, …). The descriptor is made blocking again.
-pub fn open(opts: &OpenOptions, flags: i32, path: &Path, want: Want) -> io::Result<File> {
+pub(crate) fn open(opts: &OpenOptions, flags: i32, path: &Path, want: Want) -> io::Result<File> {
     let file = opts
         .clone()
         .custom_flags(flags | libc::O_NONBLOCK | libc::O_CLOEXEC)
@@ -66,7 +66,7 @@ pub fn open(opts: &OpenOptions, flags: i32, path: &Path, want: Want) -> io::Resu
 }
 
 /// [`open`] read-only, for a regular file.
-pub fn open_regular(path: &Path) -> io::Result<File> {
+pub(crate) fn open_regular(path: &Path) -> io::Result<File> {
     open(OpenOptions::new().read(true), 0, path, Want::File)
 }
 

@@ -22,7 +22,7 @@ pub mod builder;
 pub(crate) mod device_manager;
 pub mod devices;
 pub mod events;
-pub mod files;
+pub(crate) mod files;
 #[cfg(fuzzing)]
 pub mod fuzz;
 pub(crate) mod hex;
