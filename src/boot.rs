@@ -211,12 +211,18 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
         Some(Ok(end)) => {
             recorder.mark(end.event_kind());
             if *end == GuestEnd::TripleFault {
-                eprintln!("ember: the guest crashed (triple fault)");
+                match damaged_memory(&args) {
+                    Some(why) => eprintln!("ember: {why}"),
+                    None => eprintln!("ember: the guest crashed (triple fault)"),
+                }
             }
             guest_end_status(*end)
         }
         Some(Err(why)) => {
-            eprintln!("ember: {why}");
+            eprintln!(
+                "ember: {}",
+                damaged_memory(&args).unwrap_or_else(|| why.clone())
+            );
             EXIT_GUEST_CRASHED
         }
         None => {
@@ -248,6 +254,15 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
     crate::terminal::restore();
     // The VM's teardown is left to a process nobody waits for.
     ember_vmm::vstate::teardown::exit(code, vmm.vm.fd().as_raw_fd())
+}
+
+/// When a restored guest crashed: the damaged memory file that explains it,
+/// if the snapshot's checksum says so (the guest is blamed otherwise).
+fn damaged_memory(args: &BootArgs) -> Option<String> {
+    match ember_vmm::snapshot::check_memory(args.restore.as_ref()?) {
+        Err(e @ ember_vmm::snapshot::SnapshotError::MemoryDamaged(_)) => Some(e.to_string()),
+        _ => None,
+    }
 }
 
 /// Boots the kernel `args` name.

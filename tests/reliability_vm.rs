@@ -1032,7 +1032,6 @@ fn a_relative_disk_path_is_recorded_absolute() {
 /// A snapshot whose memory file was altered (same size) is not blamed on
 /// the guest as a triple fault: the message says the memory is damaged.
 #[test]
-#[ignore = "issue 22 item 11: fails on 4e6807d; un-ignore with its fix"]
 fn damaged_snapshot_memory_is_not_reported_as_a_triple_fault() {
     if !require_kvm("damaged_memory") {
         return;

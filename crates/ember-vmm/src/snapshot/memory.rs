@@ -28,8 +28,9 @@ const MAX_RUN: usize = 8 << 20;
 /// faulted in (pagemap: neither present nor swapped) is zero without being
 /// read. A restored VM's memory is a private file mapping, whose untouched
 /// pages are the old file's: those are read like any other.
-/// Returns the bytes written (the rest of the file is holes).
-pub fn write(mem: &GuestMemoryMmap, file: &File, anonymous: bool) -> io::Result<u64> {
+/// Returns the bytes written (the rest of the file is holes) and the file's
+/// [`checksum`], taken as it is written.
+pub fn write(mem: &GuestMemoryMmap, file: &File, anonymous: bool) -> io::Result<(u64, u32)> {
     let total: u64 = mem.iter().map(|r| r.len()).sum();
     file.set_len(total)?;
     let pagemap = if anonymous {
@@ -38,6 +39,7 @@ pub fn write(mem: &GuestMemoryMmap, file: &File, anonymous: bool) -> io::Result<
         None
     };
     let mut written = 0u64;
+    let mut sum = crc32fast::Hasher::new();
     let mut file_off = 0u64;
     for region in mem.iter() {
         let len = usize::try_from(region.len()).map_err(|_| io::ErrorKind::InvalidInput)?;
@@ -52,6 +54,10 @@ pub fn write(mem: &GuestMemoryMmap, file: &File, anonymous: bool) -> io::Result<
         let mut present = vec![0u64; 0];
         let mut run: Option<usize> = None;
         let mut flush = |start: usize, end: usize| -> io::Result<()> {
+            // A run holds only non-zero pages.
+            for (i, page) in bytes[start..end].chunks(PAGE).enumerate() {
+                add_page(&mut sum, file_off + (start + i * PAGE) as u64, page);
+            }
             file.write_all_at(&bytes[start..end], file_off + start as u64)?;
             written += (end - start) as u64;
             Ok(())
@@ -98,7 +104,46 @@ pub fn write(mem: &GuestMemoryMmap, file: &File, anonymous: bool) -> io::Result<
         file_off += region.len();
     }
     file.sync_all()?;
-    Ok(written)
+    Ok((written, sum.finalize()))
+}
+
+/// Adds the page at `offset` of the memory file to a checksum.
+fn add_page(sum: &mut crc32fast::Hasher, offset: u64, page: &[u8]) {
+    sum.update(&offset.to_le_bytes());
+    sum.update(page);
+}
+
+/// The memory file's checksum: CRC-32 over its non-zero pages, each after
+/// its offset, in file order. Zero pages (holes, or zeroes written) count
+/// for nothing, so a sparse file and the same memory written densely agree.
+/// Reads the whole file: for a restore that went wrong, not for every one.
+pub fn checksum(path: &Path) -> io::Result<u32> {
+    use std::io::Read;
+    // Sequential reads: this runs on a filtered main thread, whose
+    // allow-list has read, not pread.
+    let mut file = crate::files::open_regular(path)?;
+    let mut sum = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut off = 0u64;
+    loop {
+        let mut filled = 0;
+        while filled < buf.len() {
+            match file.read(&mut buf[filled..])? {
+                0 => break,
+                n => filled += n,
+            }
+        }
+        if filled == 0 {
+            break;
+        }
+        for page in buf[..filled].chunks(PAGE) {
+            if !is_zero(page) {
+                add_page(&mut sum, off, page);
+            }
+            off += page.len() as u64;
+        }
+    }
+    Ok(sum.finalize())
 }
 
 fn is_zero(page: &[u8]) -> bool {
@@ -156,9 +201,23 @@ mod tests {
             .unwrap();
         // Touched, but zero: takes no space.
         mem.write_obj(0u64, GuestAddress(12 << 20)).unwrap();
-        let written = write(&mem, &File::create(&path).unwrap(), true).unwrap();
+        let (written, sum) = write(&mem, &File::create(&path).unwrap(), true).unwrap();
         assert_eq!(written, 2 * PAGE as u64, "two non-zero pages");
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 16 << 20);
+        assert_eq!(
+            checksum(&path).unwrap(),
+            sum,
+            "the file's checksum is the one taken"
+        );
+        // Written densely (its zero pages too), the same memory sums the same.
+        let dense = dir.join("dense");
+        let mut all = vec![0u8; 16 << 20];
+        mem.read_slice(&mut all, GuestAddress(0)).unwrap();
+        std::fs::write(&dense, &all).unwrap();
+        assert_eq!(checksum(&dense).unwrap(), sum);
+        all[0x1000] ^= 1;
+        std::fs::write(&dense, &all).unwrap();
+        assert_ne!(checksum(&dense).unwrap(), sum, "one bit changed");
 
         let back = map_private(&path, 16 << 20).unwrap();
         assert_eq!(

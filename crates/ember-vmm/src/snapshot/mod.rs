@@ -94,6 +94,9 @@ pub enum SnapshotError {
     /// Bytes after the payload.
     #[error("{0}: the state file has trailing data")]
     TrailingData(PathBuf),
+    /// The memory file does not match the checksum its state recorded.
+    #[error("{0}: the snapshot's memory is damaged (it does not match the checksum taken with it)")]
+    MemoryDamaged(PathBuf),
     /// The payload does not match its checksum.
     #[error("{0}: the state file is corrupt (checksum mismatch)")]
     Checksum(PathBuf),
@@ -300,6 +303,10 @@ pub struct SnapshotState {
     /// snapshots, whose guests had none.
     #[serde(default)]
     pub vmgenid: bool,
+    /// The memory file's checksum (`memory::checksum`), checked when a
+    /// restored guest crashes ([`check_memory`]). Absent in older snapshots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_checksum: Option<u32>,
 }
 
 impl SnapshotState {
@@ -433,6 +440,23 @@ pub fn load(
     let (state, mem_path) = load_replacing(dir, &[])?;
     check_host_cpu(&state, &host_cpuid()?)?;
     Ok((state, mem_path))
+}
+
+/// Whether the snapshot in `dir` still has the memory it was taken with:
+/// asked when its restored guest crashed at once, where a damaged memory
+/// file (not the guest) is the likelier cause. `Ok` when it matches, or the
+/// snapshot recorded no checksum.
+pub fn check_memory(dir: &Path) -> Result<(), SnapshotError> {
+    let state_path = dir.join(STATE_FILE);
+    let state = decode(&read_bounded(&state_path)?, &state_path)?;
+    let Some(recorded) = state.memory_checksum else {
+        return Ok(());
+    };
+    let mem_path = dir.join(MEMORY_FILE);
+    if memory::checksum(&mem_path).map_err(io_err(&mem_path))? != recorded {
+        return Err(SnapshotError::MemoryDamaged(mem_path));
+    }
+    Ok(())
 }
 
 /// Refuses a snapshot taken on a CPU whose features differ from this host's
@@ -677,7 +701,7 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
                 .state(),
         });
     }
-    let state = SnapshotState {
+    let mut state = SnapshotState {
         ember_version: env!("CARGO_PKG_VERSION").into(),
         mem_size: machine.mem_size,
         host_cpuid,
@@ -686,6 +710,7 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
         serial: serial_state.into(),
         devices,
         vmgenid: machine.vmgenid,
+        memory_checksum: None,
     };
 
     // Staged in a private directory beside `dir` and swapped in whole
@@ -693,7 +718,7 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
     // a VM restored from the old one keeps its mapping of the old memory.
     let staging = staging::Staging::new(dir).map_err(io_err(dir))?;
     let mem_path = staging.path(MEMORY_FILE);
-    let memory_bytes = staging
+    let (memory_bytes, checksum) = staging
         .create(MEMORY_FILE)
         .and_then(|f| {
             memory::write(mem, &f, machine.anonymous_memory).and_then(|n| {
@@ -702,6 +727,7 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
             })
         })
         .map_err(io_err(&mem_path))?;
+    state.memory_checksum = Some(checksum);
     let bytes = encode(&state);
     let state_path = staging.path(STATE_FILE);
     staging

@@ -107,6 +107,7 @@ fn sample() -> SnapshotState {
             balloon: None,
         }],
         vmgenid: true,
+        memory_checksum: None,
     }
 }
 
