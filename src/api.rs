@@ -16,23 +16,22 @@
 //! snapshot of a running VM) gets an error reply and changes nothing. The
 //! socket is made with the user's permissions only (0600) and removed when
 //! ember exits, however it exits: normally, on an error, or on SIGTERM,
-//! SIGINT or SIGHUP.
+//! SIGINT, SIGHUP or SIGQUIT ([`crate::cleanup`]).
 //!
 //! `ember ctl` and `ember snapshot` are the client side.
 
-use std::ffi::CString;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::{Value, json};
 use thiserror::Error;
 
+use crate::cleanup::TempPath;
 use ember_vmm::devices::virtio::{BalloonHandle, target_pages};
 use ember_vmm::snapshot::Machine;
 use ember_vmm::vstate::end::GuestEnd;
@@ -105,46 +104,12 @@ pub struct ApiContext {
     pub balloon: Option<BalloonHandle>,
 }
 
-/// The socket's path, for the signal handler that removes it.
-static SOCKET_PATH: OnceLock<CString> = OnceLock::new();
-/// The name the socket is bound to before it is renamed into place (see
-/// [`ApiSocket::bind`]), removed by the handler too.
-static BINDING_PATH: OnceLock<CString> = OnceLock::new();
-
-extern "C" fn remove_and_die(sig: libc::c_int) {
-    // A raw terminal goes back too (what `terminal`'s own handler does).
-    crate::terminal::restore();
-    for p in [&SOCKET_PATH, &BINDING_PATH] {
-        if let Some(p) = p.get() {
-            // SAFETY: unlink, signal and raise are async-signal-safe; the
-            // path is a NUL-terminated string that lives for the whole
-            // process.
-            unsafe { libc::unlink(p.as_ptr()) };
-        }
-    }
-    // SAFETY: as above; the default action then ends the process as the
-    // signal would have without this handler.
-    unsafe {
-        libc::signal(sig, libc::SIG_DFL);
-        libc::raise(sig);
-    }
-}
-
-/// Has SIGTERM, SIGINT, SIGHUP and SIGQUIT remove the socket (and restore a
-/// raw terminal) before ending ember. Call again after anything else
-/// installs handlers for them (`terminal::enter_raw`).
-pub fn install_signal_handlers() {
-    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT] {
-        // SAFETY: installs a handler that only makes async-signal-safe calls.
-        unsafe { libc::signal(sig, remove_and_die as *const () as libc::sighandler_t) };
-    }
-}
-
 /// The bound socket. Dropping it (or [`ApiSocket::remove`]) removes the path.
 #[derive(Debug)]
 pub struct ApiSocket {
     listener: UnixListener,
-    path: PathBuf,
+    /// Removed on drop, on a fatal signal and by `cleanup::run_all`.
+    path: TempPath,
 }
 
 impl ApiSocket {
@@ -155,8 +120,8 @@ impl ApiSocket {
     /// The path appears only once the socket accepts connections, so a
     /// client that waits for it to exist never sees it refuse: binding and
     /// listening are two steps, so the socket is made under a temporary name
-    /// beside it and renamed into place. The signal handlers that remove it
-    /// are in place before either name exists.
+    /// beside it and renamed into place. Both names are registered with
+    /// [`crate::cleanup`] before either exists.
     pub fn bind(path: &Path) -> Result<ApiSocket, ApiError> {
         let io = |source| ApiError::Io {
             path: path.to_owned(),
@@ -174,10 +139,8 @@ impl ApiSocket {
         }
         let binding = path.with_file_name(format!(".ember-api-{}", std::process::id()));
         let _ = std::fs::remove_file(&binding);
-        let c_path = |p: &Path| CString::new(p.as_os_str().as_bytes()).unwrap_or_default();
-        let _ = SOCKET_PATH.set(c_path(path));
-        let _ = BINDING_PATH.set(c_path(&binding));
-        install_signal_handlers();
+        let binding = TempPath::new(binding);
+        let socket = TempPath::new(path);
         let bind_private = |p: &Path| {
             // SAFETY: umask only swaps the process's file-creation mask.
             let old = unsafe { libc::umask(0o177) };
@@ -186,36 +149,37 @@ impl ApiSocket {
             unsafe { libc::umask(old) };
             bound
         };
-        let listener = match bind_private(&binding) {
-            Ok(listener) => {
-                if let Err(e) = std::fs::rename(&binding, path) {
-                    let _ = std::fs::remove_file(&binding);
-                    return Err(io(e));
-                }
-                listener
-            }
+        let bound = match bind_private(binding.path()) {
+            Ok(listener) => std::fs::rename(binding.path(), path).map(|()| listener),
             // The temporary name does not fit a socket address (108 bytes)
             // where `path` does: bound directly, it may refuse for an instant.
-            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
-                bind_private(path).map_err(io)?
-            }
-            Err(e) => return Err(io(e)),
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => bind_private(path),
+            Err(e) => Err(e),
         };
-        Ok(ApiSocket {
-            listener,
-            path: path.to_owned(),
-        })
+        // Dropped, `binding` goes if it is still there.
+        drop(binding);
+        match bound {
+            Ok(listener) => Ok(ApiSocket {
+                listener,
+                path: socket,
+            }),
+            Err(e) => {
+                // Not ours: nothing was bound at `path`.
+                socket.keep();
+                Err(io(e))
+            }
+        }
     }
 
     /// Removes the socket's path now (before an `_exit`, which runs no drops).
     pub fn remove(&self) {
-        let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_file(self.path.path());
     }
 
     /// Serves requests on a thread of its own until the process ends.
     pub fn serve(&self, ctx: ApiContext) -> Result<(), ApiError> {
         let listener = self.listener.try_clone().map_err(|source| ApiError::Io {
-            path: self.path.clone(),
+            path: self.path.path().to_owned(),
             source,
         })?;
         let ctx = Arc::new(ctx);
@@ -247,15 +211,9 @@ impl ApiSocket {
                 }
             });
         spawned.map(|_| ()).map_err(|source| ApiError::Io {
-            path: self.path.clone(),
+            path: self.path.path().to_owned(),
             source,
         })
-    }
-}
-
-impl Drop for ApiSocket {
-    fn drop(&mut self) {
-        self.remove();
     }
 }
 

@@ -146,7 +146,8 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
     // Filters are compiled, and the SIGSYS handler installed, before any
     // thread starts; each thread installs its own (`ember_vmm::seccomp`).
     seccomp::init(args.seccomp.into(), EXIT_SECCOMP)?;
-    // A forbidden call on a raw terminal leaves it as it was found.
+    // A forbidden call on a raw terminal leaves it as it was found. (Only
+    // that: the calling thread's filter may not allow removing a file.)
     seccomp::on_violation(crate::terminal::restore);
     let recorder = Arc::new(Recorder::new(args.devices.events.is_some()));
     let console: Option<Box<dyn Write + Send>> = match args.console {
@@ -156,10 +157,6 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
     // A terminal goes raw: keys reach the guest as typed, Ctrl-A x quits.
     let serial = args.console == ConsoleMode::Serial;
     let raw = serial && crate::terminal::enter_raw()?;
-    if raw && api.is_some() {
-        // enter_raw installed its own signal handlers; ours do both.
-        crate::api::install_signal_handlers();
-    }
     // The control socket's and stdin's threads start once the VM is complete
     // and before it runs, from this thread while it is not yet filtered: each
     // takes its own seccomp filter instead of running under this thread's.
@@ -246,12 +243,9 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
             eprintln!("ember: cannot write the events to {}: {e}", path.display());
         }
     }
-    if let Some(api) = &api {
-        // `exit` runs no destructors.
-        api.remove();
-    }
-    // `exit` runs no destructors: the terminal goes back first.
-    crate::terminal::restore();
+    // `exit` runs no destructors: the terminal goes back and the control
+    // socket goes first.
+    crate::cleanup::run_all();
     // The VM's teardown is left to a process nobody waits for.
     ember_vmm::vstate::teardown::exit(code, vmm.vm.fd().as_raw_fd())
 }

@@ -10,6 +10,7 @@ pub mod api;
 pub mod appliance;
 pub mod backend;
 pub mod boot;
+pub mod cleanup;
 pub mod exit;
 pub mod initramfs;
 pub mod lab;

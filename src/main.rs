@@ -136,10 +136,11 @@ fn main() {
         }
         Command::Man { subcommand, dir } => man(subcommand.as_deref(), dir.as_deref()),
     };
+    // `exit` runs no destructors: what is still registered is undone first.
+    ember::cleanup::run_all();
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            ember::terminal::restore();
             eprintln!("ember: {e:#}");
             std::process::exit(1);
         }

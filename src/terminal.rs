@@ -3,8 +3,9 @@
 //! sequence to quit, as QEMU's (Ctrl-A x; Ctrl-A Ctrl-A sends a Ctrl-A); and
 //! the terminal as it was on every way out — the guest ending, an error, a
 //! panic, SIGINT/SIGTERM/SIGHUP/SIGQUIT. The VMM's last act is
-//! `teardown::exit`, which runs no destructors: [`restore`] is called before
-//! it, and is async-signal-safe so the signal handlers can call it too.
+//! `teardown::exit`, which runs no destructors: [`restore`] is registered
+//! with [`crate::cleanup`], which calls it before that exit and on a fatal
+//! signal (it is async-signal-safe).
 
 use std::io;
 use std::sync::OnceLock;
@@ -18,10 +19,9 @@ static SAVED: OnceLock<libc::termios> = OnceLock::new();
 /// Whether stdin is in raw mode now.
 static RAW: AtomicBool = AtomicBool::new(false);
 
-const SIGNALS: [libc::c_int; 4] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT];
-
 /// Puts stdin in raw mode when it is a terminal; `Ok(false)` when it is not.
-/// Installs the handlers that put it back on a fatal signal or a panic.
+/// Has [`crate::cleanup`] put it back on a fatal signal or an exit, and a
+/// panic hook on a panic.
 pub fn enter_raw() -> io::Result<bool> {
     // SAFETY: isatty only inspects the descriptor.
     if unsafe { libc::isatty(libc::STDIN_FILENO) } != 1 {
@@ -40,16 +40,19 @@ pub fn enter_raw() -> io::Result<bool> {
     // Keep output processing: ember's own messages end in `\n` and must
     // still start at the left margin.
     raw.c_oflag |= saved.c_oflag & (libc::OPOST | libc::ONLCR);
-    for sig in SIGNALS {
-        // SAFETY: the handler only calls async-signal-safe functions
-        // (tcsetattr, signal, raise).
-        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    static REGISTERED: AtomicBool = AtomicBool::new(false);
+    if !REGISTERED.swap(true, Ordering::SeqCst) {
+        match crate::cleanup::register(crate::cleanup::Undo::Call(restore)) {
+            // For the rest of the process: `restore` is a no-op once done.
+            Ok(entry) => std::mem::forget(entry),
+            Err(e) => log::warn!("the terminal is not restored if ember is killed: {e}"),
+        }
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            restore();
+            previous(info);
+        }));
     }
-    let previous = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        restore();
-        previous(info);
-    }));
     RAW.store(true, Ordering::SeqCst);
     // SAFETY: a valid descriptor and a valid termios.
     if unsafe { libc::tcsetattr(libc::STDIN_FILENO, libc::TCSANOW, &raw) } != 0 {
@@ -67,16 +70,6 @@ pub fn restore() {
             // SAFETY: a valid descriptor and the termios saved from it.
             unsafe { libc::tcsetattr(libc::STDIN_FILENO, libc::TCSANOW, saved) };
         }
-    }
-}
-
-extern "C" fn on_signal(sig: libc::c_int) {
-    restore();
-    // SAFETY: back to the default action, then die of the same signal, so
-    // the parent sees how ember ended.
-    unsafe {
-        libc::signal(sig, libc::SIG_DFL);
-        libc::raise(sig);
     }
 }
 

@@ -5,11 +5,12 @@
 
 use super::protocol::{self, Decoder, Kind};
 use crate::backend::{Backend, BackendError, GuestSpec};
+use crate::cleanup::{self, TempPath};
 use ember_vmm::error_chain;
 use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -102,12 +103,24 @@ pub enum Outcome {
 /// a killed VMM writes no timeline). Other runs kill it at once.
 const EVENTS_GRACE: Duration = Duration::from_secs(5);
 
-/// Kills and reaps the VMM and removes the socket, whatever happens.
+/// Kills and reaps the VMM and removes the socket, whatever happens (a
+/// fatal signal too: both are registered with [`crate::cleanup`]).
 struct VmmGuard {
     child: Child,
-    socket: PathBuf,
+    /// Kills the VMM on a fatal signal; dropped before it is reaped.
+    kill: Option<cleanup::Entry>,
+    socket: TempPath,
     /// Wait this long for the VMM to exit by itself before killing it.
     grace: Duration,
+}
+
+impl VmmGuard {
+    /// Waits for the VMM to end (unregistered first: its pid is free once
+    /// reaped).
+    fn reap(&mut self) {
+        self.kill = None;
+        let _ = self.child.wait();
+    }
 }
 
 impl Drop for VmmGuard {
@@ -117,58 +130,8 @@ impl Drop for VmmGuard {
             std::thread::sleep(Duration::from_millis(5));
         }
         let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.socket);
-        forget_socket();
+        self.reap();
     }
-}
-
-/// The live channel socket's path (a leaked NUL-terminated string), for the
-/// signal handler: a SIGTERM or Ctrl-C while the guest boots would otherwise
-/// end ember without running [`VmmGuard`]'s drop and leave the socket in
-/// the temp directory.
-static SOCKET: std::sync::atomic::AtomicPtr<libc::c_char> =
-    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
-
-extern "C" fn unlink_and_die(sig: libc::c_int) {
-    let p = SOCKET.swap(std::ptr::null_mut(), std::sync::atomic::Ordering::SeqCst);
-    // SAFETY: unlink, signal and raise are async-signal-safe; `p` is null or
-    // a leaked CString that is never freed.
-    unsafe {
-        if !p.is_null() {
-            libc::unlink(p);
-        }
-        libc::signal(sig, libc::SIG_DFL);
-        libc::raise(sig);
-    }
-}
-
-/// Registers `path` for removal on SIGTERM, SIGINT, SIGHUP and SIGQUIT (the
-/// signal then ends ember as it would have: the VMM dies with it through
-/// PR_SET_PDEATHSIG).
-fn remember_socket(path: &Path) {
-    use std::os::unix::ffi::OsStrExt;
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
-        return;
-    };
-    // Leaked on purpose: the handler may read it at any time. One short
-    // string per run.
-    arm(c.into_raw());
-}
-
-/// Publishes `path` to the handler and installs it (no allocation: the
-/// test calls it in a forked child).
-fn arm(path: *mut libc::c_char) {
-    SOCKET.store(path, std::sync::atomic::Ordering::SeqCst);
-    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT] {
-        // SAFETY: the handler only makes async-signal-safe calls.
-        unsafe { libc::signal(sig, unlink_and_die as *const () as libc::sighandler_t) };
-    }
-}
-
-/// The socket is gone: the handler has nothing more to remove.
-fn forget_socket() {
-    SOCKET.store(std::ptr::null_mut(), std::sync::atomic::Ordering::SeqCst);
 }
 
 /// A shared ring of the last bytes a stream produced.
@@ -220,12 +183,13 @@ pub fn run(
 ) -> Result<Outcome, HostError> {
     let start = Instant::now();
     let deadline = job.timeout.map(|t| start + t);
-    let socket = socket_path();
-    let _ = std::fs::remove_file(&socket);
-    let listener = UnixListener::bind(&socket)
-        .map_err(|e| HostError::Io(format!("cannot listen on {}", socket.display()), e))?;
-    spec.channel = Some(socket.clone());
-    remember_socket(&socket);
+    let path = socket_path();
+    let _ = std::fs::remove_file(&path);
+    // Registered before it exists: a signal while the guest boots removes it.
+    let socket = TempPath::new(path);
+    let listener = UnixListener::bind(socket.path())
+        .map_err(|e| HostError::Io(format!("cannot listen on {}", socket.path().display()), e))?;
+    spec.channel = Some(socket.path().to_owned());
 
     let mut cmd = backend.command(&spec).map_err(HostError::Backend)?;
     cmd.stdin(Stdio::null())
@@ -241,15 +205,18 @@ pub fn run(
         });
     }
     let child = cmd.spawn().map_err(|e| {
-        let _ = std::fs::remove_file(&socket);
-        forget_socket();
         HostError::Io(
             format!("cannot run {}", cmd.get_program().to_string_lossy()),
             e,
         )
     })?;
+    // PR_SET_PDEATHSIG covers SIGKILL; this kills it before the socket goes.
+    let kill = libc::pid_t::try_from(child.id())
+        .ok()
+        .and_then(|pid| cleanup::register(cleanup::Undo::Kill(pid)).ok());
     let mut guard = VmmGuard {
         child,
+        kill,
         socket,
         grace: Duration::ZERO,
     };
@@ -262,7 +229,7 @@ pub fn run(
     }
     let no_report = |guard: &mut VmmGuard| {
         // Give the drain threads a moment to collect the VMM's last words.
-        let _ = guard.child.wait();
+        guard.reap();
         std::thread::sleep(Duration::from_millis(20));
         let t = tail.lock().unwrap_or_else(|e| e.into_inner());
         Outcome::NoReport(String::from_utf8_lossy(&t).into_owned())
@@ -271,8 +238,7 @@ pub fn run(
     let stream = match accept(&listener, &mut guard, deadline)? {
         Some(s) => {
             // The path was only the rendezvous: once connected, it goes.
-            let _ = std::fs::remove_file(&guard.socket);
-            forget_socket();
+            let _ = std::fs::remove_file(guard.socket.path());
             s
         }
         None if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(Outcome::TimedOut),
@@ -496,38 +462,6 @@ pub fn fuzz_converse(from_guest: &[u8]) -> Result<Option<Outcome>, HostError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// SIGTERM while the guest boots (before it connects) removes the
-    /// channel socket and still ends the process by that signal.
-    #[test]
-    fn sigterm_removes_the_channel_socket() {
-        let socket = socket_path();
-        let _ = std::fs::remove_file(&socket);
-        let listener = UnixListener::bind(&socket).unwrap();
-        use std::os::unix::ffi::OsStrExt;
-        let c = std::ffi::CString::new(socket.as_os_str().as_bytes()).unwrap();
-        // SAFETY: the child only makes async-signal-safe calls (signal,
-        // raise via the handler, _exit) before it ends.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0);
-        if pid == 0 {
-            arm(c.as_ptr() as *mut libc::c_char);
-            // SAFETY: see above.
-            unsafe {
-                libc::raise(libc::SIGTERM);
-                libc::_exit(0);
-            }
-        }
-        let mut status = 0;
-        // SAFETY: waits for our own child.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        drop(listener);
-        let gone = !socket.exists();
-        let _ = std::fs::remove_file(&socket);
-        assert!(libc::WIFSIGNALED(status), "status {status:#x}");
-        assert_eq!(libc::WTERMSIG(status), libc::SIGTERM);
-        assert!(gone, "{} left behind", socket.display());
-    }
 
     /// A guest that repeats READY gets the job (and, with stdin forwarded, a stdin thread)
     /// once, not once per frame.

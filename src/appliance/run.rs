@@ -9,6 +9,7 @@ use super::{
     kernel, rig, userland, warm,
 };
 use crate::backend::{self, Backend, ChannelKind, GuestSpec};
+use crate::cleanup::TempPath;
 use ember_vmm::error_chain;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -151,12 +152,12 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         snapshot_at_ready: None,
     };
     // What this run removes when it ends (however it ends).
-    let mut cleanup = Vec::new();
+    let mut temps = Vec::new();
     let warm = match plan {
         Plan::Snapshot => {
             let groups = warm_groups(backend.as_ref());
             let cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &groups);
-            warm_spec(args, &a, cmdline, &mut job, &mut cleanup)?
+            warm_spec(args, &a, cmdline, &mut job, &mut temps)?
         }
         Plan::ColdBoot { why } => {
             log::debug!("appliance boots cold: {why}");
@@ -167,11 +168,11 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         Some(spec) => spec,
         None => {
             let cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &cold_groups);
-            match cold_spec(args, a, backend.as_ref(), cmdline, &mut cleanup)? {
+            match cold_spec(args, a, backend.as_ref(), cmdline, &mut temps)? {
                 Some(spec) => spec,
                 None => {
                     // `--prepare-only`: kept for the caller to boot.
-                    std::mem::forget(cleanup);
+                    temps.into_iter().for_each(|t| drop(t.keep()));
                     return Ok(0);
                 }
             }
@@ -194,11 +195,11 @@ fn cold_spec(
     a: Assembled,
     backend: &dyn Backend,
     cmdline: String,
-    cleanup: &mut Vec<TempFile>,
+    temps: &mut Vec<TempPath>,
 ) -> Result<Option<GuestSpec>, ApplianceError> {
     let p = write_appliance(a)?;
     if p.temporary {
-        cleanup.push(TempFile(p.initrd.clone()));
+        temps.push(TempPath::new(&p.initrd));
     }
     if args.prepare_only {
         print_prepared(&p, &cmdline, backend);
@@ -375,7 +376,7 @@ fn warm_spec(
     a: &Assembled,
     cmdline: String,
     job: &mut host::Job,
-    cleanup: &mut Vec<TempFile>,
+    temps: &mut Vec<TempPath>,
 ) -> Result<Option<GuestSpec>, ApplianceError> {
     let start = Instant::now();
     let cache = kernel::cache_dir()?;
@@ -393,33 +394,34 @@ fn warm_spec(
         cmdline: &cmdline,
     });
     let dir = warm::snapshot_dir(&cache, &key);
-    let image = unique_temp("root", "img");
-    if let Err(e) = warm::root_image(&userland::with_links(&a.tree), &image) {
+    // Registered before it exists: a signal while it is made removes it.
+    let image = TempPath::new(unique_temp("root", "img"));
+    if let Err(e) = warm::root_image(&userland::with_links(&a.tree), image.path()) {
         if args.verbose {
             eprintln!("ember: booting cold: {}", error_chain(&e));
         }
         return Ok(None);
     }
-    cleanup.push(TempFile(image.clone()));
     let mut spec = GuestSpec::new(&a.kernel.image);
-    spec.pmem = vec![image];
+    spec.pmem = vec![image.path().to_owned()];
+    temps.push(image);
     spec.events = args.devices.events.clone();
     job.root = Some(warm::SLOT_DEVICE.into());
     if warm::is_complete(&dir) {
         spec.restore = Some(dir.clone());
         job.restored = true;
     } else {
-        let api = unique_temp("api", "sock");
-        cleanup.push(TempFile(api.clone()));
+        let api = TempPath::new(unique_temp("api", "sock"));
         spec.initrd = Some(base.path);
         spec.mem_mib = args.mem;
         spec.cpus = args.cpus;
         spec.cmdline = cmdline;
-        spec.api_socket = Some(api.clone());
+        spec.api_socket = Some(api.path().to_owned());
         job.snapshot_at_ready = Some(host::SnapshotAt {
-            api,
+            api: api.path().to_owned(),
             dir: dir.clone(),
         });
+        temps.push(api);
     }
     // At debug level (`ember -v run`, or `run --verbose`), not as a change
     // of the command line: that would be another snapshot.
@@ -442,15 +444,6 @@ fn unique_temp(what: &str, ext: &str) -> PathBuf {
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     ))
-}
-
-/// A file removed when dropped.
-struct TempFile(PathBuf);
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
 }
 
 /// Where a kernel's crash report starts, on its first line.
