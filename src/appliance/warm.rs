@@ -52,8 +52,8 @@ pub enum WarmError {
     #[error("cannot make the command's root image: {0}")]
     Mkfs(String),
     /// The control socket refused a step of the snapshot.
-    #[error("cannot snapshot the appliance: {0}")]
-    Snapshot(String),
+    #[error("cannot snapshot the appliance")]
+    Snapshot(#[source] crate::api::ClientError),
 }
 
 fn io_err(p: &Path) -> impl Fn(io::Error) -> WarmError + '_ {
@@ -172,7 +172,6 @@ pub fn root_image(tree: &Tree, image: &Path) -> Result<(), WarmError> {
 /// exist yet) and lets it run on. Written beside `dir` and renamed into
 /// place, read-only; if another run got there first, its snapshot stays.
 pub fn save(api: &Path, dir: &Path) -> Result<(), WarmError> {
-    use serde_json::json;
     let parent = dir.parent().unwrap_or(Path::new("."));
     super::cache::private_dir(parent).map_err(io_err(parent))?;
     let tmp = parent.join(format!(
@@ -181,20 +180,11 @@ pub fn save(api: &Path, dir: &Path) -> Result<(), WarmError> {
         std::process::id()
     ));
     let _ = fs::remove_dir_all(&tmp);
-    let call = |req: serde_json::Value| -> Result<serde_json::Value, WarmError> {
-        let r = crate::api::call(api, &req).map_err(|e| WarmError::Snapshot(e.to_string()))?;
-        if r["ok"] == true {
-            Ok(r)
-        } else {
-            Err(WarmError::Snapshot(
-                r["error"].as_str().unwrap_or("refused").to_owned(),
-            ))
-        }
-    };
-    call(json!({"op": "pause"}))?;
-    let taken = call(json!({"op": "snapshot", "dir": tmp}));
+    let vm = crate::api::Client::new(api);
+    vm.pause().map_err(WarmError::Snapshot)?;
+    let taken = vm.snapshot(&tmp).map_err(WarmError::Snapshot);
     // The run goes on whether or not the snapshot was written.
-    let resumed = call(json!({"op": "resume"}));
+    let resumed = vm.resume().map_err(WarmError::Snapshot);
     let sealed = taken.and_then(|_| {
         for f in [
             ember_vmm::snapshot::STATE_FILE,

@@ -1,47 +1,41 @@
-//! The control socket: `ember boot … --api-socket PATH` serves requests on a
-//! unix socket, one JSON object per line, one reply line each:
-//!
-//! ```text
-//! {"op":"status"}                      {"ok":true,"state":"running","vcpus":1,"mem_bytes":...}
-//! {"op":"pause"}                       {"ok":true}
-//! {"op":"resume"}                      {"ok":true}
-//! {"op":"snapshot","dir":"/abs/path"}  {"ok":true,"memory_bytes":...,"state_bytes":...,"ms":...}
-//! {"op":"shutdown"}                    {"ok":true}
-//! {"op":"balloon","target_mib":64}     {"ok":true}
-//! {"op":"balloon_stats"}               {"ok":true,"target_pages":...,"actual_pages":...,"stats":{...}}
-//! anything else                        {"ok":false,"error":"…"}
-//! ```
+//! The control socket's server (see [`super`] for what it answers).
 //!
 //! A request that is malformed or out of order (resume while running, a
 //! snapshot of a running VM) gets an error reply and changes nothing. The
 //! socket is made with the user's permissions only (0600) and removed when
 //! ember exits, however it exits: normally, on an error, or on SIGTERM,
-//! SIGINT, SIGHUP or SIGQUIT ([`crate::cleanup`]).
-//!
-//! `ember ctl` and `ember snapshot` are the client side.
+//! SIGINT, SIGHUP or SIGQUIT ([`crate::cleanup`]). At most [`MAX_CLIENTS`]
+//! at once; each has [`request_limit`] to send a whole request line, counted
+//! from when the server starts waiting for it, so a client that trickles
+//! bytes cannot hold its place.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use serde::Deserialize;
-use serde_json::{Value, json};
 use thiserror::Error;
+
+use super::{BalloonReport, Request, Response, SnapshotWritten, Status, VmState, encode};
 
 use crate::cleanup::TempPath;
 use ember_vmm::devices::virtio::{BalloonHandle, target_pages};
 use ember_vmm::snapshot::Machine;
+use ember_vmm::vstate::control::RunState;
 use ember_vmm::vstate::end::GuestEnd;
 
 /// A request line may not be longer than this.
 const MAX_REQUEST: usize = 64 * 1024;
 /// At most this many clients at once; more are refused.
 const MAX_CLIENTS: usize = 8;
-/// A client that sends nothing for this long is dropped.
-const CLIENT_IDLE: Duration = Duration::from_secs(60);
+/// A client that has not sent a whole request this long after the server
+/// began waiting for it is dropped, unless `EMBER_API_REQUEST_TIMEOUT` says
+/// otherwise.
+const REQUEST_LIMIT: Duration = Duration::from_secs(60);
+/// The environment variable that sets it, in seconds.
+const REQUEST_LIMIT_ENV: &str = "EMBER_API_REQUEST_TIMEOUT";
 /// Bytes per MiB, for the balloon's target.
 const MIB: u64 = 1 << 20;
 /// The balloon counts 4 KiB pages.
@@ -56,7 +50,7 @@ pub enum ApiError {
     /// The path exists and is not a socket.
     #[error("{0} exists and is not a socket")]
     NotASocket(PathBuf),
-    /// Binding or connecting failed.
+    /// Binding failed.
     #[error("{path}")]
     Io {
         /// The socket path.
@@ -64,36 +58,6 @@ pub enum ApiError {
         /// The cause.
         source: std::io::Error,
     },
-    /// The server's reply did not parse.
-    #[error("bad reply from {0}")]
-    BadReply(PathBuf),
-}
-
-/// A request. Every variant has braces, even without fields: serde
-/// refuses unknown fields only in struct variants.
-#[derive(Debug, Deserialize, PartialEq)]
-#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
-pub enum Request {
-    /// Running or paused, and the VM's shape.
-    Status {},
-    /// Stop every vCPU.
-    Pause {},
-    /// Let them run again.
-    Resume {},
-    /// Write a snapshot of the paused VM to `dir`.
-    Snapshot {
-        /// An absolute directory path.
-        dir: PathBuf,
-    },
-    /// End the VM (ember exits with status 0).
-    Shutdown {},
-    /// Set the balloon's target size.
-    Balloon {
-        /// How much memory the balloon should take from the guest.
-        target_mib: u64,
-    },
-    /// The balloon's target, size and the guest's last statistics.
-    BalloonStats {},
 }
 
 /// What the server acts on.
@@ -186,6 +150,7 @@ impl ApiSocket {
         // One request acts on the VM at a time.
         let busy = Arc::new(Mutex::new(()));
         let clients = Arc::new(AtomicUsize::new(0));
+        let limit = request_limit();
         let spawned = std::thread::Builder::new()
             .name("ember-api".into())
             .spawn(move || {
@@ -195,14 +160,14 @@ impl ApiSocket {
                     let Ok(mut stream) = stream else { continue };
                     if clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
                         clients.fetch_sub(1, Ordering::SeqCst);
-                        let _ = writeln!(stream, "{}", error_reply("too many clients"));
+                        let _ = writeln!(stream, "{}", encode(&Err("too many clients".into())));
                         continue;
                     }
                     let (ctx, busy, clients) = (ctx.clone(), busy.clone(), clients.clone());
                     let spawned = std::thread::Builder::new()
                         .name("ember-api-client".into())
                         .spawn(move || {
-                            serve_client(stream, &ctx, &busy);
+                            serve_client(stream, &ctx, &busy, limit);
                             clients.fetch_sub(1, Ordering::SeqCst);
                         });
                     if spawned.is_err() {
@@ -217,12 +182,17 @@ impl ApiSocket {
     }
 }
 
-fn error_reply(why: impl std::fmt::Display) -> Value {
-    json!({"ok": false, "error": why.to_string()})
+/// How long a client may take to send a whole request: `EMBER_API_REQUEST_TIMEOUT`
+/// seconds, else [`REQUEST_LIMIT`].
+pub fn request_limit() -> Duration {
+    std::env::var(REQUEST_LIMIT_ENV)
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
+        .map_or(REQUEST_LIMIT, Duration::from_secs_f64)
 }
 
-fn serve_client(stream: UnixStream, ctx: &ApiContext, busy: &Mutex<()>) {
-    let _ = stream.set_read_timeout(Some(CLIENT_IDLE));
+fn serve_client(stream: UnixStream, ctx: &ApiContext, busy: &Mutex<()>, limit: Duration) {
     let Ok(mut out) = stream.try_clone() else {
         return;
     };
@@ -230,16 +200,17 @@ fn serve_client(stream: UnixStream, ctx: &ApiContext, busy: &Mutex<()>) {
     let mut line = Vec::new();
     loop {
         line.clear();
-        // Read at most MAX_REQUEST + 1 bytes of one line.
-        match (&mut reader)
-            .take(MAX_REQUEST as u64 + 1)
-            .read_until(b'\n', &mut line)
-        {
+        match read_request(&mut reader, &mut line, Instant::now() + limit) {
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
         if line.len() > MAX_REQUEST {
-            let _ = writeln!(out, "{}", error_reply("request too long"));
+            let _ = writeln!(out, "{}", encode(&Err("request too long".into())));
+            return;
+        }
+        // The reply's first byte goes out now: the client waits for it with
+        // a short limit, and for the rest as long as the request takes.
+        if out.write_all(b"{").is_err() {
             return;
         }
         let reply = match serde_json::from_slice::<Request>(&line) {
@@ -247,213 +218,122 @@ fn serve_client(stream: UnixStream, ctx: &ApiContext, busy: &Mutex<()>) {
                 let _guard = busy.lock().unwrap_or_else(|p| p.into_inner());
                 handle(req, ctx)
             }
-            Err(e) => error_reply(format!("malformed request: {e}")),
+            Err(e) => Err(format!("malformed request: {e}")),
         };
-        if writeln!(out, "{reply}").is_err() {
+        let encoded = encode(&reply);
+        if writeln!(out, "{}", encoded.strip_prefix('{').unwrap_or(&encoded)).is_err() {
             return;
         }
         // A shutdown is carried out once its reply is on its way.
-        if reply.get("shutdown").is_some() {
+        if matches!(reply, Ok(Response::ShutDown)) {
             ctx.machine.end.report(GuestEnd::PowerOff);
         }
     }
 }
 
-/// Carries out one request; the reply says how it went.
-pub fn handle(req: Request, ctx: &ApiContext) -> Value {
+/// Reads one request line into `line` (at most [`MAX_REQUEST`] + 1 bytes;
+/// its newline, if any, included), giving up at `deadline` however the
+/// bytes trickle in. `Ok(0)`: the client has gone.
+fn read_request(
+    reader: &mut BufReader<UnixStream>,
+    line: &mut Vec<u8>,
+    deadline: Instant,
+) -> std::io::Result<usize> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        reader.get_ref().set_read_timeout(Some(left))?;
+        let buf = match reader.fill_buf() {
+            Ok(buf) => buf,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if buf.is_empty() {
+            return Ok(line.len());
+        }
+        let room = buf.len().min(MAX_REQUEST + 1 - line.len());
+        let (n, end) = match buf[..room].iter().position(|&b| b == b'\n') {
+            Some(at) => (at + 1, true),
+            None => (room, line.len() + room > MAX_REQUEST),
+        };
+        line.extend_from_slice(&buf[..n]);
+        reader.consume(n);
+        if end {
+            return Ok(line.len());
+        }
+    }
+}
+
+/// Carries out one request: its answer, or why it was refused.
+pub fn handle(req: Request, ctx: &ApiContext) -> Result<Response, String> {
     let control = &ctx.machine.control;
     if ctx.machine.end.is_over() {
-        return error_reply("the VM has ended");
+        return Err("the VM has ended".into());
     }
-    let done = |r: Result<(), ember_vmm::vstate::control::ControlError>| match r {
-        Ok(()) => json!({"ok": true}),
-        Err(e) => error_reply(ember_vmm::error_chain(&e)),
+    let done = |r: Result<(), ember_vmm::vstate::control::ControlError>| {
+        r.map(|()| Response::Done)
+            .map_err(|e| ember_vmm::error_chain(&e))
     };
     match req {
-        Request::Status {} => json!({
-            "ok": true,
-            "state": control.state(),
-            "vcpus": ctx.machine.vcpus,
-            "mem_bytes": ctx.machine.mem_size,
-            "devices": ctx.machine.devices.len(),
-            "balloon": ctx.balloon.is_some(),
-        }),
+        Request::Status {} => Ok(Response::Status(Status {
+            state: match control.state() {
+                RunState::Running => VmState::Running,
+                RunState::Paused => VmState::Paused,
+            },
+            vcpus: ctx.machine.vcpus,
+            mem_bytes: ctx.machine.mem_size,
+            devices: ctx.machine.devices.len(),
+            balloon: ctx.balloon.is_some(),
+        })),
         Request::Pause {} => done(control.pause(&ctx.machine.end)),
         Request::Resume {} => done(control.resume()),
-        Request::Shutdown {} => json!({"ok": true, "shutdown": true}),
+        Request::Shutdown {} => Ok(Response::ShutDown),
         Request::Snapshot { dir } => {
             if !dir.is_absolute() {
-                return error_reply("the snapshot directory must be an absolute path");
+                return Err("the snapshot directory must be an absolute path".into());
             }
-            match ember_vmm::snapshot::create(&ctx.machine, &dir) {
-                Ok(stats) => json!({
-                    "ok": true,
-                    "memory_bytes": stats.memory_bytes,
-                    "state_bytes": stats.state_bytes,
-                    "in_flight": stats.in_flight,
-                    "ms": stats.ms,
-                }),
-                Err(e) => error_reply(ember_vmm::error_chain(&e)),
-            }
+            let stats = ember_vmm::snapshot::create(&ctx.machine, &dir)
+                .map_err(|e| ember_vmm::error_chain(&e))?;
+            Ok(Response::Snapshot(SnapshotWritten {
+                memory_bytes: stats.memory_bytes,
+                state_bytes: stats.state_bytes,
+                in_flight: stats.in_flight,
+                ms: stats.ms,
+            }))
         }
         Request::Balloon { target_mib } => {
-            let Some(b) = &ctx.balloon else {
-                return error_reply("the VM has no balloon (--balloon)");
-            };
+            let b = ctx.balloon.as_ref().ok_or(NO_BALLOON)?;
             // Saturated, a target beyond u64 is still larger than any guest.
-            match target_pages(target_mib.saturating_mul(MIB), ctx.machine.mem_size) {
-                Ok(p) => {
-                    b.set_target_pages(p);
-                    json!({"ok": true})
-                }
-                Err(e) => error_reply(e.to_string()),
-            }
+            let pages = target_pages(target_mib.saturating_mul(MIB), ctx.machine.mem_size)
+                .map_err(|e| e.to_string())?;
+            b.set_target_pages(pages);
+            Ok(Response::Done)
         }
         Request::BalloonStats {} => {
-            let Some(b) = &ctx.balloon else {
-                return error_reply("the VM has no balloon (--balloon)");
-            };
+            let b = ctx.balloon.as_ref().ok_or(NO_BALLOON)?;
             b.request_stats();
-            // Tag number -> value, as the guest reported them.
-            let stats: Option<serde_json::Map<String, Value>> = b.stats().map(|s| {
-                s.entries
-                    .iter()
-                    .map(|(tag, v)| (tag.to_string(), json!(v)))
-                    .collect()
-            });
-            json!({
-                "ok": true,
-                "target_pages": b.target_pages(),
-                "actual_pages": b.actual_pages(),
-                "discarded_pages": b.discarded_pages(),
+            Ok(Response::Balloon(BalloonReport {
+                target_pages: b.target_pages(),
+                actual_pages: b.actual_pages(),
+                discarded_pages: b.discarded_pages(),
                 // ember's own count of what the balloon holds (the driver's is `actual`).
-                "held_pages": b.held_bytes() / BALLOON_PAGE,
-                "stats": stats,
-            })
+                held_pages: b.held_bytes() / BALLOON_PAGE,
+                // Tag number -> value, as the guest reported them.
+                stats: b.stats().map(|s| {
+                    s.entries
+                        .iter()
+                        .map(|(tag, v)| (tag.to_string(), *v))
+                        .collect()
+                }),
+            }))
         }
     }
 }
 
-/// Sends one request line to the socket at `path`; returns the reply.
-pub fn call(path: &Path, request: &Value) -> Result<Value, ApiError> {
-    let io = |source| ApiError::Io {
-        path: path.to_owned(),
-        source,
-    };
-    let mut stream = UnixStream::connect(path).map_err(io)?;
-    writeln!(stream, "{request}").map_err(io)?;
-    let mut line = String::new();
-    BufReader::new(stream).read_line(&mut line).map_err(io)?;
-    serde_json::from_str(&line).map_err(|_| ApiError::BadReply(path.to_owned()))
-}
-
-/// Arguments of `ember ctl`.
-#[derive(Debug, clap::Args)]
-pub struct CtlArgs {
-    /// The VM's control socket (`ember boot … --api-socket PATH`).
-    #[arg(long, value_name = "PATH")]
-    pub api_socket: PathBuf,
-    /// What to ask.
-    #[arg(value_enum)]
-    pub op: CtlOp,
-    /// For `balloon`: the balloon's target size in MiB.
-    #[arg(long, required_if_eq("op", "balloon"))]
-    pub target_mib: Option<u64>,
-}
-
-/// `ember ctl` requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum CtlOp {
-    /// Running or paused, and the VM's shape.
-    Status,
-    /// Stop the vCPUs.
-    Pause,
-    /// Let them run again.
-    Resume,
-    /// End the VM.
-    Shutdown,
-    /// Set the balloon's target (--target-mib).
-    Balloon,
-    /// The balloon's size and the guest's memory statistics.
-    BalloonStats,
-}
-
-/// `ember ctl`: one request, its reply printed as JSON; exit status 1 when
-/// the VM refused it.
-pub fn ctl(args: CtlArgs) -> anyhow::Result<i32> {
-    let request = match args.op {
-        CtlOp::Status => json!({"op": "status"}),
-        CtlOp::Pause => json!({"op": "pause"}),
-        CtlOp::Resume => json!({"op": "resume"}),
-        CtlOp::Shutdown => json!({"op": "shutdown"}),
-        CtlOp::Balloon => json!({"op": "balloon", "target_mib": args.target_mib.unwrap_or(0)}),
-        CtlOp::BalloonStats => json!({"op": "balloon_stats"}),
-    };
-    let reply = call(&args.api_socket, &request)?;
-    println!("{reply}");
-    Ok(if reply["ok"] == true { 0 } else { 1 })
-}
-
-/// Arguments of `ember snapshot`.
-#[derive(Debug, clap::Args)]
-pub struct SnapshotArgs {
-    /// The VM's control socket (`ember boot … --api-socket PATH`).
-    #[arg(long, value_name = "PATH")]
-    pub api_socket: PathBuf,
-    /// Write the snapshot into this directory (created if needed).
-    #[arg(long, value_name = "DIR")]
-    pub to: PathBuf,
-    /// Let the VM run on afterwards (by default it ends once saved).
-    #[arg(long)]
-    pub resume: bool,
-}
-
-/// `ember snapshot`: pauses the VM (if it runs), writes the snapshot, then
-/// ends the VM or, with `--resume`, lets it run on. If the snapshot fails,
-/// a VM this command paused runs on as before.
-pub fn snapshot(args: SnapshotArgs) -> anyhow::Result<i32> {
-    let sock = &args.api_socket;
-    let dir = std::path::absolute(&args.to)?;
-    let ok = |r: &Value| r["ok"] == true;
-    let status = call(sock, &json!({"op": "status"}))?;
-    if !ok(&status) {
-        anyhow::bail!("{}", status["error"].as_str().unwrap_or("status failed"));
-    }
-    let paused_here = status["state"] == "running";
-    if paused_here {
-        let r = call(sock, &json!({"op": "pause"}))?;
-        if !ok(&r) {
-            anyhow::bail!("cannot pause: {}", r["error"].as_str().unwrap_or("?"));
-        }
-    }
-    let r = call(sock, &json!({"op": "snapshot", "dir": dir}))?;
-    if !ok(&r) {
-        if paused_here {
-            let _ = call(sock, &json!({"op": "resume"}));
-        }
-        anyhow::bail!("{}", r["error"].as_str().unwrap_or("snapshot failed"));
-    }
-    let after = if args.resume {
-        if paused_here {
-            json!({"op": "resume"})
-        } else {
-            Value::Null
-        }
-    } else {
-        json!({"op": "shutdown"})
-    };
-    if !after.is_null() {
-        let a = call(sock, &after)?;
-        if !ok(&a) {
-            anyhow::bail!(
-                "snapshot written, but: {}",
-                a["error"].as_str().unwrap_or("?")
-            );
-        }
-    }
-    println!("{r}");
-    Ok(0)
-}
+/// The refusal of a balloon request to a VM without one.
+const NO_BALLOON: &str = "the VM has no balloon (--balloon)";
 
 #[cfg(test)]
 mod tests {
@@ -512,5 +392,43 @@ mod tests {
         assert_eq!(entries(&dir), ["a"]);
         drop(s);
         std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// The request limit counts from the start: a client that trickles a
+    /// byte at a time is dropped at the deadline, however lively it is.
+    #[test]
+    fn a_trickling_request_is_dropped_at_its_deadline() {
+        let (server, mut client) = UnixStream::pair().unwrap();
+        let writer = std::thread::spawn(move || {
+            for _ in 0..40 {
+                if client.write_all(b" ").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let mut reader = BufReader::new(server);
+        let mut line = Vec::new();
+        let start = Instant::now();
+        let r = read_request(&mut reader, &mut line, start + Duration::from_millis(200));
+        let took = start.elapsed();
+        assert_eq!(r.unwrap_err().kind(), std::io::ErrorKind::TimedOut);
+        assert!(took < Duration::from_millis(600), "{took:?}");
+        assert!(!line.is_empty(), "bytes did arrive");
+        drop(reader);
+        writer.join().unwrap();
+
+        // A whole line in time is read up to its newline.
+        let (server, mut client) = UnixStream::pair().unwrap();
+        client.write_all(b"{\"op\":\"status\"}\nrest").unwrap();
+        let mut reader = BufReader::new(server);
+        let mut line = Vec::new();
+        let n = read_request(
+            &mut reader,
+            &mut line,
+            Instant::now() + Duration::from_secs(5),
+        );
+        assert_eq!(n.unwrap(), 16);
+        assert_eq!(line, b"{\"op\":\"status\"}\n");
     }
 }
