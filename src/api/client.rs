@@ -3,7 +3,7 @@
 //! for the connection and for the reply's first byte (which the server sends
 //! as soon as it has read the request, so a long snapshot is not cut off).
 
-use super::{BalloonReport, Request, Response, SnapshotWritten, Status, decode};
+use super::{BalloonReport, Reply, Request, Response, SnapshotWritten, Status, decode};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -87,12 +87,14 @@ impl Client {
     pub fn send(&self, req: &Request) -> Result<Response, ClientError> {
         let line = serde_json::to_string(req).unwrap_or_default();
         let reply = self.exchange(&line)?;
-        decode(req, &reply)
-            .map_err(|source| ClientError::BadReply {
-                path: self.path.clone(),
-                source,
-            })?
-            .map_err(ClientError::Refused)
+        let reply = decode(req, &reply).map_err(|source| ClientError::BadReply {
+            path: self.path.clone(),
+            source,
+        })?;
+        match reply {
+            Reply::Answer(answer) => Ok(answer),
+            Reply::Refused(why) => Err(ClientError::Refused(why)),
+        }
     }
 
     /// Running or paused, and the VM's shape.

@@ -1,7 +1,7 @@
 //! `ember ctl` and `ember snapshot`: the control socket's client on the
 //! command line.
 
-use super::{Client, ClientError, Request, Response, encode};
+use super::{Client, ClientError, Reply, Request, Response, encode};
 use anyhow::Context;
 use std::path::PathBuf;
 
@@ -50,11 +50,15 @@ pub fn ctl(args: CtlArgs) -> anyhow::Result<i32> {
         CtlOp::BalloonStats => Request::BalloonStats {},
     };
     let reply = match Client::new(&args.api_socket).send(&request) {
-        Err(ClientError::Refused(why)) => Err(why),
-        r => Ok(r?),
+        Err(ClientError::Refused(why)) => Reply::Refused(why),
+        r => Reply::Answer(r?),
     };
     println!("{}", encode(&reply));
-    Ok(if reply.is_ok() { 0 } else { 1 })
+    Ok(if matches!(reply, Reply::Answer(_)) {
+        0
+    } else {
+        1
+    })
 }
 
 /// Arguments of `ember snapshot`.
@@ -95,6 +99,6 @@ pub fn snapshot(args: SnapshotArgs) -> anyhow::Result<i32> {
     } else if paused_here {
         vm.resume().context("snapshot written, but")?;
     }
-    println!("{}", encode(&Ok(Response::Snapshot(written))));
+    println!("{}", encode(&Reply::Answer(Response::Snapshot(written))));
     Ok(0)
 }

@@ -126,6 +126,15 @@ pub enum Response {
     Balloon(BalloonReport),
 }
 
+/// A reply line: the answer, or why the VM refused.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// Done; the answer.
+    Answer(Response),
+    /// Refused; the VM's reason.
+    Refused(String),
+}
+
 /// A reply that did not parse as the answer to its request.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -133,39 +142,40 @@ pub struct BadReply(String);
 
 /// The reply line (without its newline) for `reply`: `{"ok":true,…}` with
 /// the answer's fields, or `{"ok":false,"error":…}`. Keys in sorted order.
-pub fn encode(reply: &Result<Response, String>) -> String {
+pub fn encode(reply: &Reply) -> String {
     let fields = |v: Result<Value, serde_json::Error>| match v {
         Ok(Value::Object(m)) => m,
         _ => Map::new(),
     };
     let mut m = match reply {
-        Ok(Response::Done) => Map::new(),
-        Ok(Response::ShutDown) => Map::from_iter([("shutdown".into(), Value::Bool(true))]),
-        Ok(Response::Status(s)) => fields(serde_json::to_value(s)),
-        Ok(Response::Snapshot(s)) => fields(serde_json::to_value(s)),
-        Ok(Response::Balloon(b)) => fields(serde_json::to_value(b)),
-        Err(why) => Map::from_iter([("error".into(), Value::String(why.clone()))]),
+        Reply::Answer(Response::Done) => Map::new(),
+        Reply::Answer(Response::ShutDown) => {
+            Map::from_iter([("shutdown".into(), Value::Bool(true))])
+        }
+        Reply::Answer(Response::Status(s)) => fields(serde_json::to_value(s)),
+        Reply::Answer(Response::Snapshot(s)) => fields(serde_json::to_value(s)),
+        Reply::Answer(Response::Balloon(b)) => fields(serde_json::to_value(b)),
+        Reply::Refused(why) => Map::from_iter([("error".into(), Value::String(why.clone()))]),
     };
-    m.insert("ok".into(), Value::Bool(reply.is_ok()));
+    m.insert("ok".into(), Value::Bool(matches!(reply, Reply::Answer(_))));
     Value::Object(m).to_string()
 }
 
-/// Reads `line` as the reply to `req`: the answer, or `Ok(Err(why))` when
-/// the VM refused.
-pub fn decode(req: &Request, line: &str) -> Result<Result<Response, String>, BadReply> {
+/// Reads `line` as the reply to `req`.
+pub fn decode(req: &Request, line: &str) -> Result<Reply, BadReply> {
     let v: Value = serde_json::from_str(line).map_err(|e| BadReply(e.to_string()))?;
     match v.get("ok") {
         Some(Value::Bool(true)) => {}
         Some(Value::Bool(false)) => {
             let why = v.get("error").and_then(Value::as_str).unwrap_or("refused");
-            return Ok(Err(why.to_owned()));
+            return Ok(Reply::Refused(why.to_owned()));
         }
         _ => return Err(BadReply("no \"ok\"".into())),
     }
     fn parse<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, BadReply> {
         serde_json::from_value(v).map_err(|e| BadReply(e.to_string()))
     }
-    Ok(Ok(match req {
+    Ok(Reply::Answer(match req {
         Request::Status {} => Response::Status(parse(v)?),
         Request::Snapshot { .. } => Response::Snapshot(parse(v)?),
         Request::BalloonStats {} => Response::Balloon(parse(v)?),
@@ -188,12 +198,15 @@ mod tests {
             devices: 3,
             balloon: false,
         });
-        let line = encode(&Ok(status.clone()));
+        let line = encode(&Reply::Answer(status.clone()));
         assert_eq!(
             line,
             r#"{"balloon":false,"devices":3,"mem_bytes":67108864,"ok":true,"state":"paused","vcpus":2}"#
         );
-        assert_eq!(decode(&Request::Status {}, &line).unwrap(), Ok(status));
+        assert_eq!(
+            decode(&Request::Status {}, &line).unwrap(),
+            Reply::Answer(status)
+        );
         let written = Response::Snapshot(SnapshotWritten {
             memory_bytes: 1,
             state_bytes: 2,
@@ -202,20 +215,20 @@ mod tests {
         });
         let req = Request::Snapshot { dir: "/s".into() };
         assert_eq!(
-            decode(&req, &encode(&Ok(written.clone()))).unwrap(),
-            Ok(written)
+            decode(&req, &encode(&Reply::Answer(written.clone()))).unwrap(),
+            Reply::Answer(written)
         );
-        let shut = encode(&Ok(Response::ShutDown));
+        let shut = encode(&Reply::Answer(Response::ShutDown));
         assert_eq!(shut, r#"{"ok":true,"shutdown":true}"#);
         assert_eq!(
             decode(&Request::Shutdown {}, &shut).unwrap(),
-            Ok(Response::ShutDown)
+            Reply::Answer(Response::ShutDown)
         );
-        let no = encode(&Err("already paused".into()));
+        let no = encode(&Reply::Refused("already paused".into()));
         assert_eq!(no, r#"{"error":"already paused","ok":false}"#);
         assert_eq!(
             decode(&Request::Pause {}, &no).unwrap(),
-            Err("already paused".into())
+            Reply::Refused("already paused".into())
         );
         assert!(decode(&Request::Status {}, r#"{"ok":true}"#).is_err());
         assert!(decode(&Request::Pause {}, "nonsense").is_err());

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
-use super::{BalloonReport, Request, Response, SnapshotWritten, Status, VmState, encode};
+use super::{BalloonReport, Reply, Request, Response, SnapshotWritten, Status, VmState, encode};
 
 use crate::cleanup::TempPath;
 use ember_vmm::devices::virtio::{BalloonHandle, target_pages};
@@ -41,9 +41,37 @@ const MIB: u64 = 1 << 20;
 /// The balloon counts 4 KiB pages.
 const BALLOON_PAGE: u64 = 4096;
 
-/// Control-socket errors.
+/// Control-socket errors: binding it, and a request's refusals (whose
+/// text is the reply's `error`).
 #[derive(Debug, Error)]
 pub enum ApiError {
+    /// The request line does not parse as a [`Request`].
+    #[error("malformed request: {0}")]
+    Malformed(serde_json::Error),
+    /// The request line is longer than [`MAX_REQUEST`].
+    #[error("request too long")]
+    TooLong,
+    /// [`MAX_CLIENTS`] are connected.
+    #[error("too many clients")]
+    TooManyClients,
+    /// The VM has ended; nothing more is done.
+    #[error("the VM has ended")]
+    Ended,
+    /// A pause or resume out of order.
+    #[error(transparent)]
+    Control(#[from] ember_vmm::vstate::control::ControlError),
+    /// A snapshot directory given relative to who knows what.
+    #[error("the snapshot directory must be an absolute path")]
+    RelativeSnapshotDir,
+    /// The snapshot failed.
+    #[error(transparent)]
+    Snapshot(#[from] ember_vmm::snapshot::SnapshotError),
+    /// A balloon request to a VM without one.
+    #[error("the VM has no balloon (--balloon)")]
+    NoBalloon,
+    /// A balloon target the guest or the device cannot take.
+    #[error(transparent)]
+    BalloonTarget(#[from] ember_vmm::devices::virtio::TargetError),
     /// Something already listens on the path.
     #[error("{0} is in use by a running VM")]
     InUse(PathBuf),
@@ -160,7 +188,7 @@ impl ApiSocket {
                     let Ok(mut stream) = stream else { continue };
                     if clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
                         clients.fetch_sub(1, Ordering::SeqCst);
-                        let _ = writeln!(stream, "{}", encode(&Err("too many clients".into())));
+                        let _ = writeln!(stream, "{}", refused(ApiError::TooManyClients));
                         continue;
                     }
                     let (ctx, busy, clients) = (ctx.clone(), busy.clone(), clients.clone());
@@ -205,7 +233,7 @@ fn serve_client(stream: UnixStream, ctx: &ApiContext, busy: &Mutex<()>, limit: D
             Ok(_) => {}
         }
         if line.len() > MAX_REQUEST {
-            let _ = writeln!(out, "{}", encode(&Err("request too long".into())));
+            let _ = writeln!(out, "{}", refused(ApiError::TooLong));
             return;
         }
         // The reply's first byte goes out now: the client waits for it with
@@ -218,14 +246,18 @@ fn serve_client(stream: UnixStream, ctx: &ApiContext, busy: &Mutex<()>, limit: D
                 let _guard = busy.lock().unwrap_or_else(|p| p.into_inner());
                 handle(req, ctx)
             }
-            Err(e) => Err(format!("malformed request: {e}")),
+            Err(e) => Err(ApiError::Malformed(e)),
         };
-        let encoded = encode(&reply);
+        let shut_down = matches!(reply, Ok(Response::ShutDown));
+        let encoded = match reply {
+            Ok(answer) => encode(&Reply::Answer(answer)),
+            Err(e) => refused(e),
+        };
         if writeln!(out, "{}", encoded.strip_prefix('{').unwrap_or(&encoded)).is_err() {
             return;
         }
         // A shutdown is carried out once its reply is on its way.
-        if matches!(reply, Ok(Response::ShutDown)) {
+        if shut_down {
             ctx.machine.end.report(GuestEnd::PowerOff);
         }
     }
@@ -248,6 +280,10 @@ fn read_request(
         let buf = match reader.fill_buf() {
             Ok(buf) => buf,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            // The read timeout fired: the deadline has passed.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
             Err(e) => return Err(e),
         };
         if buf.is_empty() {
@@ -267,15 +303,13 @@ fn read_request(
 }
 
 /// Carries out one request: its answer, or why it was refused.
-pub fn handle(req: Request, ctx: &ApiContext) -> Result<Response, String> {
+pub fn handle(req: Request, ctx: &ApiContext) -> Result<Response, ApiError> {
     let control = &ctx.machine.control;
     if ctx.machine.end.is_over() {
-        return Err("the VM has ended".into());
+        return Err(ApiError::Ended);
     }
-    let done = |r: Result<(), ember_vmm::vstate::control::ControlError>| {
-        r.map(|()| Response::Done)
-            .map_err(|e| ember_vmm::error_chain(&e))
-    };
+    let done =
+        |r: Result<(), ember_vmm::vstate::control::ControlError>| Ok(r.map(|()| Response::Done)?);
     match req {
         Request::Status {} => Ok(Response::Status(Status {
             state: match control.state() {
@@ -292,10 +326,9 @@ pub fn handle(req: Request, ctx: &ApiContext) -> Result<Response, String> {
         Request::Shutdown {} => Ok(Response::ShutDown),
         Request::Snapshot { dir } => {
             if !dir.is_absolute() {
-                return Err("the snapshot directory must be an absolute path".into());
+                return Err(ApiError::RelativeSnapshotDir);
             }
-            let stats = ember_vmm::snapshot::create(&ctx.machine, &dir)
-                .map_err(|e| ember_vmm::error_chain(&e))?;
+            let stats = ember_vmm::snapshot::create(&ctx.machine, &dir)?;
             Ok(Response::Snapshot(SnapshotWritten {
                 memory_bytes: stats.memory_bytes,
                 state_bytes: stats.state_bytes,
@@ -304,15 +337,14 @@ pub fn handle(req: Request, ctx: &ApiContext) -> Result<Response, String> {
             }))
         }
         Request::Balloon { target_mib } => {
-            let b = ctx.balloon.as_ref().ok_or(NO_BALLOON)?;
+            let b = ctx.balloon.as_ref().ok_or(ApiError::NoBalloon)?;
             // Saturated, a target beyond u64 is still larger than any guest.
-            let pages = target_pages(target_mib.saturating_mul(MIB), ctx.machine.mem_size)
-                .map_err(|e| e.to_string())?;
+            let pages = target_pages(target_mib.saturating_mul(MIB), ctx.machine.mem_size)?;
             b.set_target_pages(pages);
             Ok(Response::Done)
         }
         Request::BalloonStats {} => {
-            let b = ctx.balloon.as_ref().ok_or(NO_BALLOON)?;
+            let b = ctx.balloon.as_ref().ok_or(ApiError::NoBalloon)?;
             b.request_stats();
             Ok(Response::Balloon(BalloonReport {
                 target_pages: b.target_pages(),
@@ -332,8 +364,10 @@ pub fn handle(req: Request, ctx: &ApiContext) -> Result<Response, String> {
     }
 }
 
-/// The refusal of a balloon request to a VM without one.
-const NO_BALLOON: &str = "the VM has no balloon (--balloon)";
+/// The reply line refusing a request for `why`, with its causes.
+fn refused(why: ApiError) -> String {
+    encode(&Reply::Refused(ember_vmm::error_chain(&why)))
+}
 
 #[cfg(test)]
 mod tests {

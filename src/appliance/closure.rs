@@ -41,7 +41,7 @@ pub enum ClosureError {
         /// The file.
         path: PathBuf,
         /// The reason.
-        why: String,
+        why: Unrunnable,
     },
     /// A shared library it needs is nowhere on the search path.
     #[error("`{binary}` needs `{library}`, which is not in the library search path")]
@@ -60,6 +60,42 @@ pub enum ClosureError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Why a found file cannot run in the appliance (the reason
+/// [`ClosureError::NotCarriable`] gives).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum Unrunnable {
+    /// Neither ELF nor `#!`.
+    #[error("not an ELF executable or a #! script")]
+    Unknown,
+    /// A 32-bit or broken ELF file.
+    #[error("not a 64-bit ELF file (the appliance runs x86_64 code)")]
+    Not64Bit,
+    /// Another machine's code.
+    #[error("built for another architecture (the appliance runs x86_64 code)")]
+    ForeignArch,
+    /// The program headers do not parse.
+    #[error("its program headers are corrupt")]
+    ProgramHeaders,
+    /// PT_INTERP does not parse.
+    #[error("bad PT_INTERP")]
+    Interp,
+    /// PT_DYNAMIC does not parse.
+    #[error("bad PT_DYNAMIC")]
+    Dynamic,
+    /// No DT_STRTAB.
+    #[error("its dynamic section has no string table")]
+    NoStringTable,
+    /// DT_STRTAB is in no PT_LOAD segment.
+    #[error("its string table is outside every segment")]
+    StringTableOutside,
+    /// `#!` within `#!` beyond [`MAX_SCRIPT_DEPTH`].
+    #[error("script interpreters nest too deeply")]
+    ScriptDepth,
+    /// The `#!` interpreter is not a file.
+    #[error("its script interpreter `{0}` is missing")]
+    NoInterpreter(String),
 }
 
 /// Finds `cmd` like a shell: a name with a `/` is a path, otherwise the
@@ -115,16 +151,16 @@ pub fn closure(exe: &Path) -> Result<Vec<PathBuf>, ClosureError> {
             path: path.clone(),
             source,
         })?;
-        let not = |why: String| ClosureError::NotCarriable {
+        let not = |why: Unrunnable| ClosureError::NotCarriable {
             path: path.clone(),
             why,
         };
         if let Some(interp) = shebang(&data) {
             if depth >= MAX_SCRIPT_DEPTH {
-                return Err(not("script interpreters nest too deeply".into()));
+                return Err(not(Unrunnable::ScriptDepth));
             }
             if !Path::new(&interp).is_file() {
-                return Err(not(format!("its script interpreter `{interp}` is missing")));
+                return Err(not(Unrunnable::NoInterpreter(interp)));
             }
             out.push(path);
             queue.push_back((interp.into(), depth + 1));
@@ -165,35 +201,30 @@ struct ElfDeps {
     rpath: Vec<String>,
 }
 
-fn elf_deps(data: &[u8]) -> Result<ElfDeps, String> {
+fn elf_deps(data: &[u8]) -> Result<ElfDeps, Unrunnable> {
     if !data.starts_with(b"\x7fELF") {
-        return Err("not an ELF executable or a #! script".into());
+        return Err(Unrunnable::Unknown);
     }
-    let file = ElfFile64::<Endianness>::parse(data)
-        .map_err(|_| "not a 64-bit ELF file (the appliance runs x86_64 code)".to_string())?;
+    let file = ElfFile64::<Endianness>::parse(data).map_err(|_| Unrunnable::Not64Bit)?;
     let endian = file.endian();
     let header = file.elf_header();
     if header.e_machine(endian) != elf::EM_X86_64 {
-        return Err("built for another architecture (the appliance runs x86_64 code)".into());
+        return Err(Unrunnable::ForeignArch);
     }
     let mut deps = ElfDeps::default();
     let segments = header
         .program_headers(endian, data)
-        .map_err(|_| "its program headers are corrupt".to_string())?;
+        .map_err(|_| Unrunnable::ProgramHeaders)?;
     let mut dynamic = None;
     for ph in segments {
         match ph.p_type(endian) {
             elf::PT_INTERP => {
-                let bytes = ph
-                    .data(endian, data)
-                    .map_err(|_| "bad PT_INTERP".to_string())?;
+                let bytes = ph.data(endian, data).map_err(|_| Unrunnable::Interp)?;
                 let s = bytes.split(|&b| b == 0).next().unwrap_or(&[]);
                 deps.interp = Some(String::from_utf8_lossy(s).into_owned());
             }
             elf::PT_DYNAMIC => {
-                dynamic = ph
-                    .dynamic(endian, data)
-                    .map_err(|_| "bad PT_DYNAMIC".to_string())?;
+                dynamic = ph.dynamic(endian, data).map_err(|_| Unrunnable::Dynamic)?;
             }
             _ => {}
         }
@@ -206,7 +237,7 @@ fn elf_deps(data: &[u8]) -> Result<ElfDeps, String> {
         .iter()
         .find(|d| d.d_tag(endian) == elf::DT_STRTAB)
         .map(|d| d.d_val(endian))
-        .ok_or("its dynamic section has no string table")?;
+        .ok_or(Unrunnable::NoStringTable)?;
     let strtab_off = segments
         .iter()
         .filter(|ph| ph.p_type(endian) == elf::PT_LOAD)
@@ -215,7 +246,7 @@ fn elf_deps(data: &[u8]) -> Result<ElfDeps, String> {
             (strtab_addr >= va && strtab_addr < va + sz)
                 .then(|| ph.p_offset(endian) + (strtab_addr - va))
         })
-        .ok_or("its string table is outside every segment")? as usize;
+        .ok_or(Unrunnable::StringTableOutside)? as usize;
     let string = |off: u64| -> Option<String> {
         let s = data.get(strtab_off + off as usize..)?;
         let end = s.iter().position(|&b| b == 0)?;
@@ -349,10 +380,6 @@ mod tests {
         }
         let mut fake = fs::read("/bin/true").unwrap();
         fake[18] = 0x28; // EM_ARM
-        assert!(
-            elf_deps(&fake)
-                .unwrap_err()
-                .contains("another architecture")
-        );
+        assert_eq!(elf_deps(&fake).unwrap_err(), Unrunnable::ForeignArch);
     }
 }

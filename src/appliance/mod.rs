@@ -173,7 +173,7 @@ mod tests {
         assert_eq!(nf.exit_code(), EXIT_NOT_FOUND);
         let nc = ApplianceError::Closure(closure::ClosureError::NotCarriable {
             path: "/x".into(),
-            why: "y".into(),
+            why: closure::Unrunnable::Unknown,
         });
         assert_eq!(nc.exit_code(), EXIT_CANNOT_RUN);
         assert_eq!(ApplianceError::NoInit.exit_code(), EXIT_APPLIANCE);
