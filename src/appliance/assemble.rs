@@ -1,8 +1,10 @@
 //! The appliance's files: the kernel and its modules, ember-init, the
 //! command with everything it needs, written (or found in the cache) as an
-//! initramfs.
+//! initramfs; and `ember setup`, which fetches and checks the first three.
 
-use super::{ApplianceError, builder, cache, closure, find_init, kernel, modules, rig, userland};
+use super::cli::SetupArgs;
+use super::error::ApplianceError;
+use super::{builder, cache, closure, kernel, modules, rig, userland};
 use crate::backend::{self, GuestSpec};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -278,6 +280,42 @@ pub(super) fn module_groups(
 /// Keeps the modules of `groups` only.
 fn carry_only(mods: &mut Vec<modules::GroupedModule>, groups: &[String]) {
     mods.retain(|m| groups.contains(&m.group));
+}
+
+/// Runs `ember setup`; returns the exit status.
+pub fn setup(args: SetupArgs) -> anyhow::Result<i32> {
+    let cache = kernel::cache_dir()?;
+    let k = kernel::setup(&cache, args.kernel.as_deref())?;
+    if let Some(dir) = &k.modules {
+        let mods = modules::ModuleTree::open(dir)?
+            .resolve(modules::APPLIANCE_MODULES, modules::BLACKLIST)?;
+        eprintln!("ember setup: {} appliance modules available", mods.len());
+    }
+    match find_init() {
+        Ok(p) => eprintln!("ember setup: guest init {}", p.display()),
+        Err(e) => eprintln!("ember setup: warning: {e}"),
+    }
+    Ok(0)
+}
+
+/// Where ember-init is: `$EMBER_INIT`, else next to the running ember (or in
+/// the cargo target directory it was built in).
+pub fn find_init() -> Result<PathBuf, ApplianceError> {
+    if let Some(p) = std::env::var_os("EMBER_INIT") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().map_err(|_| ApplianceError::NoInit)?;
+    let dir = exe.parent().ok_or(ApplianceError::NoInit)?;
+    [
+        "ember-init",
+        "../ember-init",
+        "../release/ember-init",
+        "../../release/ember-init",
+    ]
+    .iter()
+    .map(|c| dir.join(c))
+    .find(|p| p.is_file())
+    .ok_or(ApplianceError::NoInit)
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! `ember run` and `ember setup` as the user writes them: their arguments,
 //! and the values checked and derived from them before anything is built.
 
-use super::{ApplianceError, kernel};
+use super::error::ApplianceError;
+use super::kernel;
 use crate::backend;
 use clap::Args;
 use std::path::{Path, PathBuf};
@@ -116,6 +117,11 @@ pub struct SetupArgs {
     pub kernel: Option<PathBuf>,
 }
 
+/// Parses `256M`, `1G`, `512K` or bytes (the VMM's size syntax) into MiB.
+pub fn parse_mem_mib(s: &str) -> Result<u64, ApplianceError> {
+    backend::parse_mem_mib(s).map_err(|e| ApplianceError::BadArg(format!("bad --mem: {e}")))
+}
+
 /// `--timeout` as a duration.
 pub(super) fn timeout(args: &RunArgs) -> Result<Option<Duration>, ApplianceError> {
     match args.timeout {
@@ -201,5 +207,16 @@ mod tests {
         assert!(e.contains(&"A=b=c".to_string()));
         assert!(environment(&["novalue".into()]).is_err());
         assert!(environment(&["=v".into()]).is_err());
+    }
+
+    #[test]
+    fn mem_sizes() {
+        assert_eq!(parse_mem_mib("256M").unwrap(), 256);
+        assert_eq!(parse_mem_mib("1g").unwrap(), 1024);
+        assert_eq!(parse_mem_mib("524288K").unwrap(), 512);
+        assert_eq!(parse_mem_mib("1048576").unwrap(), 1);
+        for bad in ["", "M", "12Q", "-1M", "0", "99999999999999G"] {
+            assert!(parse_mem_mib(bad).is_err(), "{bad}");
+        }
     }
 }

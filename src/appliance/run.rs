@@ -2,14 +2,13 @@
 //! it ready for that, running the command in it and turning how it ended
 //! into an exit status.
 
-use super::assemble::{Assembled, Extras, module_groups, write_appliance};
+use super::assemble::{Assembled, Extras, assemble, module_groups, write_appliance};
 use super::cli::{self, RunArgs};
-use super::{
-    ApplianceError, EXIT_APPLIANCE, EXIT_BROKEN_PIPE, EXIT_TIMEOUT, assemble, builder, cache, host,
-    kernel, rig, userland, warm,
-};
+use super::error::{ApplianceError, EXIT_APPLIANCE, EXIT_BROKEN_PIPE};
+use super::{builder, cache, host, kernel, rig, userland, warm};
 use crate::backend::{self, Backend, ChannelKind, GuestSpec};
 use crate::cleanup::TempPath;
+use crate::exit::EXIT_TIMEOUT;
 use ember_vmm::error_chain;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -98,6 +97,18 @@ impl Plan {
         .into_iter()
         .find_map(|(cold, why)| cold.then_some(Plan::ColdBoot { why }))
         .unwrap_or(Plan::Snapshot)
+    }
+}
+
+/// Runs `ember run [OPTIONS] -- CMD…`; returns the command's exit status.
+/// Errors are printed here so each gets its own exit status.
+pub fn run_command(args: &RunArgs) -> anyhow::Result<i32> {
+    match run(args) {
+        Ok(code) => Ok(code),
+        Err(e) => {
+            eprintln!("ember: {}", error_chain(&e));
+            Ok(e.exit_code())
+        }
     }
 }
 

@@ -69,7 +69,7 @@ impl Busybox {
     /// Adds busybox (with its closure), the empty [`APPLET_DIR`] and the
     /// list ([`applets::LIST`]) from which ember-init makes one symlink per
     /// applet there at boot.
-    pub fn add_to(&self, tree: &mut Tree) -> Result<(), super::ApplianceError> {
+    pub fn add_to(&self, tree: &mut Tree) -> Result<(), super::error::ApplianceError> {
         for f in closure::closure(&self.path)? {
             tree.add_host_path(&f)?;
         }
