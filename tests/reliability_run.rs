@@ -18,6 +18,9 @@
 //! loudly without it, as the other PVM tests do. Every child runs in its own
 //! process group, killed when a bounded wait runs out, and every file a test
 //! makes is in a scratch directory removed however the test ends.
+//!
+//! Each test fails on 4e6807d and is ignored until its item's fix lands:
+//! `cargo test --test reliability_run -- --include-ignored` runs them.
 
 mod common;
 
@@ -141,11 +144,25 @@ impl Proc {
         self.child.id() as i32
     }
 
+    /// Kills the child's process group and every descendant (the boot lab
+    /// puts its VMM in a group of its own, without a parent-death signal).
     fn kill_group(&mut self) {
         if matches!(self.child.try_wait(), Ok(None)) {
+            let mut all = vec![self.pid()];
+            let mut i = 0;
+            while i < all.len() {
+                all.extend(children_of(all[i]));
+                i += 1;
+            }
             // SAFETY: kill() on our own child's process group (the child
-            // leads it and is not reaped yet, so the id is not reused).
-            unsafe { libc::kill(-self.pid(), libc::SIGKILL) };
+            // leads it and is not reaped yet, so the id is not reused) and
+            // on its descendants, found while it still lives.
+            unsafe {
+                libc::kill(-self.pid(), libc::SIGKILL);
+                for &p in &all[1..] {
+                    libc::kill(p, libc::SIGKILL);
+                }
+            }
         }
         let _ = self.child.wait();
     }
@@ -251,6 +268,7 @@ fn assert_fails_in_one_line(done: &Done, reason: &str) {
 // ---------------------------------------------------------------- item 1
 
 #[test]
+#[ignore = "issue 22 item 1: fails on 4e6807d; un-ignore with its fix"]
 fn item1_stdout_on_dev_full_fails_the_run_in_one_line() {
     let full = std::fs::OpenOptions::new()
         .write(true)
@@ -299,6 +317,7 @@ impl Drop for Tmpfs {
 }
 
 #[test]
+#[ignore = "issue 22 item 1: fails on 4e6807d; un-ignore with its fix"]
 fn item1_stdout_on_a_full_tmpfs_fails_the_run_in_one_line() {
     let test = "item1_stdout_on_a_full_tmpfs_fails_the_run_in_one_line";
     let scratch = Scratch::new("rel-tmpfs");
@@ -363,11 +382,13 @@ fn assert_a_closed_pipe_ends_the_run(mut ember_run: Command, boot_limit: Duratio
 }
 
 #[test]
+#[ignore = "issue 22 item 1: fails on 4e6807d; un-ignore with its fix"]
 fn item1_a_closed_pipe_ends_the_run_with_141_on_qemu() {
     assert_a_closed_pipe_ends_the_run(run_qemu(120), secs(90));
 }
 
 #[test]
+#[ignore = "issue 22 item 1: fails on 4e6807d; un-ignore with its fix"]
 fn item1_a_closed_pipe_ends_the_run_with_141_on_ember() {
     let Some(pvm) = Pvm::find("item1_a_closed_pipe_ends_the_run_with_141_on_ember") else {
         return;
@@ -519,11 +540,13 @@ fn assert_a_stopped_reader_loses_nothing(mut ember_run: Command, limit: Duration
 }
 
 #[test]
+#[ignore = "issue 22 item 2: fails on 4e6807d; un-ignore with its fix"]
 fn item2_a_stopped_reader_loses_no_output_on_qemu() {
     assert_a_stopped_reader_loses_nothing(run_qemu(150), secs(170));
 }
 
 #[test]
+#[ignore = "issue 22 item 2: fails on 4e6807d; un-ignore with its fix"]
 fn item2_a_stopped_reader_loses_no_output_on_ember() {
     let Some(pvm) = Pvm::find("item2_a_stopped_reader_loses_no_output_on_ember") else {
         return;
@@ -684,12 +707,14 @@ fn assert_signals_leave_nothing(scratch: &Scratch, mut ember_run: impl FnMut() -
 }
 
 #[test]
+#[ignore = "issue 22 item 4: fails on 4e6807d; un-ignore with its fix"]
 fn item4_signals_leave_no_temp_file_or_qemu_behind() {
     let scratch = Scratch::new("rel-signals-qemu");
     assert_signals_leave_nothing(&scratch, || run_qemu(120));
 }
 
 #[test]
+#[ignore = "issue 22 item 4: fails on 4e6807d; un-ignore with its fix"]
 fn item4_signals_leave_no_per_run_image_behind_on_ember() {
     let Some(pvm) = Pvm::find("item4_signals_leave_no_per_run_image_behind_on_ember") else {
         return;
@@ -718,6 +743,7 @@ fn private_cache(scratch: &Scratch) -> PathBuf {
 }
 
 #[test]
+#[ignore = "issue 22 item 5: fails on 4e6807d; un-ignore with its fix"]
 fn item5_a_one_byte_cache_evicts_no_appliance_a_run_boots() {
     let scratch = Scratch::new("rel-cache-max");
     let cache = private_cache(&scratch);
@@ -783,6 +809,7 @@ fn snapshots(cache: &Path) -> Vec<PathBuf> {
 }
 
 #[test]
+#[ignore = "issue 22 item 6: fails on 4e6807d; un-ignore with its fix"]
 fn item6_a_truncated_snapshot_is_rebuilt() {
     let Some(pvm) = Pvm::find("item6_a_truncated_snapshot_is_rebuilt") else {
         return;
@@ -842,6 +869,7 @@ fn lab_out_of_the_box(lab: &str) -> Done {
 }
 
 #[test]
+#[ignore = "issue 22 item 12: fails on 4e6807d; un-ignore with its fix"]
 fn item12_bench_and_analyze_reach_userspace_without_an_initrd() {
     let mut problems = Vec::new();
     for lab in ["analyze", "bench"] {
@@ -876,6 +904,7 @@ fn item12_bench_and_analyze_reach_userspace_without_an_initrd() {
 }
 
 #[test]
+#[ignore = "issue 22 item 12: fails on 4e6807d; un-ignore with its fix"]
 fn item12_a_panicking_guest_ends_its_boot_at_once() {
     let scratch = Scratch::new("rel-panic");
     // An initramfs with no /init: with no root= either, the kernel panics
@@ -894,7 +923,7 @@ fn item12_a_panicking_guest_ends_its_boot_at_once() {
             .arg(&initrd)
             .args(["--cmdline", "console=ttyS0"])
             .stdout(Stdio::piped()),
-        secs(40),
+        secs(30),
     );
     let took = start.elapsed();
     eprintln!("the panicking boot took {:.1} s", took.as_secs_f64());
