@@ -21,8 +21,9 @@
 //! process group, killed when a bounded wait runs out, and every file a test
 //! makes is in a scratch directory removed however the test ends.
 //!
-//! Each test fails on 4e6807d and is ignored until its item's fix lands:
-//! `cargo test --test reliability_run -- --include-ignored` runs them.
+//! Each test failed on 4e6807d (but the ember backend's slow-reader guard)
+//! and is ignored until its item's fix lands (items 1 and 2's have: ef74e9d);
+//! `cargo test --test reliability_run -- --include-ignored` runs them all.
 
 mod common;
 
@@ -296,7 +297,6 @@ fn assert_fails_in_one_line(done: &Done, reason: &str) {
 // ---------------------------------------------------------------- item 1
 
 #[test]
-#[ignore = "issue 22 item 1: fails on 4e6807d; un-ignore with its fix"]
 fn item1_stdout_on_dev_full_fails_the_run_in_one_line() {
     let full = std::fs::OpenOptions::new()
         .write(true)
@@ -345,7 +345,6 @@ impl Drop for Tmpfs {
 }
 
 #[test]
-#[ignore = "issue 22 item 1: fails on 4e6807d; un-ignore with its fix"]
 fn item1_stdout_on_a_full_tmpfs_fails_the_run_in_one_line() {
     let test = "item1_stdout_on_a_full_tmpfs_fails_the_run_in_one_line";
     let scratch = Scratch::new("rel-tmpfs");
@@ -410,13 +409,11 @@ fn assert_a_closed_pipe_ends_the_run(mut ember_run: Command, boot_limit: Duratio
 }
 
 #[test]
-#[ignore = "issue 22 item 1: fails on 4e6807d; un-ignore with its fix"]
 fn item1_a_closed_pipe_ends_the_run_with_141_on_qemu() {
     assert_a_closed_pipe_ends_the_run(run_qemu(120), secs(90));
 }
 
 #[test]
-#[ignore = "issue 22 item 1: fails on 4e6807d; un-ignore with its fix"]
 fn item1_a_closed_pipe_ends_the_run_with_141_on_ember() {
     let Some(pvm) = Pvm::find("item1_a_closed_pipe_ends_the_run_with_141_on_ember") else {
         return;
@@ -569,7 +566,6 @@ fn assert_a_stopped_reader_loses_nothing(
 }
 
 #[test]
-#[ignore = "issue 22 item 2: fails on 4e6807d; un-ignore with its fix"]
 fn item2_a_stopped_reader_loses_no_output_on_qemu() {
     // 105 888 897 bytes, the reader stopped after 1 MiB.
     assert_a_stopped_reader_loses_nothing(run_qemu(150), 13_000_000, 1 << 20, secs(170));
