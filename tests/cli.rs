@@ -257,9 +257,14 @@ fn variables_read() -> Vec<String> {
     while let Some(d) = dirs.pop() {
         for e in std::fs::read_dir(&d).unwrap().flatten() {
             let p = e.path();
+            // Test modules (`tests.rs`, `tests/`) read variables that only
+            // the test harness sets.
+            let is_tests = p.file_stem().is_some_and(|n| n == "tests");
             if p.is_dir() {
-                dirs.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs") {
+                if !is_tests {
+                    dirs.push(p);
+                }
+            } else if p.extension().is_some_and(|x| x == "rs") && !is_tests {
                 let src = std::fs::read_to_string(&p).unwrap();
                 // Unit tests sit at the end of a file, after `mod tests`.
                 let code = src.split("#[cfg(test)]\nmod tests").next().unwrap();

@@ -583,7 +583,6 @@ fn ignoring_hup_and_int(cmd: &mut Command) {
 /// `nohup ember boot … --api-socket P &`: the ignored SIGHUP (and SIGINT)
 /// stays ignored, so the VM survives both.
 #[test]
-#[ignore = "issue 22 item 7: fails on 4e6807d; un-ignore with its fix"]
 fn boot_started_with_sighup_ignored_survives_sighup() {
     if !require_kvm("nohup_boot") {
         return;
@@ -614,7 +613,6 @@ fn boot_started_with_sighup_ignored_survives_sighup() {
 
 /// `nohup ember run … &`: the same for the appliance.
 #[test]
-#[ignore = "issue 22 item 7: fails on 4e6807d; un-ignore with its fix"]
 fn run_started_with_sighup_ignored_survives_sighup() {
     let mut cmd = ember();
     cmd.args([
@@ -796,7 +794,6 @@ fn a_balloon_target_beyond_memory_is_refused_at_start() {
 /// hold every slot; with a 2 s request limit `ember ctl shutdown` still gets
 /// through within 15 s.
 #[test]
-#[ignore = "issue 22 item 10: fails on 4e6807d; un-ignore with its fix"]
 fn trickling_clients_do_not_lock_out_shutdown() {
     if !require_kvm("api_trickle") {
         return;
@@ -902,7 +899,6 @@ impl Drop for Silent {
 /// `ember ctl` and `ember snapshot` give up on a socket that never answers
 /// (EMBER_CTL_TIMEOUT=2: well within 10 s), saying so in one line.
 #[test]
-#[ignore = "issue 22 item 10: fails on 4e6807d; un-ignore with its fix"]
 fn ctl_and_snapshot_time_out_on_a_silent_socket() {
     let dir = Scratch::new("rel-silent");
     let silent = Silent::listen(dir.path("silent.sock"));
