@@ -3,13 +3,10 @@
 use ember::appliance::builder::{Entry, Tree, build_cached};
 use ember::appliance::closure::{GUEST_PATH, closure, find_command};
 use ember::appliance::protocol::{Decoder, Kind, encode, exit_code};
-use std::path::PathBuf;
 
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ember-api-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A scratch directory, removed when the test ends (passed or not).
+fn scratch(name: &str) -> ember_testing::TempDir {
+    ember_testing::TempDir::new(&format!("api-{name}"))
 }
 
 #[test]

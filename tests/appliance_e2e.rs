@@ -288,8 +288,7 @@ fn nested_kvm_refuses_the_ember_backend_in_one_line() {
 #[test]
 fn nested_kvm_refuses_a_kernel_without_kvm_amd_in_one_line() {
     // A kernel whose modules cannot be found (no kvm-amd to load).
-    let dir = std::env::temp_dir().join(format!("ember-nested-nomod-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ember_testing::TempDir::new("nested-nomod");
     let k = dir.join("vmlinux-0.0.0-nomodules");
     let _ = std::fs::remove_file(&k);
     std::os::unix::fs::symlink(dirs_kernel(), &k).unwrap();
@@ -349,8 +348,7 @@ fn rootfs_runs_the_command_from_that_tree() {
         .map(PathBuf::from)
         .find(|p| p.is_file())
         .expect("busybox-static is needed for the --rootfs test");
-    let root = std::env::temp_dir().join(format!("ember-e2e-rootfs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
+    let root = ember_testing::TempDir::new("e2e-rootfs");
     std::fs::create_dir_all(root.join("bin")).unwrap();
     std::fs::copy(&busybox, root.join("bin/busybox")).unwrap();
     std::os::unix::fs::symlink("busybox", root.join("bin/sh")).unwrap();
@@ -406,8 +404,7 @@ fn killing_ember_kills_its_vmm() {
 fn a_kernel_without_the_needed_modules_is_refused() {
     // A private cache whose kernel "9.9.9-nomods" has a modules tree that
     // lacks every virtio driver.
-    let cache = std::env::temp_dir().join(format!("ember-e2e-nomods-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&cache);
+    let cache = ember_testing::TempDir::new("e2e-nomods");
     let ver = "9.9.9-nomods";
     let mods = cache.join("kernel").join(ver).join("lib/modules").join(ver);
     std::fs::create_dir_all(&mods).unwrap();
@@ -431,7 +428,7 @@ fn a_kernel_without_the_needed_modules_is_refused() {
 fn the_vmm_devices_reach_the_command() {
     // --disk with serial=, --rng and --balloon are honoured, not dropped:
     // the guest sees the serial, the virtio-rng and the balloon's driver.
-    let img = std::env::temp_dir().join(format!("ember-e2e-dev-{}.img", std::process::id()));
+    let img = ember_testing::TempFile::new("e2e-dev", "e2e-dev.img");
     std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
     let disk = format!("{},serial=embertest,direct", img.display());
     let out = run(
@@ -489,7 +486,7 @@ fn a_shell_script_finds_the_busybox_userland() {
 fn pmem_on_q35_is_the_file() {
     // --pmem is a virtio-pmem-pci memory device on QEMU: the command reads
     // the file's bytes through /dev/pmem0 and its write reaches the file.
-    let img = std::env::temp_dir().join(format!("ember-e2e-pmem-{}.img", std::process::id()));
+    let img = ember_testing::TempFile::new("e2e-pmem", "e2e-pmem.img");
     let mut data = vec![0u8; 4 << 20];
     data[..12].copy_from_slice(b"EMBER-PMEM-1");
     std::fs::write(&img, &data).unwrap();

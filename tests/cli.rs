@@ -321,8 +321,7 @@ fn completions_and_man_page_come_from_the_cli() {
             "{want} missing from the bash completions"
         );
     }
-    let dir = std::env::temp_dir().join(format!("ember-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ember_testing::TempDir::new("cli");
     let file = dir.join("ember.bash");
     std::fs::write(&file, &script).unwrap();
     let check = Command::new("bash").arg("-n").arg(&file).output().unwrap();

@@ -30,8 +30,7 @@ fn advise_names_the_known_costs_and_verify_measures_them() {
         "the initcall → config symbol map needs the kernel source: \
          scripts/install-deps installs linux-source-6.1"
     );
-    let dir = std::env::temp_dir().join(format!("ember-doctor-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ember_testing::TempDir::new("doctor");
     let html = dir.join("t.html");
     let out = Command::new(env!("CARGO_BIN_EXE_ember"))
         .args([

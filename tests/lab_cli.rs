@@ -6,11 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ember-lab-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A scratch directory, removed when the test ends (passed or not).
+fn scratch(name: &str) -> ember_testing::TempDir {
+    ember_testing::TempDir::new(&format!("lab-cli-{name}"))
 }
 
 /// A stand-in VMM: prints a short Linux-like boot, sleeping `delay` seconds in

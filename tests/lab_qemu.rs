@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
 
 fn ember(args: &[&str]) -> Output {
@@ -57,8 +56,7 @@ fn bench_boots_linux_to_userspace_and_back() {
 
 #[test]
 fn analyze_finds_initcalls_and_draws_the_timeline() {
-    let dir: PathBuf = std::env::temp_dir().join(format!("ember-lab-qemu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ember_testing::TempDir::new("lab-qemu");
     let (svg, html) = (dir.join("t.svg"), dir.join("t.html"));
     let out = ember(&[
         "analyze",

@@ -96,8 +96,8 @@ fn reader(master: &File) -> std::sync::Arc<std::sync::Mutex<Vec<u8>>> {
     seen
 }
 
-fn guest() -> std::path::PathBuf {
-    let p = std::env::temp_dir().join(format!("ember-echo-guest-{}.elf", std::process::id()));
+fn guest() -> ember_testing::TempFile {
+    let p = ember_testing::TempFile::new("echo-guest", "echo-guest.elf");
     std::fs::write(&p, ember_testing::static_elf(0x10_0000, &ECHO_GUEST)).unwrap();
     p
 }

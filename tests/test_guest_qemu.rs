@@ -5,7 +5,7 @@
 //! isa-debugcon on port 0x80 that records the boot marks.
 
 use ember_testing::{GUEST_EXIT_ERROR, as_bzimage, test_guest};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -21,10 +21,9 @@ struct Run {
     marks: Vec<u8>,
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ember-guest-qemu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// A scratch file's path, in a directory removed when the test ends.
+fn scratch(name: &str) -> ember_testing::TempFile {
+    ember_testing::TempFile::new("guest-qemu", name)
 }
 
 /// isa-debug-exit turns the guest's `exit=N` into QEMU status (N << 1) | 1.
@@ -102,7 +101,7 @@ fn tcg(kernel: &Path, cmdline: &str) -> Run {
     run_with(kernel, cmdline, &["-accel", "tcg"], &[])
 }
 
-fn bzimage() -> PathBuf {
+fn bzimage() -> ember_testing::TempFile {
     let out = scratch("guest.bzImage");
     as_bzimage(&test_guest().unwrap(), &out).unwrap();
     out
@@ -234,7 +233,7 @@ fn pvh_elf_runs_under_kvm() {
 }
 
 /// A raw disk of `mib` MiB, zero-filled, for `-device virtio-blk-device`.
-fn disk(mib: u64) -> PathBuf {
+fn disk(mib: u64) -> ember_testing::TempFile {
     let path = scratch(&format!("disk-{}.raw", unique()));
     let file = std::fs::File::create(&path).unwrap();
     file.set_len(mib << 20).unwrap();

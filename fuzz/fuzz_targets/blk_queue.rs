@@ -12,23 +12,26 @@ use ember_vmm::devices::virtio::VirtioInterrupt;
 use ember_vmm::devices::virtio::block::{BlockHandler, DiskParams, EngineKind};
 use libfuzzer_sys::fuzz_target;
 
-/// A 64 KiB scratch disk shared by all runs.
-fn disk() -> &'static std::path::Path {
-    static PATH: OnceLock<std::path::PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
+/// A 64 KiB scratch disk shared by all runs, unlinked once open (nothing
+/// is left behind however the fuzzer ends).
+fn disk() -> &'static std::fs::File {
+    static FILE: OnceLock<std::fs::File> = OnceLock::new();
+    FILE.get_or_init(|| {
         let p = std::env::temp_dir().join(format!("ember-fuzz-disk-{}", std::process::id()));
         std::fs::write(&p, vec![0u8; 0x1_0000]).unwrap();
-        p
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&p)
+            .unwrap();
+        let _ = std::fs::remove_file(&p);
+        f
     })
 }
 
 fuzz_target!(|data: &[u8]| {
     let mem = common::memory(data);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(disk())
-        .unwrap();
+    let file = disk().try_clone().unwrap();
     let irq = VirtioInterrupt::new(Arc::new(CountingInterrupt::default()));
     let mut handler = BlockHandler::open(
         mem,

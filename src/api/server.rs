@@ -374,11 +374,8 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
-    fn scratch(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("ember-api-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    fn scratch(name: &str) -> ember_testing::TempDir {
+        ember_testing::TempDir::new(&format!("api-{name}"))
     }
 
     fn entries(dir: &Path) -> Vec<String> {
@@ -412,8 +409,8 @@ mod tests {
     /// would not is still bound (directly).
     #[test]
     fn a_path_too_long_for_the_temporary_name_is_bound_directly() {
-        let mut dir = scratch("long");
-        let base = dir.clone();
+        let base = scratch("long");
+        let mut dir = base.to_path_buf();
         // 107 bytes is the longest path a socket address holds.
         while dir.as_os_str().len() + "/a".len() < 100 {
             dir.push("d");
@@ -425,7 +422,6 @@ mod tests {
         UnixStream::connect(&path).unwrap();
         assert_eq!(entries(&dir), ["a"]);
         drop(s);
-        std::fs::remove_dir_all(&base).unwrap();
     }
 
     /// The request limit counts from the start: a client that trickles a

@@ -255,11 +255,8 @@ mod tests {
     use std::os::unix::fs::MetadataExt;
     use std::time::Duration;
 
-    fn scratch(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("ember-cache-{name}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&d);
-        fs::create_dir_all(&d).unwrap();
-        d
+    fn scratch(name: &str) -> ember_testing::TempDir {
+        ember_testing::TempDir::new(&format!("cache-{name}"))
     }
 
     #[test]

@@ -38,11 +38,8 @@ pub use error::{
 };
 pub use run::run_command;
 
-/// A fresh per-test scratch directory under the target directory.
+/// A fresh per-test scratch directory, removed when the test ends.
 #[cfg(test)]
-pub(crate) fn test_dir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("ember-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+pub(crate) fn test_dir(name: &str) -> ember_testing::TempDir {
+    ember_testing::TempDir::new(&format!("test-{name}"))
 }

@@ -559,8 +559,7 @@ mod tests {
 
     #[test]
     fn pmem_is_a_virtio_pmem_pci_memory_device() {
-        let dir = std::env::temp_dir().join(format!("ember-qemu-pmem-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = ember_testing::TempDir::new("qemu-pmem");
         let (a, b) = (dir.join("a.img"), dir.join("b.img"));
         std::fs::File::create(&a).unwrap().set_len(4 << 20).unwrap();
         std::fs::File::create(&b).unwrap().set_len(2 << 20).unwrap();

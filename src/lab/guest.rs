@@ -35,6 +35,9 @@ pub enum GuestError {
         #[source]
         source: std::io::Error,
     },
+    /// ember's cache directory cannot be found.
+    #[error("the busybox initramfs: {0}")]
+    Cache(String),
     /// Writing the archive failed.
     #[error("cannot write the initramfs {path}")]
     Write {
@@ -73,10 +76,18 @@ pub fn write_busybox_initramfs(out: &Path, busybox: &Path) -> Result<(), GuestEr
     std::io::Write::flush(&mut buf).map_err(|e| write(InitramfsError::Io(e)))
 }
 
-/// The busybox initramfs, built once into the temp directory (written under
-/// a private name and renamed, so concurrent lab runs never see half a file).
+/// The busybox initramfs, built once into ember's cache (written under a
+/// private name and renamed, so concurrent lab runs never see half a file;
+/// the cache, not the temp directory, so nothing is left in a shared place).
 pub fn busybox_initramfs() -> Result<PathBuf, GuestError> {
-    let path = std::env::temp_dir().join("ember-lab-busybox.cpio");
+    let dir = crate::appliance::kernel::cache_dir()
+        .map_err(|e| GuestError::Cache(e.to_string()))?
+        .join("lab");
+    std::fs::create_dir_all(&dir).map_err(|e| GuestError::Write {
+        path: dir.clone(),
+        source: InitramfsError::Io(e),
+    })?;
+    let path = dir.join("busybox.cpio");
     if !path.is_file() {
         let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
         write_busybox_initramfs(&tmp, Path::new(DEFAULT_BUSYBOX))?;
@@ -94,8 +105,7 @@ mod tests {
 
     #[test]
     fn archive_holds_init_and_busybox() {
-        let dir = std::env::temp_dir().join(format!("ember-lab-guest-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = ember_testing::TempDir::new("lab-guest-test");
         let fake = dir.join("busybox");
         std::fs::write(&fake, b"\x7fELF not really").unwrap();
         let out = dir.join("i.cpio");

@@ -538,6 +538,97 @@ pub fn skip(test: &str, why: &str) {
     let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
+/// A private temporary directory, `$TMPDIR/ember-NAME-PID-N` (0700), removed
+/// with everything in it when dropped: when its test passes and when it
+/// panics, so a suite leaves nothing behind (`scripts/check-tmp`).
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// A fresh directory named after `name`; panics if it cannot be made
+    /// (a test cannot run without it).
+    pub fn new(name: &str) -> TempDir {
+        use std::os::unix::fs::DirBuilderExt;
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("ember-{name}-{}-{n}", std::process::id()));
+        // A leftover of an earlier process with this pid.
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        TempDir(dir)
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TempDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A path `file` in a [`TempDir`] of its own, removed with it at drop.
+#[derive(Debug)]
+pub struct TempFile {
+    path: PathBuf,
+    _dir: TempDir,
+}
+
+impl TempFile {
+    /// `$TMPDIR/ember-NAME-PID-N/FILE` (nothing is created at that path).
+    pub fn new(name: &str, file: &str) -> TempFile {
+        let dir = TempDir::new(name);
+        TempFile {
+            path: dir.join(file),
+            _dir: dir,
+        }
+    }
+}
+
+impl std::ops::Deref for TempFile {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for TempFile {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TempFile {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.path.as_os_str()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -559,10 +650,8 @@ mod tests {
         code
     }
 
-    fn tmp(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("ember-testing-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir.join(name)
+    fn tmp(name: &str) -> TempFile {
+        TempFile::new("testing", name)
     }
 
     #[test]

@@ -76,8 +76,7 @@ mod tests {
 
     #[test]
     fn a_fifo_a_directory_and_a_character_device_are_refused_at_once() {
-        let dir = std::env::temp_dir().join(format!("ember-files-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = ember_testing::TempDir::new("files");
         let fifo = dir.join("fifo");
         let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
         // SAFETY: a valid NUL-terminated path.

@@ -218,14 +218,8 @@ fn rng_fills_a_buffer_after_an_eventfd_kick() {
     assert_eq!(d.read(STATUS), 0);
 }
 
-fn disk_image(sectors: usize) -> std::path::PathBuf {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let path = std::env::temp_dir().join(format!(
-        "ember-virtio-api-{}-{}.img",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    ));
+fn disk_image(sectors: usize) -> ember_testing::TempFile {
+    let path = ember_testing::TempFile::new("virtio-api", "disk.img");
     let data: Vec<u8> = (0..sectors * 512).map(|i| (i / 512) as u8).collect();
     std::fs::write(&path, data).unwrap();
     path

@@ -107,7 +107,7 @@ fn summary(v: &[f64]) -> (f64, f64, f64) {
 #[test]
 #[ignore = "benchmark: run with --ignored --nocapture"]
 fn blk_engines_4k_random() {
-    let path = std::env::temp_dir().join(format!("ember-blk-bench-{}.img", std::process::id()));
+    let path = ember_testing::TempFile::new("blk-bench", "disk.img");
     std::fs::write(&path, vec![1u8; DISK_BYTES]).unwrap();
     println!(
         "virtio-blk, 4 KiB random requests, {} per batch, {BATCHES} batches",

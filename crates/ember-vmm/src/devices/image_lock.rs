@@ -57,7 +57,8 @@ mod tests {
 
     #[test]
     fn one_writer_or_many_readers() {
-        let path = std::env::temp_dir().join(format!("ember-lock-{}", std::process::id()));
+        let tmp = ember_testing::TempDir::new("lock");
+        let path = tmp.join("image");
         std::fs::write(&path, [0u8; 512]).unwrap();
         // Two opens in one process: OFD locks conflict between open files, not processes.
         let w = open(&path, true);

@@ -191,8 +191,7 @@ mod tests {
 
     #[test]
     fn written_memory_maps_back_sparse_and_private() {
-        let dir = std::env::temp_dir().join(format!("ember-snapmem-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = ember_testing::TempDir::new("snapmem");
         let path = dir.join("memory");
         let mem = crate::vstate::memory::create(16 << 20).unwrap();
         mem.write_obj(0xdead_beef_u32, GuestAddress(0x1000))

@@ -255,9 +255,7 @@ fn every_truncation_is_refused() {
 /// a damaged or hostile one cannot make ember allocate its size.
 #[test]
 fn a_huge_state_file_is_refused_unread() {
-    let dir = std::env::temp_dir().join(format!("ember-snap-huge-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ember_testing::TempDir::new("snap-huge");
     let f = std::fs::File::create(dir.join(STATE_FILE)).unwrap();
     // Sparse: 100 GiB long, nothing written.
     f.set_len(100 << 30).unwrap();
@@ -432,8 +430,7 @@ fn cpuid_comparison_names_the_leaf() {
 
 #[test]
 fn load_refuses_wrong_memory_size_other_cpus_and_changed_files() {
-    let dir = std::env::temp_dir().join(format!("ember-snapload-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ember_testing::TempDir::new("snapload");
     let disk = dir.join("disk.img");
     std::fs::write(&disk, vec![0u8; 4096]).unwrap();
     let mut s = sample();
@@ -475,9 +472,7 @@ fn load_refuses_wrong_memory_size_other_cpus_and_changed_files() {
 /// files than pmem devices, is refused.
 #[test]
 fn pmem_backing_files_are_replaced_only_by_files_of_the_same_size() {
-    let dir = std::env::temp_dir().join(format!("ember-snap-pmem-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ember_testing::TempDir::new("snap-pmem");
     let file = |name: &str, len: u64| {
         let p = dir.join(name);
         std::fs::File::create(&p).unwrap().set_len(len).unwrap();

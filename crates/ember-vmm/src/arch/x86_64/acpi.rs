@@ -676,8 +676,7 @@ mod tests {
         }
         let m = mem();
         let (_, _, dsdt) = walk(&m, setup_acpi(&m, 1, &devices(2)).unwrap());
-        let dir = std::env::temp_dir().join(format!("ember-acpiexec-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = ember_testing::TempDir::new("acpiexec");
         std::fs::write(dir.join("dsdt.aml"), &dsdt).unwrap();
         let out = std::process::Command::new("acpiexec")
             .arg("-b")

@@ -1206,8 +1206,7 @@ mod tests {
     /// acknowledged; the pages still in the balloon stay uncommitted.
     #[test]
     fn a_restored_fence_commits_each_deflated_page_before_the_guest_gets_it() {
-        let scratch = std::env::temp_dir().join(format!("ember-fence-{}", std::process::id()));
-        std::fs::create_dir_all(&scratch).unwrap();
+        let scratch = ember_testing::TempDir::new("fence");
         let file = scratch.join("memory");
         // A sparse file: what the guest never wrote (the fenced pages) is a hole.
         std::fs::File::create(&file)
