@@ -2,7 +2,7 @@
 //! stand-in VMM script: one commit makes the boot slower, one changes nothing,
 //! one breaks the build. Checks the marks, the error line and resuming.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 fn git(dir: &Path, args: &[&str]) -> String {
@@ -73,9 +73,7 @@ fn run(repo: &Path, cache: &Path, range: &str) -> Output {
 
 #[test]
 fn range_marks_the_regression_and_resumes() {
-    let root: PathBuf =
-        std::env::temp_dir().join(format!("ember-lab-range-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
+    let root = ember_testing::TempDir::new("lab-range");
     let (repo, cache) = (root.join("repo"), root.join("cache"));
     std::fs::create_dir_all(&repo).unwrap();
     git(&repo, &["init", "-q"]);
@@ -132,9 +130,7 @@ fn range_marks_the_regression_and_resumes() {
 #[test]
 fn kernel_artifacts_are_booted_as_the_guest_kernel() {
     let guest = ember_testing::test_guest().expect("the test guest builds");
-    let root: PathBuf =
-        std::env::temp_dir().join(format!("ember-lab-range-kernel-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
+    let root = ember_testing::TempDir::new("lab-range-kernel");
     let (repo, cache) = (root.join("repo"), root.join("cache"));
     std::fs::create_dir_all(&repo).unwrap();
     git(&repo, &["init", "-q"]);

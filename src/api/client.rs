@@ -235,9 +235,9 @@ mod tests {
     use std::os::unix::net::UnixListener;
     use std::time::Instant;
 
-    fn socket(name: &str) -> (PathBuf, UnixListener) {
-        let p = std::env::temp_dir().join(format!("ember-client-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_file(&p);
+    /// A listening socket, in a directory removed when the test ends.
+    fn socket(name: &str) -> (ember_testing::TempFile, UnixListener) {
+        let p = ember_testing::TempFile::new("client", name);
         let l = UnixListener::bind(&p).unwrap();
         (p, l)
     }

@@ -92,7 +92,8 @@ fn doctor_advises_quiet_for_a_verbose_console_only_and_predicts_its_saving() {
     // character is an exit of a TCG-emulated L1).
     let measured = verbose_ms - quiet_ms;
     // The verbose boot's recording, for `ember analyze --load FILE --advise`.
-    let saved = std::env::temp_dir().join("ember-rig-doctor-verbose.json");
+    // Kept beside the build (not in $TMPDIR, which the suite leaves as it found it).
+    let saved = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("rig-doctor-verbose.json");
     let _ = std::fs::write(&saved, rig().case("doctor-verbose-boot").out.join("\n"));
     eprintln!(
         "doctor in the rig: `quiet` predicted {predicted:.0} ms; measured {verbose_ms:.0} − \
