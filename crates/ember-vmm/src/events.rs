@@ -131,7 +131,7 @@ impl Recorder {
     }
 
     /// Whether events are being kept.
-    pub fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.enabled
     }
 
@@ -146,7 +146,7 @@ impl Recorder {
     }
 
     /// Records `kind` now with a code.
-    pub fn mark_code(&self, kind: &str, code: u32) {
+    pub(crate) fn mark_code(&self, kind: &str, code: u32) {
         self.push(kind, None, Some(code));
     }
 

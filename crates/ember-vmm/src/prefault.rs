@@ -357,7 +357,7 @@ pub struct Committer {
 #[derive(Debug)]
 struct Inner {
     /// Keeps the mapping alive as long as the committer needs it.
-    mem: GuestMemoryMmap,
+    _mem: GuestMemoryMmap,
     /// (guest, len, host) of each RAM region.
     ram: Vec<(u64, u64, u64)>,
     /// Guest-physical committed ranges.
@@ -372,7 +372,7 @@ impl Committer {
     pub fn new(mem: &GuestMemoryMmap, threads: usize) -> Self {
         Committer {
             inner: Arc::new(Inner {
-                mem: mem.clone(),
+                _mem: mem.clone(),
                 ram: host_ranges(mem),
                 committed: Mutex::new(RangeSet::new()),
                 fence_up: AtomicBool::new(false),
@@ -386,7 +386,7 @@ impl Committer {
     }
 
     /// Bytes of guest RAM.
-    pub fn ram_bytes(&self) -> u64 {
+    pub(crate) fn ram_bytes(&self) -> u64 {
         self.inner.ram.iter().map(|r| r.1).sum()
     }
 
@@ -419,7 +419,7 @@ impl Committer {
     }
 
     /// Commits all guest RAM (`--prefault sync`).
-    pub fn commit_all(&self) -> Result<(), CommitError> {
+    pub(crate) fn commit_all(&self) -> Result<(), CommitError> {
         let all: Vec<_> = self.inner.ram.iter().map(|r| (r.0, r.0 + r.1)).collect();
         self.inner.commit(&all)
     }
@@ -441,7 +441,11 @@ impl Committer {
     /// One background step: commits up to `chunk` bytes of what is not committed
     /// yet — memory the guest owns (not held by `balloon`) first — and returns
     /// how much it committed (0: everything is committed).
-    pub fn step(&self, balloon: Option<&BalloonHandle>, chunk: u64) -> Result<u64, CommitError> {
+    pub(crate) fn step(
+        &self,
+        balloon: Option<&BalloonHandle>,
+        chunk: u64,
+    ) -> Result<u64, CommitError> {
         let gaps: Vec<(u64, u64)> = {
             let committed = self.inner.lock();
             self.inner
@@ -479,7 +483,7 @@ impl Committer {
         Ok(bytes)
     }
 
-    /// A [`Committer::step`], then the balloon's floor (its target, unless the
+    /// A `Committer::step`, then the balloon's floor (its target, unless the
     /// user asks for more) lowered to what is still not committed: only committed
     /// memory may be handed out. Returns the bytes committed (0: all of it is).
     pub fn advance(&self, balloon: Option<&BalloonHandle>, chunk: u64) -> Result<u64, CommitError> {
@@ -491,7 +495,7 @@ impl Committer {
     }
 
     /// Pages not committed yet, as the balloon's 32-bit count.
-    pub fn uncommitted_pages(&self) -> u32 {
+    pub(crate) fn uncommitted_pages(&self) -> u32 {
         let bytes = self.ram_bytes() - self.committed_bytes();
         u32::try_from(bytes.div_ceil(PAGE)).unwrap_or(u32::MAX)
     }
@@ -617,11 +621,6 @@ impl Committer {
                 self.inner.discard(s, e);
             }
         });
-    }
-
-    /// The guest memory this committer works on.
-    pub fn memory(&self) -> &GuestMemoryMmap {
-        &self.inner.mem
     }
 }
 

@@ -23,7 +23,7 @@ pub struct ConsoleSink {
 
 impl ConsoleSink {
     /// A sink writing to `out` (None: discard) and recording lines.
-    pub fn new(out: Option<Box<dyn Write + Send>>, recorder: Arc<Recorder>) -> Self {
+    pub(crate) fn new(out: Option<Box<dyn Write + Send>>, recorder: Arc<Recorder>) -> Self {
         ConsoleSink {
             out,
             stamper: LineStamper::default(),

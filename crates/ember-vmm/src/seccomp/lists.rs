@@ -87,7 +87,7 @@ impl Thread {
     }
 
     /// Its place in [`Thread::ALL`] (and in the built-in program tables).
-    pub fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         Thread::ALL
             .iter()
             .position(|&t| t == self)

@@ -11,7 +11,7 @@
 //! read), and parks here.
 //!
 //! A parked vCPU serves requests on its own thread, where its descriptor
-//! lives: "save your state" ([`VcpuControl::collect`]). It leaves the park on
+//! lives: "save your state" (`VcpuControl::collect`). It leaves the park on
 //! resume or when the VM ends.
 
 use std::cell::Cell;
@@ -143,7 +143,7 @@ pub(crate) fn leave_run_loop() {
 
 impl<S> VcpuControl<S> {
     /// Control for `total` vCPUs.
-    pub fn new(total: usize) -> Arc<Self> {
+    pub(crate) fn new(total: usize) -> Arc<Self> {
         Arc::new(VcpuControl {
             ctl: Mutex::new(Ctl {
                 pause: false,
@@ -162,7 +162,7 @@ impl<S> VcpuControl<S> {
     }
 
     /// Registers the calling thread as vCPU `id`'s (it can now be kicked).
-    pub fn register(&self, id: u32) {
+    pub(crate) fn register(&self, id: u32) {
         // SAFETY: pthread_self has no preconditions.
         let me = unsafe { libc::pthread_self() } as usize;
         if let Some(slot) = self.lock().threads.get_mut(id as usize) {
@@ -171,7 +171,7 @@ impl<S> VcpuControl<S> {
     }
 
     /// Whether vCPUs should park (checked by each before KVM_RUN).
-    pub fn pause_requested(&self) -> bool {
+    pub(crate) fn pause_requested(&self) -> bool {
         self.lock().pause
     }
 
@@ -187,7 +187,7 @@ impl<S> VcpuControl<S> {
 
     /// Parks vCPU `id` (on its own thread) until resume or the VM's end,
     /// serving save requests with `save` meanwhile.
-    pub fn park(&self, id: u32, end: &VmEnd, mut save: impl FnMut() -> Result<S, String>) {
+    pub(crate) fn park(&self, id: u32, end: &VmEnd, mut save: impl FnMut() -> Result<S, String>) {
         let mut c = self.lock();
         c.parked += 1;
         self.cv.notify_all();
@@ -272,7 +272,7 @@ impl<S> VcpuControl<S> {
 
     /// Asks every parked vCPU for its state; returns them by index. The VM
     /// must be paused.
-    pub fn collect(&self, end: &VmEnd) -> Result<Vec<S>, ControlError> {
+    pub(crate) fn collect(&self, end: &VmEnd) -> Result<Vec<S>, ControlError> {
         let mut c = self.lock();
         if !(c.pause && c.parked == self.total) {
             return Err(ControlError::Already("running"));

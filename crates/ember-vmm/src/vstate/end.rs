@@ -44,7 +44,7 @@ pub struct VmEnd {
 
 impl VmEnd {
     /// A fresh, not-yet-ended state.
-    pub fn new() -> io::Result<Self> {
+    pub(crate) fn new() -> io::Result<Self> {
         Ok(VmEnd {
             end: Mutex::new(None),
             evt: EventFd::new(libc::EFD_NONBLOCK)?,
@@ -57,7 +57,7 @@ impl VmEnd {
     }
 
     /// Records that the VMM could not go on (a vCPU error) and wakes the VMM.
-    pub fn fail(&self, why: String) {
+    pub(crate) fn fail(&self, why: String) {
         self.set(Err(why));
     }
 
@@ -76,7 +76,8 @@ impl VmEnd {
     }
 
     /// The recorded guest ending, if the guest ended.
-    pub fn get(&self) -> Option<GuestEnd> {
+    #[cfg(test)]
+    pub(crate) fn get(&self) -> Option<GuestEnd> {
         self.outcome().and_then(Result::ok)
     }
 

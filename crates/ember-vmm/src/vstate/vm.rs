@@ -87,7 +87,7 @@ impl Vm {
     /// [`Vm::create_irqchip`]: once the irqchip exists, adding a memory slot waits
     /// out an SRCU grace period of `kvm->srcu` (5-7 ms measured on a 2-core PVM
     /// host, where grace periods are slow); before, it costs microseconds.
-    pub fn new(kvm: &Kvm) -> Result<Vm, VmError> {
+    pub(crate) fn new(kvm: &Kvm) -> Result<Vm, VmError> {
         let fd = kvm.create_vm().map_err(VmError::Create)?;
         let setup = |what| move |source| VmError::Setup { what, source };
         // Intel VMX needs these three pages for real-mode emulation; they must not
@@ -104,7 +104,7 @@ impl Vm {
     }
 
     /// Creates the in-kernel PIC/IOAPIC/LAPIC (before any vCPU).
-    pub fn create_irqchip(&self) -> Result<(), VmError> {
+    pub(crate) fn create_irqchip(&self) -> Result<(), VmError> {
         self.fd.create_irq_chip().map_err(|source| VmError::Setup {
             what: "the in-kernel irqchip",
             source,
@@ -114,7 +114,7 @@ impl Vm {
     /// Creates the in-kernel PIT (after the irqchip, before the guest runs).
     /// It starts a kernel thread, ~0.1 ms here, so [`crate::builder`] does
     /// this while the vCPU threads create their vCPUs.
-    pub fn create_pit(&self) -> Result<(), VmError> {
+    pub(crate) fn create_pit(&self) -> Result<(), VmError> {
         // The PIT's speaker port is a dummy: nothing can beep.
         let pit = kvm_pit_config {
             flags: KVM_PIT_SPEAKER_DUMMY,
@@ -141,7 +141,7 @@ impl Vm {
     /// is registered, guest accesses to it exit to the vCPU thread as MMIO, which
     /// registers everything pending and completes the access on the same host
     /// memory, so the guest sees ordinary RAM throughout.
-    pub fn register_memory(&self, mem: &GuestMemoryMmap) -> Result<(), VmError> {
+    pub(crate) fn register_memory(&self, mem: &GuestMemoryMmap) -> Result<(), VmError> {
         for region in mem.iter() {
             let host = region
                 .get_host_address(MemoryRegionAddress(0))
@@ -171,7 +171,7 @@ impl Vm {
     /// that was registered lazily, registers everything still pending (once, for
     /// all vCPUs) and returns true: the caller completes the access on guest
     /// memory. False means `addr` is not RAM.
-    pub fn claim_ram(&self, addr: u64) -> Result<bool, VmError> {
+    pub(crate) fn claim_ram(&self, addr: u64) -> Result<bool, VmError> {
         let mut slots = self.lock_slots();
         let is_ram = slots
             .pending
@@ -185,7 +185,7 @@ impl Vm {
     }
 
     /// Registers every pending RAM range; returns whether there was any.
-    pub fn claim_all_ram(&self) -> Result<bool, VmError> {
+    pub(crate) fn claim_all_ram(&self) -> Result<bool, VmError> {
         let mut slots = self.lock_slots();
         self.register_pending(&mut slots)
     }
@@ -203,7 +203,12 @@ impl Vm {
     /// `guest_addr` (guest RAM, or a virtio-pmem file mapping).
     ///
     /// The caller keeps the host mapping alive for as long as the VM exists.
-    pub fn add_region(&self, guest_addr: u64, len: u64, host_addr: u64) -> Result<(), VmError> {
+    pub(crate) fn add_region(
+        &self,
+        guest_addr: u64,
+        len: u64,
+        host_addr: u64,
+    ) -> Result<(), VmError> {
         self.add_region_locked(&mut self.lock_slots(), guest_addr, len, host_addr)
     }
 
@@ -237,7 +242,7 @@ impl Vm {
 
     /// Routes `evt` to GSI `gsi`: writing the eventfd raises the interrupt
     /// without a trip through the VMM.
-    pub fn register_irqfd(&self, evt: &EventFd, gsi: u32) -> Result<(), VmError> {
+    pub(crate) fn register_irqfd(&self, evt: &EventFd, gsi: u32) -> Result<(), VmError> {
         self.fd
             .register_irqfd(evt, gsi)
             .map_err(|source| VmError::EventFd {
@@ -248,7 +253,7 @@ impl Vm {
 
     /// Has KVM signal `evt` when the guest writes `datamatch` (4 bytes) to the
     /// MMIO address `addr`, instead of exiting to the vCPU thread.
-    pub fn register_mmio_ioevent(
+    pub(crate) fn register_mmio_ioevent(
         &self,
         evt: &EventFd,
         addr: u64,

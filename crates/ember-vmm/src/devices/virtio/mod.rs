@@ -22,9 +22,8 @@
 //! eventfds as ioeventfds and its interrupt line as an irqfd, and announces it
 //! to the guest (ACPI, or `mmio::cmdline_device` on the command line).
 //!
-//! Boxed devices work too (`Box<dyn VirtioDevice>` is a `VirtioDevice`). On VM exit call
-//! [`MmioTransport::shutdown`] (or drop the transport): device threads finish what is in
-//! flight and are joined.
+//! Boxed devices work too (`Box<dyn VirtioDevice>` is a `VirtioDevice`). On VM exit drop
+//! the transport: device threads finish what is in flight and are joined.
 
 pub mod balloon;
 pub mod block;

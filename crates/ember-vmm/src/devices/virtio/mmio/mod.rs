@@ -156,7 +156,7 @@ impl MmioTransport {
     }
 
     /// The device status register as the driver reads it.
-    pub fn status(&self) -> u32 {
+    pub(crate) fn status(&self) -> u32 {
         if self.interrupt.needs_reset() {
             self.status | VIRTIO_CONFIG_S_NEEDS_RESET
         } else {
@@ -167,20 +167,6 @@ impl MmioTransport {
     /// Whether the device is serving its queues (`DRIVER_OK` accepted).
     pub fn is_active(&self) -> bool {
         self.active
-    }
-
-    /// The interrupt shared with the device (its status word backs `InterruptStatus`).
-    pub fn interrupt(&self) -> &VirtioInterrupt {
-        &self.interrupt
-    }
-
-    /// Stops the device as a reset would — its threads finish in-flight requests and are
-    /// joined — without touching guest-visible state. Call on VM shutdown.
-    pub fn shutdown(&mut self) {
-        if self.active {
-            self.device.reset();
-            self.active = false;
-        }
     }
 
     fn selected_queue(&self) -> Option<&Queue> {

@@ -20,7 +20,7 @@ use super::MmioTransport;
 
 /// Why a transport state cannot be restored.
 #[derive(Debug, Error, PartialEq, Eq)]
-pub enum StateError {
+pub(crate) enum StateError {
     /// The recorded device is of another type than the one rebuilt.
     #[error("device type {recorded} was recorded where a device of type {found} is")]
     DeviceType {
@@ -95,7 +95,7 @@ pub struct TransportState {
 impl MmioTransport {
     /// The transport's state. Take it with the vCPUs paused and the queues
     /// [`drained`](Self::drained).
-    pub fn state(&self) -> TransportState {
+    pub(crate) fn state(&self) -> TransportState {
         TransportState {
             device_type: self.device.device_type(),
             status: self.status,
@@ -127,7 +127,7 @@ impl MmioTransport {
     /// [`holds_buffers`](crate::devices::virtio::VirtioDevice::holds_buffers)) are not requests: they wait for the
     /// host, and their position is their queue's used index, from which
     /// [`Self::restore`] makes the device take them again.
-    pub fn in_flight(&self) -> u32 {
+    pub(crate) fn in_flight(&self) -> u32 {
         if !self.active {
             return 0;
         }
@@ -151,14 +151,14 @@ impl MmioTransport {
     /// Whether every enabled queue of a running device has no request left
     /// in flight or waiting: its used index equals its available index.
     /// (With the vCPUs paused the driver adds nothing, so once true it stays.)
-    pub fn drained(&self) -> bool {
+    pub(crate) fn drained(&self) -> bool {
         self.in_flight() == 0
     }
 
     /// Signals every queue as if the driver had notified it: a request the
     /// driver made available but had not announced yet (its vCPU stopped in
     /// between) is served too. A spurious notification is harmless.
-    pub fn kick_queues(&self) {
+    pub(crate) fn kick_queues(&self) {
         for (q, evt) in self.queues.iter().zip(&self.queue_evts) {
             if q.ready() {
                 let _ = evt.write(1);
@@ -169,7 +169,7 @@ impl MmioTransport {
     /// Sets the registers back to `s` and, if the device was running, starts
     /// it on its queues where the snapshot left them. Guest memory must hold
     /// the snapshot's contents already.
-    pub fn restore(&mut self, s: &TransportState) -> Result<(), StateError> {
+    pub(crate) fn restore(&mut self, s: &TransportState) -> Result<(), StateError> {
         let found = self.device.device_type();
         if s.device_type != found {
             return Err(StateError::DeviceType {

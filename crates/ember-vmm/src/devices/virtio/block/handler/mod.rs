@@ -185,17 +185,19 @@ impl BlockHandler {
     }
 
     /// Lowers the bounce budget (tests exercise it without allocating 64 MiB).
-    pub fn set_bounce_budget(&mut self, bytes: usize) {
+    #[cfg(test)]
+    pub(crate) fn set_bounce_budget(&mut self, bytes: usize) {
         self.bounce_budget = bytes;
     }
 
     /// The most bounce-buffer memory that was held at once.
-    pub fn peak_bounced(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn peak_bounced(&self) -> usize {
         self.peak_bounced
     }
 
     /// Requests submitted and not yet completed.
-    pub fn in_flight(&self) -> usize {
+    pub(crate) fn in_flight(&self) -> usize {
         self.slots.len() - self.free.len()
     }
 
@@ -263,7 +265,7 @@ impl BlockHandler {
     }
 
     /// Completes whatever the engine has finished and raises the interrupt once.
-    pub fn process_completions(&mut self) {
+    pub(crate) fn process_completions(&mut self) {
         self.complete_finished();
         self.flush_irq();
     }
@@ -284,7 +286,7 @@ impl BlockHandler {
 
     /// Whether there is something to do right now: finished I/O, or available requests
     /// and room to take them. Reads shared memory only (no syscall), for polling.
-    pub fn has_work(&mut self) -> bool {
+    pub(crate) fn has_work(&mut self) -> bool {
         if self.broken {
             return false;
         }
@@ -302,13 +304,13 @@ impl BlockHandler {
     }
 
     /// The device was marked `NEEDS_RESET` and serves nothing more.
-    pub fn is_broken(&self) -> bool {
+    pub(crate) fn is_broken(&self) -> bool {
         self.broken
     }
 
     /// Asks the driver not to notify (`VRING_USED_F_NO_NOTIFY`): the thread is about to
     /// poll the available ring instead.
-    pub fn suppress_notifications(&mut self) {
+    pub(crate) fn suppress_notifications(&mut self) {
         if self.notify_off || self.broken {
             return;
         }
@@ -321,7 +323,7 @@ impl BlockHandler {
     /// Asks the driver to notify again, before the thread sleeps. Returns whether there is
     /// work after all: the driver may have published a request while the flag was still
     /// set, and no notification will come for that one.
-    pub fn resume_notifications(&mut self) -> bool {
+    pub(crate) fn resume_notifications(&mut self) -> bool {
         if std::mem::take(&mut self.notify_off)
             && let Err(e) = self.queue.enable_notification(&self.mem)
         {
@@ -333,7 +335,7 @@ impl BlockHandler {
     }
 
     /// Whether `process_queue` held back for lack of in-flight room; clears the mark.
-    pub fn take_throttled(&mut self) -> bool {
+    pub(crate) fn take_throttled(&mut self) -> bool {
         std::mem::take(&mut self.throttled)
     }
 
