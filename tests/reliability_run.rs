@@ -982,3 +982,26 @@ fn item12_a_panicking_guest_ends_its_boot_at_once() {
         "want the boot reported as a panic with its cause, not a timeout:\n{all}"
     );
 }
+
+// ---------------------------------------------------------------- item 11
+
+/// A VMM that fails to start is reported as such, with its status — not as
+/// a guest that "stopped without reporting the command's status".
+#[test]
+fn item11_a_vmm_that_cannot_start_is_not_a_guest_that_stopped() {
+    // QEMU refuses the machine type before any guest code runs.
+    let done = finish(
+        run_qemu(60).args(["--machine", "no-such-machine", "--", "true"]),
+        secs(60),
+    );
+    let err = done.err();
+    assert_eq!(done.status.code(), Some(125), "stderr: {err:?}");
+    assert!(
+        err.contains("qemu could not start the VM") && err.contains("exit status: 1"),
+        "want the start failure named, with its status: {err:?}"
+    );
+    assert!(
+        !err.contains("stopped without reporting"),
+        "a start failure reported as a guest that stopped: {err:?}"
+    );
+}

@@ -83,6 +83,14 @@ pub enum Outcome {
     GuestError(String),
     /// The VMM went away without a report; the console/stderr tail.
     NoReport(String),
+    /// The VMM failed before the guest ever connected (a bad option, a file
+    /// it cannot open): its status and the tail of its output.
+    VmmFailed {
+        /// The VMM's exit status.
+        status: std::process::ExitStatus,
+        /// The console/stderr tail.
+        tail: String,
+    },
     /// The timeout expired.
     TimedOut,
     /// Our own stdout or stderr refused the command's output: the run was
@@ -117,9 +125,9 @@ struct VmmGuard {
 impl VmmGuard {
     /// Waits for the VMM to end (unregistered first: its pid is free once
     /// reaped).
-    fn reap(&mut self) {
+    fn reap(&mut self) -> Option<std::process::ExitStatus> {
         self.kill = None;
-        let _ = self.child.wait();
+        self.child.wait().ok()
     }
 }
 
@@ -227,12 +235,18 @@ pub fn run(
     if let Some(e) = guard.child.stderr.take() {
         drain(e, tail.clone(), true);
     }
-    let no_report = |guard: &mut VmmGuard| {
+    let no_report = |guard: &mut VmmGuard, connected: bool| {
         // Give the drain threads a moment to collect the VMM's last words.
-        guard.reap();
+        let status = guard.reap();
         std::thread::sleep(Duration::from_millis(20));
         let t = tail.lock().unwrap_or_else(|e| e.into_inner());
-        Outcome::NoReport(String::from_utf8_lossy(&t).into_owned())
+        let tail = String::from_utf8_lossy(&t).into_owned();
+        match status {
+            // The guest's init connects first thing: a VMM that failed
+            // before that never ran it.
+            Some(status) if !connected && !status.success() => Outcome::VmmFailed { status, tail },
+            _ => Outcome::NoReport(tail),
+        }
     };
 
     let stream = match accept(&listener, &mut guard, deadline)? {
@@ -242,7 +256,7 @@ pub fn run(
             s
         }
         None if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(Outcome::TimedOut),
-        None => return Ok(no_report(&mut guard)),
+        None => return Ok(no_report(&mut guard, false)),
     };
     match converse(stream, job, deadline, out, err)? {
         Some(outcome) => {
@@ -252,7 +266,7 @@ pub fn run(
             }
             Ok(outcome)
         }
-        None => Ok(no_report(&mut guard)),
+        None => Ok(no_report(&mut guard, true)),
     }
 }
 

@@ -196,7 +196,7 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         &mut std::io::stdout(),
         &mut std::io::stderr(),
     )?;
-    Ok(exit_status(args, outcome, timeout, modules))
+    Ok(exit_status(args, outcome, timeout, modules, backend.name()))
 }
 
 /// The appliance written for a cold boot, and the spec that boots it; `None`
@@ -308,6 +308,7 @@ fn exit_status(
     outcome: host::Outcome,
     timeout: Option<Duration>,
     modules: usize,
+    vmm: &str,
 ) -> i32 {
     match outcome {
         host::Outcome::Exited(code) => code,
@@ -334,6 +335,13 @@ fn exit_status(
         } => EXIT_BROKEN_PIPE,
         host::Outcome::OutputFailed { stream, reason, .. } => {
             eprintln!("ember: cannot write the command's {stream}: {reason}; the VM was stopped");
+            EXIT_APPLIANCE
+        }
+        // Its own message went to our stderr as it came (host::drain).
+        host::Outcome::VmmFailed { status, .. } => {
+            eprintln!(
+                "ember: {vmm} could not start the VM ({status}; its message is above, if any)"
+            );
             EXIT_APPLIANCE
         }
         host::Outcome::NoReport(tail) => {
