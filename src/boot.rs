@@ -4,20 +4,19 @@
 use crate::backend::DeviceArgs;
 use crate::exit::{EXIT_GUEST_CRASHED, EXIT_SECCOMP, EXIT_TIMEOUT, guest_end_status};
 use clap::Args;
-use ember_vmm::builder::{self, BeforeGo, VmConfig, Vmm};
-use ember_vmm::devices::legacy::Serial;
-use ember_vmm::devices::virtio::{DiskConfig, target_pages};
+use ember_vmm::builder::{self, BeforeGo, VmConfig};
+use ember_vmm::devices::virtio::{BalloonConfig, DiskConfig, PmemConfig, target_pages};
 use ember_vmm::events::{Recorder, kind};
+use ember_vmm::machine::{DeviceSet, Machine};
 use ember_vmm::prefault::MemoryOptions;
 use ember_vmm::seccomp;
 use ember_vmm::snapshot::restore::{self, RestoreConfig};
 use ember_vmm::vstate::end::GuestEnd;
 use ember_vmm::vstate::memory;
 use std::io::{self, Read, Write};
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Arguments of `ember boot`.
 #[derive(Debug, Clone, Args)]
@@ -43,6 +42,16 @@ pub struct BootArgs {
     pub console: ConsoleMode,
     #[command(flatten)]
     pub devices: DeviceArgs,
+    /// The virtio devices as JSON (`ember run` hands its devices over this
+    /// way, not as options to parse again).
+    #[arg(
+        long,
+        hide = true,
+        value_name = "JSON",
+        value_parser = parse_device_set,
+        conflicts_with_all = ["disk", "pmem", "rng", "balloon", "balloon_target", "balloon_no_reporting"]
+    )]
+    pub devices_json: Option<DeviceSet>,
     /// The balloon's initial target (memory the guest gives back), e.g. 256M; adds the balloon.
     #[arg(long, value_name = "SIZE")]
     pub balloon_target: Option<String>,
@@ -125,6 +134,36 @@ pub enum ConsoleMode {
 pub const DEFAULT_CMDLINE: &str =
     "console=ttyS0 reboot=k panic=-1 pci=off 8250.nr_uarts=1 i8042.noaux i8042.nomux i8042.dumbkbd";
 
+fn parse_device_set(json: &str) -> Result<DeviceSet, String> {
+    serde_json::from_str(json).map_err(|e| e.to_string())
+}
+
+impl BootArgs {
+    /// The virtio devices asked for: handed over as JSON, or the options.
+    fn device_set(&self) -> anyhow::Result<DeviceSet> {
+        if let Some(d) = &self.devices_json {
+            return Ok(d.clone());
+        }
+        let mut d = self.devices.device_set();
+        let target = match &self.balloon_target {
+            Some(t) => {
+                let bytes = memory::parse_size(t)?;
+                target_pages(bytes, memory::parse_size(&self.mem)?)
+                    .map_err(|e| anyhow::anyhow!("--balloon-target {t}: {e}"))?;
+                bytes
+            }
+            None => 0,
+        };
+        if d.balloon.is_some() || target > 0 {
+            d.balloon = Some(BalloonConfig {
+                target_bytes: target,
+                free_page_reporting: !self.balloon_no_reporting,
+            });
+        }
+        Ok(d)
+    }
+}
+
 /// Runs `ember boot`; returns the process exit status.
 pub fn main(args: BootArgs) -> anyhow::Result<i32> {
     if let Some(t) = args.timeout {
@@ -164,15 +203,15 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
         let api = api.clone();
         // A fresh VM's memory is locked as it is made; a restored one's here.
         let lock_restored = args.mem_lock && args.restore.is_some();
-        Box::new(move |vmm: &Vmm| {
+        Box::new(move |machine: &Arc<Machine>| {
             if lock_restored {
-                ember_vmm::prefault::lock(&vmm.mem)
+                machine
+                    .lock_memory()
                     .map_err(|e| io::Error::other(ember_vmm::error_chain(&e)))?;
             }
             if let Some(api) = &api {
                 api.serve(crate::api::ApiContext {
-                    machine: vmm.machine.clone(),
-                    balloon: vmm.balloon.clone(),
+                    machine: machine.clone(),
                 })
                 .map_err(io::Error::other)?;
             }
@@ -180,30 +219,29 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
             // feeds COM1: a restored guest waiting at a prompt takes its
             // command there.
             if serial {
-                forward_stdin(vmm.serial.clone(), raw.then(|| vmm.vm.fd().as_raw_fd()));
+                forward_stdin(machine.clone(), raw);
             }
             Ok(())
         })
     };
-    let vmm = match &args.restore {
+    let devices = args.device_set()?;
+    let machine = match &args.restore {
         Some(dir) => {
+            // The snapshot's devices are its own: files given replace
+            // its pmem devices' backing.
             let cfg = RestoreConfig {
                 dir: dir.clone(),
                 console,
                 channel: args.channel.clone(),
-                pmem: args
-                    .devices
-                    .pmem
-                    .iter()
-                    .map(|p| absolute(p))
-                    .collect::<anyhow::Result<_>>()?,
+                pmem: devices.pmem,
                 before_go: Some(before_go),
             };
             restore::restore(cfg, recorder.clone())?
         }
-        None => boot(&args, console, before_go, recorder.clone())?,
+        None => boot(&args, devices, console, before_go, recorder.clone())?,
     };
-    let outcome = wait(&vmm, args.timeout);
+    let timeout = args.timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
+    let outcome = machine.wait(timeout);
     let code = match &outcome {
         Some(Ok(end)) => {
             recorder.mark(end.event_kind());
@@ -230,9 +268,9 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
             EXIT_TIMEOUT
         }
     };
-    finish_console(&vmm);
+    machine.finish_console();
     if let Some(path) = &args.devices.events {
-        record_memory(&recorder, &vmm);
+        record_memory(&recorder, &machine);
         recorder.mark(kind::PROCESS_EXIT);
         // The guest's status is the answer the caller asked for: a timeline that cannot be
         // written is reported, and the status kept.
@@ -247,7 +285,7 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
     // socket goes first.
     crate::cleanup::run_all();
     // The VM's teardown is left to a process nobody waits for.
-    ember_vmm::vstate::teardown::exit(code, vmm.vm.fd().as_raw_fd())
+    machine.exit(code)
 }
 
 /// When a restored guest crashed: the damaged memory file that explains it,
@@ -262,30 +300,16 @@ fn damaged_memory(args: &BootArgs) -> Option<String> {
 /// Boots the kernel `args` name.
 fn boot(
     args: &BootArgs,
+    devices: DeviceSet,
     console: Option<Box<dyn Write + Send>>,
     before_go: BeforeGo,
     recorder: Arc<Recorder>,
-) -> anyhow::Result<Vmm> {
+) -> anyhow::Result<Arc<Machine>> {
     let Some(kernel) = args.kernel.clone() else {
         anyhow::bail!("give a kernel (--kernel FILE) or a snapshot (--restore DIR)");
     };
     let mem_size = memory::parse_size(&args.mem)?;
-    let mut disks: Vec<DiskConfig> = args
-        .devices
-        .disk
-        .iter()
-        .map(|d| DiskConfig::parse(d))
-        .collect::<Result<_, _>>()?;
-    for d in &mut disks {
-        d.path = absolute(&d.path)?;
-    }
-    let pmem = args
-        .devices
-        .pmem
-        .iter()
-        .map(|p| absolute(p))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    check_images_once(&disks, &pmem)?;
+    check_images_once(&devices.disks, &devices.pmem)?;
     let cfg = VmConfig {
         kernel,
         initrd: args.initrd.clone(),
@@ -297,42 +321,23 @@ fn boot(
         vcpus: args.cpus,
         console,
         acpi: !args.devices.no_acpi,
-        disks,
+        devices,
         channel: args.channel.clone(),
-        rng: args.devices.rng,
-        pmem,
-        balloon: args.devices.balloon,
-        balloon_target: match &args.balloon_target {
-            Some(t) => {
-                let bytes = memory::parse_size(t)?;
-                target_pages(bytes, mem_size)
-                    .map_err(|e| anyhow::anyhow!("--balloon-target {t}: {e}"))?;
-                bytes
-            }
-            None => 0,
-        },
-        balloon_reporting: !args.balloon_no_reporting,
         memory: memory_options(args)?,
         before_go: Some(before_go),
     };
     builder::build(cfg, recorder).map_err(|e| anyhow::anyhow!(ember_vmm::error_chain(&e)))
 }
 
-/// `path` made absolute: a snapshot records it, and its restore must not
-/// depend on the working directory.
-fn absolute(path: &std::path::Path) -> anyhow::Result<PathBuf> {
-    std::path::absolute(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
-}
-
 /// Refuses an image used twice by this VM with a writer among its uses (two
 /// `--disk`, a `--disk` and a `--pmem`): the second use would find the
 /// first's lock, this VM's own, and be told another VM holds it.
-fn check_images_once(disks: &[DiskConfig], pmem: &[PathBuf]) -> anyhow::Result<()> {
+fn check_images_once(disks: &[DiskConfig], pmem: &[PmemConfig]) -> anyhow::Result<()> {
     use std::os::unix::fs::MetadataExt;
     let uses = disks
         .iter()
         .map(|d| (d.path.as_path(), !d.read_only))
-        .chain(pmem.iter().map(|p| (p.as_path(), true)));
+        .chain(pmem.iter().map(|p| (p.path.as_path(), true)));
     let mut seen: Vec<((u64, u64), &std::path::Path, bool)> = Vec::new();
     for (path, writes) in uses {
         // A path that cannot be looked up is left to its open, which says why.
@@ -371,53 +376,20 @@ fn memory_options(args: &BootArgs) -> anyhow::Result<MemoryOptions> {
     Ok(opts)
 }
 
-/// Waits for the guest to end; `None` when `timeout` (seconds) passes first.
-fn wait(vmm: &Vmm, timeout: Option<f64>) -> Option<Result<GuestEnd, String>> {
-    let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
-    loop {
-        if let Some(outcome) = vmm.end.outcome() {
-            return Some(outcome);
-        }
-        let wait_ms = match deadline {
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return None;
-                }
-                i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1)
-            }
-            None => -1,
-        };
-        let mut pfd = libc::pollfd {
-            fd: vmm.end.eventfd().as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: `pfd` is a valid pollfd for the duration of the call and the count is 1.
-        unsafe { libc::poll(&mut pfd, 1, wait_ms) };
-    }
-}
-
 /// Records the VMM's peak RSS and how much of it is guest memory, so the
 /// VMM's own overhead can be told apart (`memory` event, sizes in KiB).
-fn record_memory(recorder: &Recorder, vmm: &Vmm) {
+fn record_memory(recorder: &Recorder, machine: &Machine) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let hwm = status
         .lines()
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .unwrap_or(0);
-    let guest = memory::resident_bytes(&vmm.mem) / 1024;
+    let guest = machine.guest_resident_bytes() / 1024;
     recorder.mark_text(
         kind::MEMORY,
         &format!("vm_hwm_kib={hwm} guest_resident_kib={guest}"),
     );
-}
-
-/// Flushes a trailing partial console line into the timeline.
-fn finish_console(vmm: &Vmm) {
-    let mut serial = vmm.serial.lock().unwrap_or_else(|p| p.into_inner());
-    serial.0.writer_mut().finish();
 }
 
 /// Whether stdin is /dev/null (character device 1:3), which ends at once.
@@ -430,10 +402,10 @@ fn stdin_is_dev_null() -> bool {
     stdin.file_type().is_char_device() && stdin.rdev() == libc::makedev(1, 3)
 }
 
-/// Feeds stdin to COM1 from a helper thread. On a raw terminal (`raw_vm` is
-/// the VM's descriptor) the escape keys are ember's: Ctrl-A x restores the
-/// terminal and ends the VM as a guest power-off would.
-fn forward_stdin(serial: Arc<Mutex<Serial>>, raw_vm: Option<std::os::fd::RawFd>) {
+/// Feeds stdin to COM1 from a helper thread. On a raw terminal the escape
+/// keys are ember's: Ctrl-A x restores the terminal and ends the VM as a
+/// guest power-off would.
+fn forward_stdin(machine: Arc<Machine>, raw: bool) {
     if stdin_is_dev_null() {
         // Nothing to forward: no thread (nor its seccomp filter) to start.
         return;
@@ -446,9 +418,9 @@ fn forward_stdin(serial: Arc<Mutex<Serial>>, raw_vm: Option<std::os::fd::RawFd>)
             let mut stdin = std::io::stdin().lock();
             let mut escape = crate::terminal::Escape::default();
             while let Ok(n @ 1..) = stdin.read(&mut buf) {
-                let keys = match raw_vm {
-                    Some(_) => escape.feed(&buf[..n]),
-                    None => crate::terminal::Keys {
+                let keys = match raw {
+                    true => escape.feed(&buf[..n]),
+                    false => crate::terminal::Keys {
                         guest: buf[..n].to_vec(),
                         ..Default::default()
                     },
@@ -458,22 +430,17 @@ fn forward_stdin(serial: Arc<Mutex<Serial>>, raw_vm: Option<std::os::fd::RawFd>)
                 }
                 let mut rest = &keys.guest[..];
                 while !rest.is_empty() {
-                    let taken = serial
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0
-                        .enqueue_raw_bytes(rest)
-                        .unwrap_or(0);
+                    let taken = machine.feed_console(rest);
                     rest = &rest[taken..];
                     if !rest.is_empty() {
                         // The UART's FIFO is full: let the guest drain it.
                         std::thread::sleep(Duration::from_millis(1));
                     }
                 }
-                if let (true, Some(vm)) = (keys.quit, raw_vm) {
+                if keys.quit && raw {
                     crate::terminal::restore();
                     eprintln!("\nember: quit (Ctrl-A x)");
-                    ember_vmm::vstate::teardown::exit(0, vm);
+                    machine.exit(0);
                 }
             }
         });

@@ -261,10 +261,6 @@ fn bad_input_is_a_clear_error() {
             "cannot attach disk",
         ),
         (
-            vec!["--kernel", gs, "--disk", "x.img,bogus"],
-            "unknown disk option",
-        ),
-        (
             vec!["--kernel", gs, "--pmem", "/nonexistent/pmem.img"],
             "cannot map pmem file",
         ),

@@ -21,10 +21,9 @@ use thiserror::Error;
 use super::{BalloonReport, Reply, Request, Response, SnapshotWritten, Status, VmState, encode};
 
 use crate::cleanup::TempPath;
-use ember_vmm::devices::virtio::{BalloonHandle, target_pages};
+use ember_vmm::devices::virtio::target_pages;
 use ember_vmm::snapshot::Machine;
 use ember_vmm::vstate::control::RunState;
-use ember_vmm::vstate::end::GuestEnd;
 
 /// A request line may not be longer than this.
 const MAX_REQUEST: usize = 64 * 1024;
@@ -90,10 +89,8 @@ pub enum ApiError {
 
 /// What the server acts on.
 pub struct ApiContext {
-    /// The VM, its pause control and devices.
+    /// The VM, its pause control, devices and balloon.
     pub machine: Arc<Machine>,
-    /// The balloon, if the VM has one.
-    pub balloon: Option<BalloonHandle>,
 }
 
 /// The bound socket. Dropping it (or [`ApiSocket::remove`]) removes the path.
@@ -258,7 +255,7 @@ fn serve_client(stream: UnixStream, ctx: &ApiContext, busy: &Mutex<()>, limit: D
         }
         // A shutdown is carried out once its reply is on its way.
         if shut_down {
-            ctx.machine.end.report(GuestEnd::PowerOff);
+            ctx.machine.power_off();
         }
     }
 }
@@ -304,25 +301,25 @@ fn read_request(
 
 /// Carries out one request: its answer, or why it was refused.
 pub fn handle(req: Request, ctx: &ApiContext) -> Result<Response, ApiError> {
-    let control = &ctx.machine.control;
-    if ctx.machine.end.is_over() {
+    let machine = &ctx.machine;
+    if machine.has_ended() {
         return Err(ApiError::Ended);
     }
     let done =
         |r: Result<(), ember_vmm::vstate::control::ControlError>| Ok(r.map(|()| Response::Done)?);
     match req {
         Request::Status {} => Ok(Response::Status(Status {
-            state: match control.state() {
+            state: match machine.run_state() {
                 RunState::Running => VmState::Running,
                 RunState::Paused => VmState::Paused,
             },
-            vcpus: ctx.machine.vcpus,
-            mem_bytes: ctx.machine.mem_size,
-            devices: ctx.machine.devices.len(),
-            balloon: ctx.balloon.is_some(),
+            vcpus: machine.vcpus(),
+            mem_bytes: machine.mem_size(),
+            devices: machine.devices().len(),
+            balloon: machine.balloon().is_some(),
         })),
-        Request::Pause {} => done(control.pause(&ctx.machine.end)),
-        Request::Resume {} => done(control.resume()),
+        Request::Pause {} => done(machine.pause()),
+        Request::Resume {} => done(machine.resume()),
         Request::Shutdown {} => Ok(Response::ShutDown),
         Request::Snapshot { dir } => {
             if !dir.is_absolute() {
@@ -337,14 +334,14 @@ pub fn handle(req: Request, ctx: &ApiContext) -> Result<Response, ApiError> {
             }))
         }
         Request::Balloon { target_mib } => {
-            let b = ctx.balloon.as_ref().ok_or(ApiError::NoBalloon)?;
+            let b = machine.balloon().ok_or(ApiError::NoBalloon)?;
             // Saturated, a target beyond u64 is still larger than any guest.
-            let pages = target_pages(target_mib.saturating_mul(MIB), ctx.machine.mem_size)?;
+            let pages = target_pages(target_mib.saturating_mul(MIB), machine.mem_size())?;
             b.set_target_pages(pages);
             Ok(Response::Done)
         }
         Request::BalloonStats {} => {
-            let b = ctx.balloon.as_ref().ok_or(ApiError::NoBalloon)?;
+            let b = machine.balloon().ok_or(ApiError::NoBalloon)?;
             b.request_stats();
             Ok(Response::Balloon(BalloonReport {
                 target_pages: b.target_pages(),

@@ -262,10 +262,10 @@ pub(super) fn module_groups(
     let mut groups = vec!["core"];
     groups.extend(backend.virtio_transports());
     for (wanted, group) in [
-        (!spec.disks.is_empty(), "blk"),
-        (!spec.pmem.is_empty(), "pmem"),
-        (spec.rng, "rng"),
-        (spec.balloon, "balloon"),
+        (!spec.devices.disks.is_empty(), "blk"),
+        (!spec.devices.pmem.is_empty(), "pmem"),
+        (spec.devices.rng.is_some(), "rng"),
+        (spec.devices.balloon.is_some(), "balloon"),
     ] {
         if wanted {
             groups.push(group);
@@ -352,8 +352,8 @@ mod tests {
         let mut spec = GuestSpec::new("/k");
         let pci = Transports(&["pci"]);
         assert_eq!(module_groups(&spec, &pci, false), ["core", "pci"]);
-        spec.rng = true;
-        spec.balloon = true;
+        spec.devices.rng = Some(Default::default());
+        spec.devices.balloon = Some(Default::default());
         assert_eq!(
             module_groups(&spec, &Transports(&["pci", "mmio"]), true),
             ["core", "pci", "mmio", "rng", "balloon", rig::KVM_GROUP]

@@ -269,8 +269,10 @@ fn choose_backend(args: &RunArgs) -> Result<Box<dyn Backend>, ApplianceError> {
 
 /// `spec` with the devices the command asked for.
 fn with_devices(args: &RunArgs, mut spec: GuestSpec) -> Result<GuestSpec, backend::BackendError> {
-    args.devices.apply(&mut spec)?;
-    spec.balloon |= cli::prefault_fenced(args);
+    args.devices.apply(&mut spec);
+    if cli::prefault_fenced(args) {
+        spec.devices.balloon.get_or_insert_with(Default::default);
+    }
     spec.prefault = args.prefault.clone();
     Ok(spec)
 }
@@ -422,7 +424,7 @@ fn warm_spec(
         return Ok(None);
     }
     let mut spec = GuestSpec::new(&a.kernel.image);
-    spec.pmem = vec![image.path().to_owned()];
+    spec.devices.pmem = vec![ember_vmm::devices::virtio::PmemConfig::new(image.path())];
     temps.push(image);
     spec.events = args.devices.events.clone();
     job.root = Some(warm::SLOT_DEVICE.into());

@@ -81,6 +81,9 @@ pub struct Inputs<'a> {
 pub fn key(i: &Inputs) -> String {
     let mut h = KeyHasher::new();
     h.put(&FORMAT.to_le_bytes());
+    // A snapshot another state format wrote is not restorable: a new format
+    // is a new key, so the snapshot is taken again.
+    h.put(&ember_vmm::snapshot::FORMAT_VERSION.to_le_bytes());
     h.put(&SLOT_BYTES.to_le_bytes());
     h.put_identity(i.kernel);
     h.put(i.initrd.as_os_str().as_encoded_bytes());

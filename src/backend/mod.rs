@@ -5,6 +5,8 @@
 
 pub mod qemu;
 
+use ember_vmm::devices::virtio::{BalloonConfig, DiskConfig, PmemConfig, RngConfig};
+use ember_vmm::machine::DeviceSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use thiserror::Error;
@@ -34,14 +36,6 @@ pub enum BackendError {
     /// An unknown backend name.
     #[error("unknown backend `{0}` (known: auto, ember, qemu)")]
     Unknown(String),
-    /// A `--disk` argument the VMM's parser refuses.
-    #[error("bad --disk `{arg}`: {why}")]
-    BadDisk {
-        /// The argument.
-        arg: String,
-        /// Why, on one line.
-        why: String,
-    },
 }
 
 /// Which VMM boots a guest (`--backend`, the same values and default in
@@ -80,61 +74,6 @@ impl std::fmt::Display for BackendKind {
     }
 }
 
-/// A disk attached to the guest: ember's `--disk` syntax,
-/// `PATH[,ro][,direct][,serial=ID][,poll=US]`.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct DiskSpec {
-    /// Raw image path.
-    pub path: PathBuf,
-    /// Read-only.
-    pub read_only: bool,
-    /// Bypass the host page cache (`O_DIRECT`; QEMU's `cache=none`).
-    pub direct: bool,
-    /// The disk's serial (virtio-blk `GET_ID`, `/dev/disk/by-id/virtio-ID`).
-    pub serial: Option<String>,
-    /// The I/O thread's busy-poll in microseconds, when given (ember only).
-    pub poll_us: Option<u64>,
-}
-
-impl DiskSpec {
-    /// Parses `PATH[,ro][,direct][,serial=ID][,poll=US]` with the VMM's own
-    /// parser, so `ember run` and `ember boot` accept and refuse the same.
-    pub fn parse(arg: &str) -> Result<Self, BackendError> {
-        let c = ember_vmm::devices::virtio::DiskConfig::parse(arg).map_err(|e| {
-            BackendError::BadDisk {
-                arg: arg.to_owned(),
-                why: e.to_string(),
-            }
-        })?;
-        let poll_given = arg.split(',').skip(1).any(|o| o.starts_with("poll="));
-        Ok(DiskSpec {
-            path: c.path,
-            read_only: c.read_only,
-            direct: c.direct,
-            serial: c.serial,
-            poll_us: poll_given.then_some(c.poll.as_micros() as u64),
-        })
-    }
-
-    /// The spec as ember's `--disk` argument.
-    pub fn to_arg(&self) -> std::ffi::OsString {
-        let mut arg = self.path.as_os_str().to_owned();
-        if self.read_only {
-            arg.push(",ro");
-        }
-        if self.direct {
-            arg.push(",direct");
-        }
-        if let Some(s) = &self.serial {
-            arg.push(format!(",serial={s}"));
-        }
-        if let Some(us) = self.poll_us {
-            arg.push(format!(",poll={us}"));
-        }
-        arg
-    }
-}
-
 /// The devices a guest gets and how they are announced, as `ember boot` and
 /// `ember run` both take them: one definition, so both accept (and refuse)
 /// the same syntax.
@@ -144,12 +83,12 @@ pub struct DeviceArgs {
     /// PATH[,ro][,direct][,serial=ID][,poll=US] (poll=: ember's VMM only).
     /// Repeatable.
     #[arg(long, value_name = "PATH[,ro][,direct][,serial=ID][,poll=US]")]
-    pub disk: Vec<String>,
+    pub disk: Vec<DiskConfig>,
     /// A virtio-pmem region backed by this file (/dev/pmem0, …; a DAX root).
     /// Repeatable. With `ember boot --restore`: backs the snapshot's pmem
     /// devices, in order, instead (each the size of the one it replaces).
     #[arg(long)]
-    pub pmem: Vec<PathBuf>,
+    pub pmem: Vec<PmemConfig>,
     /// Add a virtio-rng device (/dev/hwrng: entropy from the host's getrandom).
     #[arg(long)]
     pub rng: bool,
@@ -165,19 +104,21 @@ pub struct DeviceArgs {
 }
 
 impl DeviceArgs {
-    /// Puts these devices into `spec` (disks parsed with the VMM's parser).
-    pub fn apply(&self, spec: &mut GuestSpec) -> Result<(), BackendError> {
-        spec.disks = self
-            .disk
-            .iter()
-            .map(|d| DiskSpec::parse(d))
-            .collect::<Result<_, _>>()?;
-        spec.pmem = self.pmem.clone();
-        spec.rng = self.rng;
-        spec.balloon = self.balloon;
+    /// The virtio devices these options ask for (a balloon with its defaults).
+    pub fn device_set(&self) -> DeviceSet {
+        DeviceSet {
+            disks: self.disk.clone(),
+            pmem: self.pmem.clone(),
+            rng: self.rng.then(RngConfig::default),
+            balloon: self.balloon.then(BalloonConfig::default),
+        }
+    }
+
+    /// Puts these devices into `spec`.
+    pub fn apply(&self, spec: &mut GuestSpec) {
+        spec.devices = self.device_set();
         spec.acpi = !self.no_acpi;
         spec.events = self.events.clone();
-        Ok(())
     }
 }
 
@@ -194,8 +135,10 @@ pub struct GuestSpec {
     pub mem_mib: u64,
     /// vCPUs.
     pub cpus: u32,
-    /// Disks.
-    pub disks: Vec<DiskSpec>,
+    /// The virtio devices: disks, pmem regions, rng, balloon. With
+    /// `restore`, only `pmem` counts: its files back the snapshot's pmem
+    /// devices.
+    pub devices: DeviceSet,
     /// A unix socket (already listening) the guest's data channel connects to:
     /// a virtio-console port where the backend has one, else a second serial
     /// line. The guest sees it as `/dev/hvc0` or `/dev/ttyS1`.
@@ -204,19 +147,13 @@ pub struct GuestSpec {
     pub events: Option<PathBuf>,
     /// Guest console on the backend's stdout (`false`: no console device).
     pub console: bool,
-    /// virtio-pmem regions backed by these files.
-    pub pmem: Vec<PathBuf>,
-    /// A virtio-rng device.
-    pub rng: bool,
-    /// A virtio-balloon device.
-    pub balloon: bool,
     /// `ember boot --prefault` (ember only): when guest memory is committed.
     pub prefault: Option<String>,
     /// ACPI tables (`false`: an MP table, devices on the command line).
     pub acpi: bool,
     /// Resume this snapshot directory instead of booting `kernel` (ember
-    /// only): `pmem` files then back the snapshot's pmem devices and
-    /// `channel` is where its channel connects.
+    /// only): `devices.pmem` files then back the snapshot's pmem devices
+    /// and `channel` is where its channel connects.
     pub restore: Option<PathBuf>,
     /// Serve the control socket here (ember only).
     pub api_socket: Option<PathBuf>,
@@ -231,13 +168,10 @@ impl GuestSpec {
             cmdline: String::new(),
             mem_mib: 256,
             cpus: 1,
-            disks: Vec::new(),
+            devices: DeviceSet::default(),
             channel: None,
             events: None,
             console: true,
-            pmem: Vec::new(),
-            rng: false,
-            balloon: false,
             prefault: None,
             acpi: true,
             restore: None,
@@ -328,9 +262,11 @@ impl Backend for EmberBackend {
             c.arg("--restore").arg(dir);
             c.arg("--console")
                 .arg(if spec.console { "serial" } else { "none" });
-            for p in &spec.pmem {
-                c.arg("--pmem").arg(p);
-            }
+            let pmem = DeviceSet {
+                pmem: spec.devices.pmem.clone(),
+                ..DeviceSet::default()
+            };
+            hand_over(&mut c, &pmem);
             if let Some(ch) = &spec.channel {
                 c.arg("--channel").arg(ch);
             }
@@ -351,18 +287,7 @@ impl Backend for EmberBackend {
         c.arg("--cpus").arg(spec.cpus.to_string());
         c.arg("--console")
             .arg(if spec.console { "serial" } else { "none" });
-        for d in &spec.disks {
-            c.arg("--disk").arg(d.to_arg());
-        }
-        for p in &spec.pmem {
-            c.arg("--pmem").arg(p);
-        }
-        if spec.rng {
-            c.arg("--rng");
-        }
-        if spec.balloon {
-            c.arg("--balloon");
-        }
+        hand_over(&mut c, &spec.devices);
         if !spec.acpi {
             c.arg("--no-acpi");
         }
@@ -378,6 +303,19 @@ impl Backend for EmberBackend {
         Ok(c)
     }
 }
+
+/// Hands `devices` to the child `ember boot` as they are (JSON, the
+/// [`BOOT_DEVICES_ARG`] option), not re-rendered as `--disk` options.
+fn hand_over(c: &mut Command, devices: &DeviceSet) {
+    if *devices != DeviceSet::default() {
+        // Serializing plain data into a String cannot fail.
+        let json = serde_json::to_string(devices).unwrap_or_default();
+        c.arg(BOOT_DEVICES_ARG).arg(json);
+    }
+}
+
+/// The hidden `ember boot` option that takes a [`DeviceSet`] as JSON.
+pub const BOOT_DEVICES_ARG: &str = "--devices-json";
 
 /// The backend `kind` names (`Auto` resolved for this host); `qemu_bios` is
 /// QEMU's firmware (`None`: the machine's own, SeaBIOS on q35).
@@ -461,11 +399,12 @@ mod tests {
         let mut spec = GuestSpec::new("/k");
         spec.initrd = Some("/i".into());
         spec.cmdline = "console=ttyS0".into();
-        spec.disks
-            .push(DiskSpec::parse("/d.img,ro,direct,serial=s1,poll=0").unwrap());
-        spec.pmem.push("/p.img".into());
-        spec.rng = true;
-        spec.balloon = true;
+        spec.devices
+            .disks
+            .push("/d.img,ro,direct,serial=s1,poll=0".parse().unwrap());
+        spec.devices.pmem.push("/p.img".parse().unwrap());
+        spec.devices.rng = Some(RngConfig::default());
+        spec.devices.balloon = Some(BalloonConfig::default());
         spec.prefault = Some("async,window=64M".into());
         spec.acpi = false;
         let c = b.command(&spec).unwrap();
@@ -489,12 +428,8 @@ mod tests {
                 "1",
                 "--console",
                 "serial",
-                "--disk",
-                "/d.img,ro,direct,serial=s1,poll=0",
-                "--pmem",
-                "/p.img",
-                "--rng",
-                "--balloon",
+                "--devices-json",
+                r#"{"disks":[{"path":"/d.img","read_only":true,"direct":true,"serial":"s1","poll_us":0}],"pmem":[{"path":"/p.img"}],"rng":{},"balloon":{"target_bytes":0,"free_page_reporting":true}}"#,
                 "--no-acpi",
                 "--prefault",
                 "async,window=64M"
@@ -503,24 +438,29 @@ mod tests {
     }
 
     #[test]
-    fn disks_parse_as_the_vmm_does() {
-        let d = DiskSpec::parse("a.img,serial=x").unwrap();
-        assert_eq!(d.serial.as_deref(), Some("x"));
-        assert_eq!(d.poll_us, None, "no poll= given: the VMM's default");
-        assert_eq!(d.to_arg(), "a.img,serial=x");
-        for bad in [
-            "",
-            ",ro",
-            "a.img,bogus",
-            "a.img,poll=x",
-            "a.img,serial=123456789012345678901",
-        ] {
-            let e = DiskSpec::parse(bad).unwrap_err().to_string();
-            assert!(
-                e.starts_with("bad --disk") && !e.contains('\n'),
-                "{bad}: {e}"
-            );
-        }
+    fn a_restore_hands_over_only_its_pmem_files() {
+        let b = EmberBackend {
+            binary: "/bin/ember".into(),
+        };
+        let mut spec = GuestSpec::new("/k");
+        spec.restore = Some("/snap".into());
+        spec.devices.disks.push("/d.img".parse().unwrap());
+        spec.devices.pmem.push("/slot.img".parse().unwrap());
+        let args: Vec<_> = b
+            .command(&spec)
+            .unwrap()
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let at = args.iter().position(|a| a == BOOT_DEVICES_ARG).unwrap();
+        let handed: DeviceSet = serde_json::from_str(&args[at + 1]).unwrap();
+        assert_eq!(
+            handed,
+            DeviceSet {
+                pmem: spec.devices.pmem.clone(),
+                ..DeviceSet::default()
+            }
+        );
     }
 
     #[test]

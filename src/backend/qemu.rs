@@ -317,7 +317,7 @@ impl Backend for QemuBackend {
                 format!("{pci}-pci")
             }
         };
-        for (i, d) in spec.disks.iter().enumerate() {
+        for (i, d) in spec.devices.disks.iter().enumerate() {
             if d.poll_us.is_some() {
                 return Err(unsupported("busy-poll a disk (poll=; use --backend ember)"));
             }
@@ -339,13 +339,19 @@ impl Backend for QemuBackend {
                 &format!("{},drive=d{i}{serial}", pci_or_mmio("virtio-blk")),
             ]);
         }
-        if spec.rng {
+        if spec.devices.rng.is_some() {
             c.args(["-device", &pci_or_mmio("virtio-rng")]);
         }
-        if spec.balloon {
+        if let Some(b) = &spec.devices.balloon {
+            if b.target_bytes != 0 {
+                return Err(unsupported(
+                    "start a balloon inflated (use --backend ember)",
+                ));
+            }
             c.args(["-device", &pci_or_mmio("virtio-balloon")]);
         }
-        for (i, (path, size)) in spec.pmem.iter().zip(&pmem).enumerate() {
+        let paths = spec.devices.pmem.iter().map(|p| &p.path);
+        for (i, (path, size)) in paths.zip(&pmem).enumerate() {
             // share=on: the guest's writes reach the file, as with ember's
             // shared mapping.
             c.arg("-object").arg(format!(
@@ -364,15 +370,17 @@ impl Backend for QemuBackend {
 impl QemuBackend {
     /// Each `--pmem` file's size, or why this QEMU machine cannot map it.
     fn pmem_sizes(&self, spec: &GuestSpec) -> Result<Vec<u64>, String> {
-        if !spec.pmem.is_empty() && self.is_microvm() {
+        if !spec.devices.pmem.is_empty() && self.is_microvm() {
             return Err(
                 "attach --pmem to -M microvm (no memory-device area; use --machine q35 \
                  or --backend ember)"
                     .into(),
             );
         }
-        spec.pmem
+        spec.devices
+            .pmem
             .iter()
+            .map(|p| &p.path)
             .map(|p| {
                 let size = std::fs::metadata(p)
                     .map_err(|e| format!("read --pmem {}: {e}", p.display()))?
@@ -397,6 +405,7 @@ const PMEM_ALIGN: u64 = 2 << 20;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ember_vmm::devices::virtio::PmemConfig;
 
     fn qemu(machine: &str, accel: Accel) -> QemuBackend {
         QemuBackend {
@@ -533,12 +542,14 @@ mod tests {
     #[test]
     fn q35_kvm_with_disk() {
         let mut spec = GuestSpec::new("/k");
-        spec.disks
-            .push(super::super::DiskSpec::parse("/d,ro,direct,serial=s1").unwrap());
-        spec.disks
-            .push(super::super::DiskSpec::parse("/e").unwrap());
-        spec.rng = true;
-        spec.balloon = true;
+        spec.devices = ember_vmm::machine::DeviceSet {
+            disks: ["/d,ro,direct,serial=s1", "/e"]
+                .map(|d| d.parse().unwrap())
+                .into(),
+            rng: Some(Default::default()),
+            balloon: Some(Default::default()),
+            pmem: Vec::new(),
+        };
         spec.console = false;
         let s = args(&qemu("q35", Accel::Kvm).command(&spec).unwrap()).join(" ");
         let cpu = if hardware_kvm_usable() {
@@ -564,7 +575,7 @@ mod tests {
         std::fs::File::create(&a).unwrap().set_len(4 << 20).unwrap();
         std::fs::File::create(&b).unwrap().set_len(2 << 20).unwrap();
         let mut spec = GuestSpec::new("/k");
-        spec.pmem = vec![a.clone(), b.clone()];
+        spec.devices.pmem = vec![PmemConfig::new(&a), PmemConfig::new(&b)];
         let s = args(&qemu("q35", Accel::Tcg).command(&spec).unwrap()).join(" ");
         assert!(s.contains("-m 256M,maxmem=262M "), "{s}");
         assert!(
@@ -590,7 +601,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("multiple of 2 MiB") && !e.contains('\n'), "{e}");
-        spec.pmem = vec![dir.join("missing.img")];
+        spec.devices.pmem = vec![PmemConfig::new(dir.join("missing.img"))];
         let e = qemu("q35", Accel::Tcg)
             .command(&spec)
             .unwrap_err()
@@ -635,8 +646,14 @@ mod tests {
                 .contains("--prefault")
         );
         let mut spec = GuestSpec::new("/k");
-        spec.disks
-            .push(super::super::DiskSpec::parse("/d,poll=5").unwrap());
+        spec.devices.disks.push("/d,poll=5".parse().unwrap());
         assert!(q.command(&spec).unwrap_err().to_string().contains("poll="));
+        let mut spec = GuestSpec::new("/k");
+        spec.devices.balloon = Some(ember_vmm::devices::virtio::BalloonConfig {
+            target_bytes: 1 << 20,
+            ..Default::default()
+        });
+        let e = q.command(&spec).unwrap_err().to_string();
+        assert!(e.contains("balloon inflated"), "{e}");
     }
 }

@@ -26,11 +26,11 @@ use crate::device_manager::{DeviceManager, DeviceManagerError, TransportFactory,
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::pmem::PMEM_ALIGN;
 use crate::devices::virtio::{
-    self, Balloon, BalloonHandle, Block, Console, DiskConfig, Pmem, PmemRegion, Rng,
+    self, Balloon, BalloonConfig, BalloonHandle, Block, Console, Pmem, PmemConfig, PmemRegion, Rng,
 };
 use crate::devices::vmgenid;
 use crate::events::{Recorder, kind};
-use crate::machine::{AttachedDevice, DeviceSpec, Machine};
+use crate::machine::{AttachedDevice, DeviceConfig, DeviceSet, Machine, Placement};
 use crate::prefault::{self, CommitError, Committer, MemoryOptions, Prefault};
 use crate::vstate::bus::Bus;
 use crate::vstate::end::VmEnd;
@@ -172,20 +172,10 @@ pub struct VmConfig {
     pub console: Option<Box<dyn Write + Send>>,
     /// Write ACPI tables (MP table is always written).
     pub acpi: bool,
-    /// virtio-blk disks.
-    pub disks: Vec<DiskConfig>,
+    /// The virtio devices: disks, pmem regions (a DAX root), rng, balloon.
+    pub devices: DeviceSet,
     /// A unix socket to connect a virtio-console port to.
     pub channel: Option<PathBuf>,
-    /// Add a virtio-rng device.
-    pub rng: bool,
-    /// Files to expose as virtio-pmem regions (a DAX root).
-    pub pmem: Vec<PathBuf>,
-    /// Add a virtio-balloon device (statistics, free page reporting).
-    pub balloon: bool,
-    /// The balloon's initial target in bytes (adds the balloon when non-zero).
-    pub balloon_target: u64,
-    /// The balloon offers free page reporting.
-    pub balloon_reporting: bool,
     /// How guest memory is backed and committed (`--prefault`, `--mem-lock`, `--hugepages`).
     pub memory: MemoryOptions,
     /// Run once the VM is complete, before the vCPUs start (see [`BeforeGo`]).
@@ -198,7 +188,7 @@ pub struct VmConfig {
 /// Started here they are not under the building thread's filter (each takes
 /// its own), so that filter stays short: installing one costs kernel time in
 /// proportion to its length, on the way to the guest's first instruction.
-pub type BeforeGo = Box<dyn FnOnce(&Vmm) -> std::io::Result<()> + Send>;
+pub type BeforeGo = Box<dyn FnOnce(&Arc<Machine>) -> std::io::Result<()> + Send>;
 
 /// What a parked vCPU thread receives when the VM is complete.
 struct Start {
@@ -208,32 +198,9 @@ struct Start {
     entry: BootEntry,
 }
 
-/// A built VM whose vCPUs are running.
-pub struct Vmm {
-    /// Guest memory (kept alive for KVM and devices).
-    pub mem: GuestMemoryMmap,
-    /// The ending, reported by devices and vCPU threads.
-    pub end: Arc<VmEnd>,
-    /// COM1, for console input.
-    pub serial: Arc<Mutex<Serial>>,
-    /// The VM; dropping it tears the VM down.
-    pub vm: Arc<Vm>,
-    /// vCPU threads (never joined on the fast exit path; see `run`).
-    pub vcpu_threads: Vec<JoinHandle<()>>,
-    /// virtio-pmem file mappings, alive as long as the VM.
-    pub pmem: Vec<PmemRegion>,
-    /// Control of the balloon, when there is one.
-    pub balloon: Option<BalloonHandle>,
-    /// What of guest memory is committed, with `--prefault`.
-    pub committer: Option<Committer>,
-    /// What the control socket and snapshots need: vCPU pause control, the
-    /// virtio devices and what backs them.
-    pub machine: Arc<Machine>,
-}
-
 /// Builds the VM described by `cfg` and starts its vCPUs. Steps are numbered
 /// as in the module docs and `ARCHITECTURE.md`.
-pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> {
+pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Arc<Machine>, BuildError> {
     if cfg.vcpus == 0 {
         return Err(BuildError::NoVcpus);
     }
@@ -260,7 +227,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         Some(c) => Some(commit_upfront(c, &cfg.memory, &recorder)?),
         None => None,
     };
-    let pmem = map_pmem(&cfg.pmem, &ram)?;
+    let pmem = map_pmem(&cfg.devices.pmem, &ram)?;
     let kvm_side = register_memory(&vm, &mem, &pmem, vcpus.readies, &recorder)?;
 
     // 4. Kernel and initramfs, read once, straight into guest memory.
@@ -316,29 +283,20 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         balloon: balloon.clone(),
         vm: vm.clone(),
         mem: mem.clone(),
-        serial: serial.clone(),
-        end: end.clone(),
-    });
-    let vmm = Vmm {
-        mem: mem.clone(),
-        end,
         serial,
-        vm,
-        vcpu_threads: vcpus.threads,
-        pmem: pmem.into_iter().map(|p| p.region).collect(),
-        balloon,
-        committer,
-        machine,
-    };
-    if let Some(c) = vmm
-        .committer
+        end,
+        _vcpu_threads: vcpus.threads,
+        _pmem: pmem.into_iter().map(|p| p.region).collect(),
+        _committer: committer.clone(),
+    });
+    if let Some(c) = committer
         .as_ref()
         .filter(|_| cfg.memory.prefault == Prefault::Async)
     {
-        c.start_background(vmm.balloon.clone(), &cfg.memory, recorder)?;
+        c.start_background(balloon, &cfg.memory, recorder)?;
     }
     if let Some(f) = cfg.before_go {
-        f(&vmm).map_err(BuildError::BeforeGo)?;
+        f(&machine).map_err(BuildError::BeforeGo)?;
     }
     crate::vstate::control::install_kick_handler().map_err(BuildError::KickHandler)?;
     crate::seccomp::confine(crate::seccomp::Thread::Main)?;
@@ -352,7 +310,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Vmm, BuildError> 
         // A vCPU thread that already failed has hung up; its error is in `end`.
         let _ = tx.send(start.clone());
     }
-    Ok(vmm)
+    Ok(machine)
 }
 
 /// Refuses more vCPUs than KVM, or the MP table, can describe.
@@ -480,7 +438,7 @@ fn commit_upfront(
 
 /// A virtio-pmem file mapped for the guest.
 struct MappedPmem {
-    path: PathBuf,
+    config: PmemConfig,
     region: PmemRegion,
     /// Where it sits in guest-physical space.
     addr: u64,
@@ -488,18 +446,19 @@ struct MappedPmem {
 
 /// Maps the pmem files into guest-physical space above RAM, each at a 2 MiB
 /// boundary (what the guest's nd_pmem driver needs for DAX).
-fn map_pmem(paths: &[PathBuf], ram: &[(u64, u64)]) -> Result<Vec<MappedPmem>, BuildError> {
+fn map_pmem(pmem: &[PmemConfig], ram: &[(u64, u64)]) -> Result<Vec<MappedPmem>, BuildError> {
     let mut next = layout::PMEM_START_MIN
         .max(ram.last().map_or(0, |r| r.0 + r.1))
         .next_multiple_of(PMEM_ALIGN);
     let mut out = Vec::new();
-    for path in paths {
+    for config in pmem {
+        let path = &config.path;
         let region = PmemRegion::map(path)
             .map_err(|e| BuildError::Pmem(path.clone(), crate::error_chain(&e)))?;
         let addr = next;
         next = (next + region.len()).next_multiple_of(PMEM_ALIGN);
         out.push(MappedPmem {
-            path: path.clone(),
+            config: config.clone(),
             region,
             addr,
         });
@@ -520,7 +479,7 @@ fn register_memory(
 ) -> Result<JoinHandle<Result<(), BuildError>>, BuildError> {
     let (vm, mem, recorder) = (vm.clone(), mem.clone(), recorder.clone());
     // (guest address, length, host address) of each pmem file; the mappings
-    // live in `Vmm::pmem` as long as the VM.
+    // live in the `Machine` as long as the VM.
     let slots: Vec<_> = pmem
         .iter()
         .map(|p| (p.addr, p.region.len(), p.region.host_addr()))
@@ -553,44 +512,69 @@ fn attach_virtio_devices(
     committer: Option<&Committer>,
 ) -> Result<(Vec<AttachedDevice>, Option<BalloonHandle>), BuildError> {
     let mut attached = Vec::new();
-    let mut place = |spec: DeviceSpec, make: TransportFactory| -> Result<(), BuildError> {
+    let mut place = |config: DeviceConfig,
+                     placement: Placement,
+                     make: TransportFactory|
+     -> Result<(), BuildError> {
         let transport = devices.attach_virtio(make)?;
-        attached.push(AttachedDevice { spec, transport });
+        attached.push(AttachedDevice {
+            config,
+            placement,
+            transport,
+        });
         Ok(())
     };
-    for disk in &cfg.disks {
+    let here = Placement::default();
+    for disk in &cfg.devices.disks {
         let block = Block::new(disk).map_err(|e| BuildError::Disk(disk.path.clone(), e))?;
-        place(block_spec(disk), transport_for(block))?;
+        place(
+            DeviceConfig::Block(disk.clone()),
+            here,
+            transport_for(block),
+        )?;
     }
     if let Some(sock) = &cfg.channel {
         let stream = UnixStream::connect(sock).map_err(|e| BuildError::Channel(sock.clone(), e))?;
         let console =
             Console::from_unix_stream(stream).map_err(|e| BuildError::Channel(sock.clone(), e))?;
-        place(DeviceSpec::Console, transport_for(console))?;
+        place(DeviceConfig::Console, here, transport_for(console))?;
     }
-    if cfg.rng {
-        place(DeviceSpec::Rng, transport_for(Rng::new()))?;
+    if let Some(rng) = &cfg.devices.rng {
+        place(
+            DeviceConfig::Rng(rng.clone()),
+            here,
+            transport_for(Rng::new()),
+        )?;
     }
     for p in pmem {
         let dev = Pmem::new(&p.region, p.addr)
-            .map_err(|e| BuildError::Pmem(p.path.clone(), e.to_string()))?;
-        let spec = DeviceSpec::Pmem {
-            path: p.path.clone(),
-            guest_addr: p.addr,
+            .map_err(|e| BuildError::Pmem(p.config.path.clone(), e.to_string()))?;
+        let placement = Placement {
+            region: Some(p.addr),
         };
-        place(spec, transport_for(dev))?;
+        place(
+            DeviceConfig::Pmem(p.config.clone()),
+            placement,
+            transport_for(dev),
+        )?;
     }
     let fenced = cfg.memory.prefault == Prefault::Async;
-    let balloon = if cfg.balloon || cfg.balloon_target > 0 || fenced {
+    let balloon = match &cfg.devices.balloon {
+        Some(b) => Some(b.clone()),
+        None => fenced.then(BalloonConfig::default),
+    };
+    let balloon = if let Some(config) = balloon {
         // `async`: the guest may use the boot window only, until the committer
         // lowers the target chunk by chunk.
         let mut dev = Balloon::new(0)?;
         // Committed memory stays committed: with `--prefault` the guest's free
         // pages are not reported (each report would drop pages the user asked
         // to have ready); only a balloon target gives memory back.
-        dev.set_free_page_reporting(cfg.balloon_reporting && cfg.memory.prefault == Prefault::Off);
+        dev.set_free_page_reporting(
+            config.free_page_reporting && cfg.memory.prefault == Prefault::Off,
+        );
         let handle = dev.handle();
-        handle.set_target_bytes(cfg.balloon_target);
+        handle.set_target_bytes(config.target_bytes);
         if let Some(c) = committer.filter(|_| fenced) {
             let rest = c.ram_bytes().saturating_sub(cfg.memory.window);
             handle.set_fence_pages(u32::try_from(rest / 4096).unwrap_or(u32::MAX));
@@ -598,7 +582,7 @@ fn attach_virtio_devices(
         if let Some(c) = committer {
             handle.set_fence(c.fence());
         }
-        place(DeviceSpec::Balloon, transport_for(dev))?;
+        place(DeviceConfig::Balloon(config), here, transport_for(dev))?;
         Some(handle)
     } else {
         None
@@ -655,17 +639,6 @@ fn write_boot_structures(
         BootEntry::Linux64(_) => boot::configure_linux(mem, &boot_layout, boot_info.hdr)?,
     }
     Ok(())
-}
-
-/// How a snapshot records a disk.
-fn block_spec(disk: &DiskConfig) -> DeviceSpec {
-    DeviceSpec::Block {
-        path: disk.path.clone(),
-        read_only: disk.read_only,
-        direct: disk.direct,
-        serial: disk.serial.clone(),
-        poll_us: u64::try_from(disk.poll.as_micros()).unwrap_or(u64::MAX),
-    }
 }
 
 /// Loads the kernel from `path`: an ELF (entered through its PVH note when it

@@ -5,9 +5,10 @@
 //! depends on one above it):
 //! [`snapshot`] (saving a VM, and [`snapshot::restore`] building one from a
 //! snapshot) over [`builder`] (the boot order) over `device_manager`
-//! (placing devices) and [`machine`] (the running VM as the control socket
-//! sees it) and [`prefault`] (`--prefault`: committing guest memory, fenced by
-//! the balloon) over [`devices`] (device models, which hold no KVM) over
+//! (placing devices) and [`machine`] (the running VM, and the one
+//! configuration type per device), over [`prefault`] (`--prefault`:
+//! committing guest memory, fenced by the balloon) over [`devices`] (device
+//! models, which hold no KVM) over
 //! [`vstate`] (KVM, guest memory, vCPUs, the I/O bus and how the guest's end
 //! is signalled) over [`arch`] (x86-64 tables, registers and the guest
 //! memory layout). [`events`], [`logger`], `ranges`, [`seccomp`] and

@@ -234,7 +234,9 @@ fn blk_header(mem: &GuestMemoryMmap<()>, at: u64, kind: u32, sector: u64) {
 
 fn block_round_trip(engine: EngineKind, options: &str) {
     let path = disk_image(32);
-    let cfg = DiskConfig::parse(&format!("{}{options}", path.display())).unwrap();
+    let cfg = format!("{}{options}", path.display())
+        .parse::<DiskConfig>()
+        .unwrap();
     let mut d = Driver::new(Block::new(&cfg).unwrap().with_engine(engine));
     assert_eq!(d.read(DEVICE_ID), 2);
     let mut cap = [0u8; 8];
@@ -302,7 +304,7 @@ fn block_io_thread_round_trip_with_o_direct() {
 #[test]
 fn acknowledged_writes_survive_a_reset_in_the_middle_of_io() {
     let path = disk_image(256);
-    let cfg = DiskConfig::parse(path.to_str().unwrap()).unwrap();
+    let cfg = path.to_str().unwrap().parse::<DiskConfig>().unwrap();
     let mut d = Driver::new(Block::new(&cfg).unwrap());
     d.bring_up();
     // The data first: the I/O thread may poll the ring and take a request as

@@ -36,7 +36,7 @@ use kvm_bindings::kvm_cpuid_entry2;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-pub use crate::machine::{AttachedDevice, DeviceSpec, Machine};
+pub use crate::machine::{AttachedDevice, DeviceConfig, Machine, Placement};
 
 use crate::arch::x86_64::layout;
 use crate::devices::virtio::mmio::TransportState;
@@ -45,8 +45,9 @@ use crate::devices::virtio::{BalloonHandle, BalloonState};
 /// The state file's first bytes.
 pub const MAGIC: &[u8; 8] = b"EMBERSNP";
 /// The state format this ember writes and reads. Bump it whenever a
-/// serialized type changes.
-pub const FORMAT_VERSION: u32 = 3;
+/// serialized type changes (4: devices are recorded by their configuration
+/// types, `machine::DeviceConfig`, and their placement).
+pub const FORMAT_VERSION: u32 = 4;
 /// magic, version (u32), payload length (u64), CRC-32 (u32).
 const HEADER_LEN: usize = 8 + 4 + 8 + 4;
 /// The state file's name in a snapshot directory.
@@ -206,8 +207,10 @@ impl FileIdentity {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceState {
-    /// What it is and what backs it.
-    pub spec: DeviceSpec,
+    /// What it is and what backs it, as configured.
+    pub config: DeviceConfig,
+    /// Where the device manager put it.
+    pub placement: Placement,
     /// Its backing file, for disks and pmem.
     pub file: Option<FileIdentity>,
     /// Its register window.
@@ -350,15 +353,19 @@ impl SnapshotState {
             if d.transport.queues.len() > MAX_QUEUES {
                 return Err(format!("device {i} has too many queues"));
             }
-            if d.spec.path().is_some() != d.file.is_some() {
+            if d.config.path().is_some() != d.file.is_some() {
                 return Err(format!("device {i}'s backing file is not recorded"));
             }
-            match (&d.spec, &d.balloon) {
-                (DeviceSpec::Balloon, Some(b)) => {
+            let pmem = matches!(d.config, DeviceConfig::Pmem(_));
+            if pmem != d.placement.region.is_some() {
+                return Err(format!("device {i}'s memory region is not as recorded"));
+            }
+            match (&d.config, &d.balloon) {
+                (DeviceConfig::Balloon(_), Some(b)) => {
                     let ram = layout::ram_ranges(self.mem_size);
                     b.check(&ram).map_err(|e| format!("device {i}: {e}"))?;
                 }
-                (DeviceSpec::Balloon, None) => {
+                (DeviceConfig::Balloon(_), None) => {
                     return Err(format!("device {i} is a balloon without its state"));
                 }
                 (_, Some(_)) => return Err(format!("device {i} has a balloon's state")),
@@ -496,7 +503,7 @@ pub fn load_replacing(
         });
     }
     for d in &state.devices {
-        if let (Some(path), Some(rec)) = (d.spec.path(), &d.file) {
+        if let (Some(path), Some(rec)) = (d.config.path(), &d.file) {
             let now = FileIdentity::of(path).map_err(io_err(path))?;
             if let Some(why) = rec.differs(&now) {
                 return Err(SnapshotError::FileChanged {
@@ -536,9 +543,10 @@ fn read_bounded(path: &Path) -> Result<Vec<u8>, SnapshotError> {
 fn replace_pmem(state: &mut SnapshotState, files: &[PathBuf]) -> Result<(), SnapshotError> {
     let mut files = files.iter();
     for d in &mut state.devices {
-        let DeviceSpec::Pmem { path, .. } = &mut d.spec else {
+        let DeviceConfig::Pmem(pmem) = &mut d.config else {
             continue;
         };
+        let path = &mut pmem.path;
         let Some(new) = files.next() else { break };
         let now = FileIdentity::of(new).map_err(io_err(new))?;
         let want = d.file.map_or(0, |f| f.size);
@@ -635,7 +643,7 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
     if machine
         .devices
         .iter()
-        .any(|d| d.spec == DeviceSpec::Balloon)
+        .any(|d| matches!(d.config, DeviceConfig::Balloon(_)))
         && machine.balloon.is_none()
     {
         return Err(SnapshotError::Unsupported(
@@ -681,17 +689,18 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
     let host_cpuid = crate::arch::x86_64::cpuid::host_signature();
     let mut devices = Vec::new();
     for d in &machine.devices {
-        let file = match d.spec.path() {
+        let file = match d.config.path() {
             Some(p) => Some(FileIdentity::of(p).map_err(io_err(p))?),
             None => None,
         };
         // Taken after the drain: no inflate or deflate is half-way.
-        let balloon = match d.spec {
-            DeviceSpec::Balloon => machine.balloon.as_ref().map(BalloonHandle::state),
+        let balloon = match d.config {
+            DeviceConfig::Balloon(_) => machine.balloon.as_ref().map(BalloonHandle::state),
             _ => None,
         };
         devices.push(DeviceState {
-            spec: d.spec.clone(),
+            config: d.config.clone(),
+            placement: d.placement,
             file,
             balloon,
             transport: d

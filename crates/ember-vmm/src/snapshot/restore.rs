@@ -32,13 +32,13 @@ use std::thread::JoinHandle;
 
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
-use super::{AttachedDevice, DeviceSpec, Machine, SnapshotError, vcpu, vm};
+use super::{AttachedDevice, DeviceConfig, Machine, SnapshotError, vcpu, vm};
 use crate::arch::x86_64::layout;
-use crate::builder::{self, BuildError, Vmm};
+use crate::builder::{self, BuildError};
 use crate::device_manager::{DeviceManager, transport_for};
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::{
-    Balloon, BalloonHandle, Block, Console, DiskConfig, Pmem, PmemRegion, Rng,
+    Balloon, BalloonHandle, Block, Console, Pmem, PmemConfig, PmemRegion, Rng,
 };
 use crate::devices::vmgenid::VmGenId;
 use crate::events::{Recorder, kind};
@@ -60,7 +60,7 @@ pub struct RestoreConfig {
     /// Backing files for the snapshot's pmem devices, in order, instead of
     /// the recorded ones (each of the recorded size; see
     /// [`super::load_replacing`]).
-    pub pmem: Vec<PathBuf>,
+    pub pmem: Vec<PmemConfig>,
     /// Run once the VM is complete, before the vCPUs start
     /// ([`builder::BeforeGo`]).
     pub before_go: Option<builder::BeforeGo>,
@@ -199,12 +199,13 @@ struct VcpuStart {
 
 /// Builds and starts the VM saved in `cfg.dir`, in the steps of this module's
 /// documentation.
-pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, SnapshotError> {
+pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Arc<Machine>, SnapshotError> {
     // 1-2. KVM; this host's CPU and the VM on helper threads while the
     // state file is read and checked here.
     let kvm = Arc::new(kvm::open().map_err(step)?);
     let (early, pit) = spawn_vm(kvm.clone(), cfg.dir.join(super::MEMORY_FILE))?;
-    let (mut state, mem_path) = super::load_replacing(&cfg.dir, &cfg.pmem)?;
+    let pmem: Vec<PathBuf> = cfg.pmem.iter().map(|p| p.path.clone()).collect();
+    let (mut state, mem_path) = super::load_replacing(&cfg.dir, &pmem)?;
     super::check_host_cpu(&state, &crate::arch::x86_64::cpuid::host_signature())?;
     recorder.mark(kind::KVM_OPEN);
     let channel = connect_channel(&state.devices, cfg.channel.as_deref())?;
@@ -276,25 +277,17 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, Snaps
         vcpus: n_vcpus as u32,
         anonymous_memory: false,
         vmgenid: state.vmgenid,
-        balloon: balloon.clone(),
-        vm: vm.clone(),
-        mem: mem.clone(),
-        serial: serial.clone(),
-        end: end.clone(),
-    });
-    let vmm = Vmm {
-        mem: mem.clone(),
-        end: end.clone(),
-        serial,
-        vm,
-        vcpu_threads,
-        pmem: pmem_regions,
         balloon,
-        committer: None,
-        machine,
-    };
+        vm,
+        mem: mem.clone(),
+        serial,
+        end: end.clone(),
+        _vcpu_threads: vcpu_threads,
+        _pmem: pmem_regions,
+        _committer: None,
+    });
     if let Some(f) = cfg.before_go {
-        f(&vmm).map_err(step)?;
+        f(&machine).map_err(step)?;
     }
     crate::vstate::control::install_kick_handler().map_err(step)?;
     crate::seccomp::confine(crate::seccomp::Thread::Main).map_err(step)?;
@@ -309,7 +302,7 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Vmm, Snaps
         // A thread that failed already reported it on `ready`.
         let _ = go.send(start.clone());
     }
-    Ok(vmm)
+    Ok(machine)
 }
 
 /// The memory file as mapped must be the size the state says (the file may
@@ -328,7 +321,7 @@ fn connect_channel(
     devices: &[super::DeviceState],
     socket: Option<&Path>,
 ) -> Result<Option<Console>, SnapshotError> {
-    if !devices.iter().any(|d| d.spec == DeviceSpec::Console) {
+    if !devices.iter().any(|d| d.config == DeviceConfig::Console) {
         return Ok(None);
     }
     let Some(sock) = socket else {
@@ -352,10 +345,10 @@ fn map_pmem(
 ) -> Result<Vec<PmemRegion>, SnapshotError> {
     let mut regions = Vec::new();
     for d in devices {
-        if let DeviceSpec::Pmem { path, guest_addr } = &d.spec {
-            let region = PmemRegion::map(path).map_err(step)?;
-            check_pmem_addr(path, *guest_addr, region.len(), mem_size)?;
-            vm.add_region(*guest_addr, region.len(), region.host_addr())
+        if let (DeviceConfig::Pmem(p), Some(guest_addr)) = (&d.config, d.placement.region) {
+            let region = PmemRegion::map(&p.path).map_err(step)?;
+            check_pmem_addr(&p.path, guest_addr, region.len(), mem_size)?;
+            vm.add_region(guest_addr, region.len(), region.host_addr())
                 .map_err(step)?;
             regions.push(region);
         }
@@ -404,39 +397,27 @@ fn restore_virtio(
     let mut pmem_iter = pmem_regions.iter();
     let mut balloon: Option<BalloonHandle> = None;
     for (i, d) in states.iter().enumerate() {
-        let make = match &d.spec {
-            DeviceSpec::Block {
-                path,
-                read_only,
-                direct,
-                serial,
-                poll_us,
-            } => {
-                let disk = DiskConfig {
-                    path: path.clone(),
-                    read_only: *read_only,
-                    direct: *direct,
-                    serial: serial.clone(),
-                    poll: std::time::Duration::from_micros(*poll_us),
-                };
-                let block =
-                    Block::new(&disk).map_err(|e| build_err(BuildError::Disk(path.clone(), e)))?;
+        let make = match &d.config {
+            DeviceConfig::Block(disk) => {
+                let block = Block::new(disk)
+                    .map_err(|e| build_err(BuildError::Disk(disk.path.clone(), e)))?;
                 transport_for(block)
             }
-            DeviceSpec::Rng => transport_for(Rng::new()),
-            DeviceSpec::Pmem { path, guest_addr } => {
-                let region = pmem_iter
-                    .next()
-                    .ok_or_else(|| SnapshotError::Step("pmem regions out of step".into()))?;
-                let dev = Pmem::new(region, *guest_addr)
-                    .map_err(|e| SnapshotError::Step(format!("{}: {}", path.display(), e)))?;
+            DeviceConfig::Rng(_) => transport_for(Rng::new()),
+            DeviceConfig::Pmem(p) => {
+                let (Some(region), Some(guest_addr)) = (pmem_iter.next(), d.placement.region)
+                else {
+                    return Err(SnapshotError::Step("pmem regions out of step".into()));
+                };
+                let dev = Pmem::new(region, guest_addr)
+                    .map_err(|e| SnapshotError::Step(format!("{}: {}", p.path.display(), e)))?;
                 transport_for(dev)
             }
-            DeviceSpec::Console => match channel.take() {
+            DeviceConfig::Console => match channel.take() {
                 Some(console) => transport_for(console),
                 None => return Err(SnapshotError::Step("more than one channel".into())),
             },
-            DeviceSpec::Balloon => {
+            DeviceConfig::Balloon(_) => {
                 // `validate` checked that a balloon has its state, and there is one.
                 let (Some(s), None) = (&d.balloon, &balloon) else {
                     return Err(SnapshotError::Step(
@@ -457,7 +438,8 @@ fn restore_virtio(
             .restore(&d.transport)
             .map_err(|e| SnapshotError::Step(format!("virtio device {i}: {e}")))?;
         attached.push(AttachedDevice {
-            spec: d.spec.clone(),
+            config: d.config.clone(),
+            placement: d.placement,
             transport,
         });
     }

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::devices::virtio::mmio::{QueueRegs, TransportState};
+use crate::devices::virtio::{BalloonConfig, DiskConfig, PmemConfig};
 use kvm_bindings::{kvm_irqchip, kvm_msr_entry};
 
 fn sample() -> SnapshotState {
@@ -73,13 +74,14 @@ fn sample() -> SnapshotState {
             in_buffer: b"ls\n".to_vec(),
         },
         devices: vec![DeviceState {
-            spec: DeviceSpec::Block {
+            config: DeviceConfig::Block(DiskConfig {
                 path: "/tmp/disk.img".into(),
                 read_only: false,
                 direct: false,
                 serial: Some("d0".into()),
-                poll_us: 50,
-            },
+                poll_us: Some(50),
+            }),
+            placement: Placement::default(),
             file: Some(FileIdentity {
                 dev: 1,
                 ino: 2,
@@ -117,7 +119,8 @@ fn with_balloon() -> SnapshotState {
     let mut transport = s.devices[0].transport.clone();
     transport.device_type = 5;
     s.devices.push(DeviceState {
-        spec: DeviceSpec::Balloon,
+        config: DeviceConfig::Balloon(BalloonConfig::default()),
+        placement: Placement::default(),
         file: None,
         transport,
         balloon: Some(BalloonState {
@@ -144,7 +147,10 @@ fn a_balloon_round_trips() {
     let back = decode(&bytes, path()).unwrap();
     assert_eq!(encode(&back), bytes);
     assert_eq!(back.devices[1].balloon, s.devices[1].balloon);
-    assert_eq!(back.devices[1].spec, DeviceSpec::Balloon);
+    assert_eq!(
+        back.devices[1].config,
+        DeviceConfig::Balloon(BalloonConfig::default())
+    );
     // A state file without balloons has no `balloon` field in its devices.
     let plain = String::from_utf8_lossy(&encode(&sample())[24..]).into_owned();
     assert!(!plain.contains("balloon"), "{plain}");
@@ -174,7 +180,7 @@ fn a_forged_balloon_state_is_refused() {
         (
             "no state",
             reencode(|s| {
-                s.devices[0].spec = DeviceSpec::Balloon;
+                s.devices[0].config = DeviceConfig::Balloon(BalloonConfig::default());
                 s.devices[0].file = None;
             }),
         ),
@@ -224,7 +230,7 @@ fn state_file_round_trips_every_field() {
     assert_eq!(back.vm.clock.clock, 987_654_321);
     assert_eq!(back.serial, s.serial);
     assert_eq!(back.devices[0].transport, s.devices[0].transport);
-    assert_eq!(back.devices[0].spec, s.devices[0].spec);
+    assert_eq!(back.devices[0].config, s.devices[0].config);
     assert!(back.vmgenid);
 }
 
@@ -318,6 +324,10 @@ fn a_checksummed_payload_that_makes_no_sense_is_refused() {
         ("chips", reencode(|s| s.vm.pic_slave.chip_id = 2)),
         ("fifo", reencode(|s| s.serial.in_buffer = vec![0; 65])),
         ("file", reencode(|s| s.devices[0].file = None)),
+        (
+            "a region on a disk",
+            reencode(|s| s.devices[0].placement.region = Some(1 << 32)),
+        ),
         (
             "too many devices",
             reencode(|s| {
@@ -434,10 +444,10 @@ fn load_refuses_wrong_memory_size_other_cpus_and_changed_files() {
     let disk = dir.join("disk.img");
     std::fs::write(&disk, vec![0u8; 4096]).unwrap();
     let mut s = sample();
-    let DeviceSpec::Block { path, .. } = &mut s.devices[0].spec else {
+    let DeviceConfig::Block(d) = &mut s.devices[0].config else {
         unreachable!()
     };
-    path.clone_from(&disk);
+    d.path.clone_from(&disk);
     s.devices[0].file = Some(FileIdentity::of(&disk).unwrap());
     std::fs::write(dir.join(STATE_FILE), encode(&s)).unwrap();
     let mem = std::fs::File::create(dir.join(MEMORY_FILE)).unwrap();
@@ -485,9 +495,9 @@ fn pmem_backing_files_are_replaced_only_by_files_of_the_same_size() {
     );
     let mut s = sample();
     s.devices.push(DeviceState {
-        spec: DeviceSpec::Pmem {
-            path: old.clone(),
-            guest_addr: 1 << 32,
+        config: DeviceConfig::Pmem(PmemConfig { path: old.clone() }),
+        placement: Placement {
+            region: Some(1 << 32),
         },
         file: Some(FileIdentity::of(&old).unwrap()),
         transport: s.devices[0].transport.clone(),
@@ -496,10 +506,10 @@ fn pmem_backing_files_are_replaced_only_by_files_of_the_same_size() {
     let mut replaced = decode(&encode(&s), path()).unwrap();
     replace_pmem(&mut replaced, std::slice::from_ref(&same)).unwrap();
     let d = &replaced.devices[1];
-    assert_eq!(d.spec.path(), Some(same.as_path()));
+    assert_eq!(d.config.path(), Some(same.as_path()));
     assert_eq!(d.file, Some(FileIdentity::of(&same).unwrap()));
     // The disk before it is untouched.
-    assert_eq!(replaced.devices[0].spec, s.devices[0].spec);
+    assert_eq!(replaced.devices[0].config, s.devices[0].config);
 
     let mut t = decode(&encode(&s), path()).unwrap();
     let e = replace_pmem(&mut t, &[small]).unwrap_err().to_string();

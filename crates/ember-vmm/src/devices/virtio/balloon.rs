@@ -181,6 +181,28 @@ struct Shared {
 const MAX_STATE_RANGES: usize = 1 << 20;
 const MAX_STATE_STATS: usize = MAX_BUFFER_BYTES / STAT_LEN;
 
+/// A balloon as the user configures it (`--balloon`, `--balloon-target SIZE`,
+/// `--balloon-no-reporting`; see [`crate::machine`] for the rule). What it holds once
+/// the guest runs is its [`BalloonState`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BalloonConfig {
+    /// The initial target in bytes (memory the guest gives back); zero: none.
+    #[serde(default)]
+    pub target_bytes: u64,
+    /// Offer free page reporting (the guest's free memory goes back to the host).
+    pub free_page_reporting: bool,
+}
+
+impl Default for BalloonConfig {
+    fn default() -> Self {
+        BalloonConfig {
+            target_bytes: 0,
+            free_page_reporting: true,
+        }
+    }
+}
+
 /// A balloon's state in a snapshot, besides its transport's registers and queues.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -39,11 +39,13 @@ pub(crate) mod test_utils;
 pub use block::{Block, DiskConfig};
 pub use console::{Console, ConsoleInput};
 
-pub use balloon::{Balloon, BalloonHandle, BalloonState, BalloonStats, TargetError, target_pages};
+pub use balloon::{
+    Balloon, BalloonConfig, BalloonHandle, BalloonState, BalloonStats, TargetError, target_pages,
+};
 pub use mmio::MmioTransport;
-pub use pmem::{Pmem, PmemRegion};
+pub use pmem::{Pmem, PmemConfig, PmemRegion};
 
-pub use rng::Rng;
+pub use rng::{Rng, RngConfig};
 
 use std::io;
 use std::sync::Arc;

@@ -7,7 +7,9 @@
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use virtio_bindings::virtio_ids::VIRTIO_ID_PMEM;
 use virtio_queue::{DescriptorChain, Queue, Reader, Writer};
@@ -36,6 +38,9 @@ const DEVICE: &str = "virtio-pmem";
 /// virtio-pmem errors.
 #[derive(Debug, Error)]
 pub enum Error {
+    /// `--pmem` with no path.
+    #[error("pmem option is missing a path")]
+    MissingPath,
     /// The backing file could not be opened.
     #[error("cannot open pmem backing file {path}")]
     Open {
@@ -69,6 +74,37 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// A pmem device as the user configures it (`--pmem PATH`; see [`crate::machine`] for
+/// the rule). Where it sits in guest-physical memory is the device manager's choice, not
+/// part of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PmemConfig {
+    /// The backing file, absolute.
+    pub path: PathBuf,
+}
+
+impl PmemConfig {
+    /// A pmem device backed by `path`, made absolute against the current directory.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        PmemConfig {
+            path: super::block::absolute(path.into()),
+        }
+    }
+}
+
+impl FromStr for PmemConfig {
+    type Err = Error;
+
+    /// Parses `PATH`: the one `--pmem` grammar.
+    fn from_str(arg: &str) -> Result<Self, Error> {
+        if arg.is_empty() {
+            return Err(Error::MissingPath);
+        }
+        Ok(PmemConfig::new(arg))
+    }
 }
 
 /// A backing file mapped shared into the VMM, ready to become a KVM memory slot.

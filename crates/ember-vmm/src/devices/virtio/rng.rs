@@ -1,5 +1,6 @@
 //! virtio-rng: an entropy source backed by the host's getrandom(2) (virtio 1.x §5.4).
 
+use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_ids::VIRTIO_ID_RNG;
 use virtio_queue::Queue;
 use vm_memory::Bytes;
@@ -16,6 +17,13 @@ pub const QUEUE_SIZE: u16 = 256;
 /// huge buffer from stalling the thread.
 pub const MAX_BYTES_PER_REQUEST: usize = 64 * 1024;
 const DEVICE: &str = "virtio-rng";
+
+/// An entropy device as the user configures it (`--rng`; see [`crate::machine`] for the
+/// rule): nothing to choose yet, but a type of its own, so a rate limit or another
+/// source has its place.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RngConfig {}
 
 /// A virtio entropy device.
 ///

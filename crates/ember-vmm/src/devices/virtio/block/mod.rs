@@ -25,9 +25,11 @@ use std::fs::{File, OpenOptions};
 
 use crate::devices::image_lock::{self, LockKind};
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO,
@@ -128,45 +130,95 @@ pub const DEFAULT_POLL: Duration = Duration::from_micros(32);
 /// The largest `poll=` accepted, in microseconds.
 pub const MAX_POLL_US: u64 = 1_000_000;
 
-/// A `--disk PATH[,ro][,direct][,serial=ID][,poll=US]` argument.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A disk as the user configures it: `--disk PATH[,ro][,direct][,serial=ID][,poll=US]`
+/// on the command line, the same value in a machine description, a snapshot and the
+/// appliance's hand-over to its `ember boot` (see [`crate::machine`] for the rule).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DiskConfig {
-    /// The image file (or block device).
+    /// The image file (or block device), absolute.
     pub path: PathBuf,
     /// Offer the disk read-only and refuse writes.
+    #[serde(default)]
     pub read_only: bool,
-    /// Bypass the host page cache (`O_DIRECT`).
+    /// Bypass the host page cache (`O_DIRECT`; QEMU's `cache=none`).
+    #[serde(default)]
     pub direct: bool,
-    /// What `GET_ID` returns (at most 20 bytes).
+    /// What `GET_ID` returns (at most 20 bytes; `/dev/disk/by-id/virtio-ID`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serial: Option<String>,
-    /// The I/O thread's longest busy-poll before sleeping (`poll=US`; zero: never poll).
-    pub poll: Duration,
+    /// The I/O thread's longest busy-poll before sleeping, in microseconds (`poll=US`;
+    /// zero: never poll), when given: [`DEFAULT_POLL`] otherwise, and a backend without
+    /// busy-polling refuses a given one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub poll_us: Option<u64>,
 }
 
 impl DiskConfig {
-    /// Parses `PATH[,ro][,direct][,serial=ID][,poll=US]`.
+    /// A read-write disk on `path` with every option at its default. A relative path is
+    /// made absolute here, against the current directory: the configuration means the
+    /// same file in another process (a restore, the appliance's VMM) or directory.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        DiskConfig {
+            path: absolute(path.into()),
+            read_only: false,
+            direct: false,
+            serial: None,
+            poll_us: None,
+        }
+    }
+
+    /// The I/O thread's busy-poll window.
+    pub fn poll(&self) -> Duration {
+        self.poll_us.map_or(DEFAULT_POLL, Duration::from_micros)
+    }
+
+    /// Checks what the grammar checks, for a configuration that did not come through it
+    /// (a snapshot's, the appliance's hand-over).
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.path.as_os_str().is_empty() {
+            return Err(Error::MissingPath);
+        }
+        if let Some(s) = self
+            .serial
+            .as_ref()
+            .filter(|s| s.len() > VIRTIO_BLK_ID_BYTES as usize)
+        {
+            return Err(Error::SerialTooLong(s.clone()));
+        }
+        if let Some(us) = self.poll_us.filter(|&us| us > MAX_POLL_US) {
+            return Err(Error::BadPoll(us.to_string()));
+        }
+        Ok(())
+    }
+}
+
+/// `path` made absolute against the current directory (left as it is when there is none).
+pub(crate) fn absolute(path: PathBuf) -> PathBuf {
+    std::path::absolute(&path).unwrap_or(path)
+}
+
+impl FromStr for DiskConfig {
+    type Err = Error;
+
+    /// Parses `PATH[,ro][,direct][,serial=ID][,poll=US]`: the one `--disk` grammar.
     ///
     /// ```
     /// use ember_vmm::devices::virtio::DiskConfig;
-    /// let d = DiskConfig::parse("/img/root.ext4,ro,serial=root").unwrap();
+    /// let d: DiskConfig = "/img/root.ext4,ro,serial=root".parse().unwrap();
     /// assert!(d.read_only && !d.direct);
     /// assert_eq!(d.serial.as_deref(), Some("root"));
-    /// assert!(DiskConfig::parse("x,fast").is_err());
-    /// assert_eq!(DiskConfig::parse("x,poll=0").unwrap().poll.as_micros(), 0);
+    /// assert!("x,fast".parse::<DiskConfig>().is_err());
+    /// assert_eq!("x,poll=0".parse::<DiskConfig>().unwrap().poll_us, Some(0));
+    /// assert!("x".parse::<DiskConfig>().unwrap().path.is_absolute());
     /// ```
-    pub fn parse(arg: &str) -> Result<Self, Error> {
+    fn from_str(arg: &str) -> Result<Self, Error> {
         let mut parts = arg.split(',');
         let path = parts
             .next()
             .filter(|p| !p.is_empty())
             .ok_or(Error::MissingPath)?;
-        let mut config = DiskConfig {
-            path: PathBuf::from(path),
-            read_only: false,
-            direct: false,
-            serial: None,
-            poll: DEFAULT_POLL,
-        };
+        let mut config = DiskConfig::new(path);
         for opt in parts {
             match opt {
                 "ro" => config.read_only = true,
@@ -174,7 +226,7 @@ impl DiskConfig {
                 _ if opt.starts_with("poll=") => {
                     let us = &opt["poll=".len()..];
                     match us.parse::<u64>() {
-                        Ok(n) if n <= MAX_POLL_US => config.poll = Duration::from_micros(n),
+                        Ok(n) if n <= MAX_POLL_US => config.poll_us = Some(n),
                         _ => return Err(Error::BadPoll(us.to_owned())),
                     }
                 }
@@ -205,7 +257,7 @@ static NEXT_DISK: AtomicUsize = AtomicUsize::new(0);
 ///
 /// let path = std::env::temp_dir().join(format!("ember-doc-{}.img", std::process::id()));
 /// std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
-/// let disk = Block::new(&DiskConfig::parse(&format!("{},ro", path.display())).unwrap()).unwrap();
+/// let disk = Block::new(&format!("{},ro", path.display()).parse().unwrap()).unwrap();
 /// assert_eq!(disk.capacity_sectors(), 2048);
 /// let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
 /// let transport = MmioTransport::new(disk, mem, Arc::new(CountingInterrupt::default())).unwrap();
@@ -236,6 +288,7 @@ impl std::fmt::Debug for Block {
 impl Block {
     /// Opens the image `config` names (read-only if `ro`, with `O_DIRECT` if `direct`).
     pub fn new(config: &DiskConfig) -> Result<Self, Error> {
+        config.validate()?;
         let mut opts = OpenOptions::new();
         opts.read(true).write(!config.read_only);
         let flags = if config.direct { libc::O_DIRECT } else { 0 };
@@ -303,7 +356,7 @@ impl Block {
             config_space: config_space(params.capacity),
             params,
             engine: EngineKind::Auto,
-            poll: config.poll,
+            poll: config.poll(),
             avail_features,
             thread_name: format!("ember-blk{}", NEXT_DISK.fetch_add(1, Ordering::Relaxed)),
             worker: None,
@@ -416,48 +469,67 @@ impl VirtioDevice for Block {
 mod tests {
     use super::*;
 
+    fn parse(arg: &str) -> Result<DiskConfig, Error> {
+        arg.parse()
+    }
+
     #[test]
     fn parses_disk_options() {
         assert_eq!(
-            DiskConfig::parse("/a/b.img").unwrap(),
+            parse("/a/b.img").unwrap(),
             DiskConfig {
                 path: "/a/b.img".into(),
                 read_only: false,
                 direct: false,
                 serial: None,
-                poll: DEFAULT_POLL,
+                poll_us: None,
             }
         );
-        let d = DiskConfig::parse("x,direct,ro,serial=12345678901234567890").unwrap();
+        assert_eq!(parse("/a/b.img").unwrap().poll(), DEFAULT_POLL);
+        let d = parse("x,direct,ro,serial=12345678901234567890").unwrap();
         assert!(d.read_only && d.direct);
+        assert_eq!(d.path, std::env::current_dir().unwrap().join("x"));
         assert_eq!(d.serial.unwrap().len(), 20);
-        assert!(matches!(DiskConfig::parse(""), Err(Error::MissingPath)));
-        assert!(matches!(DiskConfig::parse(",ro"), Err(Error::MissingPath)));
+        assert!(matches!(parse(""), Err(Error::MissingPath)));
+        assert!(matches!(parse(",ro"), Err(Error::MissingPath)));
         assert!(matches!(
-            DiskConfig::parse("x,serial=123456789012345678901"),
+            parse("x,serial=123456789012345678901"),
             Err(Error::SerialTooLong(_))
         ));
-        assert!(matches!(DiskConfig::parse("x,rw"), Err(Error::UnknownOption(o)) if o == "rw"));
+        assert!(matches!(parse("x,rw"), Err(Error::UnknownOption(o)) if o == "rw"));
         assert_eq!(
-            DiskConfig::parse("x,poll=20").unwrap().poll,
+            parse("x,poll=20").unwrap().poll(),
             Duration::from_micros(20)
         );
-        assert_eq!(DiskConfig::parse("x,poll=0").unwrap().poll, Duration::ZERO);
+        assert_eq!(parse("x,poll=0").unwrap().poll(), Duration::ZERO);
         for bad in ["x,poll=", "x,poll=-1", "x,poll=1000001", "x,poll=5us"] {
-            assert!(
-                matches!(DiskConfig::parse(bad), Err(Error::BadPoll(_))),
-                "{bad}"
-            );
+            assert!(matches!(parse(bad), Err(Error::BadPoll(_))), "{bad}");
         }
-        assert!(matches!(
-            DiskConfig::parse("x,"),
-            Err(Error::UnknownOption(_))
-        ));
+        assert!(matches!(parse("x,"), Err(Error::UnknownOption(_))));
+    }
+
+    #[test]
+    fn a_configuration_from_elsewhere_is_checked_as_the_grammar_checks() {
+        let mut d = DiskConfig::new("/x");
+        d.serial = Some("s".repeat(21));
+        assert!(matches!(Block::new(&d), Err(Error::SerialTooLong(_))));
+        d.serial = None;
+        d.poll_us = Some(MAX_POLL_US + 1);
+        assert!(matches!(Block::new(&d), Err(Error::BadPoll(_))));
+        let json = serde_json::to_string(&parse("/a,ro,poll=3").unwrap()).unwrap();
+        assert_eq!(
+            json,
+            r#"{"path":"/a","read_only":true,"direct":false,"poll_us":3}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<DiskConfig>(&json).unwrap(),
+            parse("/a,ro,poll=3").unwrap()
+        );
     }
 
     #[test]
     fn missing_image_is_a_clear_error() {
-        let e = Block::new(&DiskConfig::parse("/nonexistent/ember.img").unwrap()).unwrap_err();
+        let e = Block::new(&parse("/nonexistent/ember.img").unwrap()).unwrap_err();
         assert_eq!(
             e.to_string(),
             "cannot open disk image /nonexistent/ember.img"
@@ -467,7 +539,7 @@ mod tests {
     #[test]
     fn config_space_and_features_follow_the_options() {
         let tmp = super::super::test_utils::TempFile::new(&[0u8; 4096 + 100]);
-        let rw = Block::new(&DiskConfig::parse(tmp.path.to_str().unwrap()).unwrap()).unwrap();
+        let rw = Block::new(&parse(tmp.path.to_str().unwrap()).unwrap()).unwrap();
         assert_eq!(rw.capacity_sectors(), 8);
         let mut cap = [0u8; 8];
         rw.read_config(0, &mut cap);
@@ -481,8 +553,7 @@ mod tests {
         // The read-write open holds the image's exclusive lock until it goes.
         drop(rw);
 
-        let ro =
-            Block::new(&DiskConfig::parse(&format!("{},ro", tmp.path.display())).unwrap()).unwrap();
+        let ro = Block::new(&parse(&format!("{},ro", tmp.path.display())).unwrap()).unwrap();
         assert_ne!(ro.avail_features() & 1 << VIRTIO_BLK_F_RO, 0);
         assert_eq!(ro.avail_features() & 1 << VIRTIO_BLK_F_WRITE_ZEROES, 0);
     }
