@@ -257,3 +257,44 @@ impl Machine {
         crate::vstate::teardown::exit(code, self.vm.fd().as_raw_fd())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_device_is_its_kind_and_its_configuration() {
+        let disk: DiskConfig = "/d.img,ro".parse().unwrap();
+        let json = serde_json::to_string(&DeviceConfig::Block(disk.clone())).unwrap();
+        assert_eq!(
+            json,
+            r#"{"kind":"block","path":"/d.img","read_only":true,"direct":false}"#
+        );
+        let back: DeviceConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, DeviceConfig::Block(disk));
+        assert_eq!(back.path(), Some(Path::new("/d.img")));
+        for bad in [
+            r#"{"kind":"block","path":"/d.img","readonly":true}"#,
+            r#"{"kind":"tape","path":"/t"}"#,
+            r#"{"kind":"rng","bits":8}"#,
+        ] {
+            assert!(serde_json::from_str::<DeviceConfig>(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_device_set_round_trips_and_an_empty_one_is_the_default() {
+        let set = DeviceSet {
+            disks: vec!["/a,poll=0".parse().unwrap()],
+            pmem: vec!["/p".parse().unwrap()],
+            rng: Some(RngConfig::default()),
+            balloon: Some(BalloonConfig::default()),
+        };
+        let json = serde_json::to_string(&set).unwrap();
+        assert_eq!(serde_json::from_str::<DeviceSet>(&json).unwrap(), set);
+        assert_eq!(
+            serde_json::from_str::<DeviceSet>("{}").unwrap(),
+            DeviceSet::default()
+        );
+    }
+}
