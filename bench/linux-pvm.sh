@@ -13,7 +13,7 @@ EMBER=$(scripts/build-release)
 K=$(scripts/pvm-kernel)
 WORK=$(mktemp -d /tmp/ember-linux-bench.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
-# The /init: prints the marker, then reboots (as in tests/linux_pvm.rs).
+# The /init: prints the marker, then reboots (as in tests/linux_pvm/linux_pvm.rs).
 INITRD=$WORK/init.cpio
 cargo run -q --release --example tiny-initrd -- "$INITRD" EMBER-INIT-OK
 CMDLINE="console=ttyS0 noxsave noint3selftest nofxsaveleak clearcpuid=151,297,580,308,158,306,534,311,312,59,141 nofsgsbase noinvpcid nopcid nopku mitigations=off reboot=k panic=-1"

@@ -2,8 +2,8 @@
 
 //! The busybox initramfs of the Linux snapshot test and benchmark: /init
 //! says it is ready, then runs one command line from its console and
-//! reboots. Shared by `tests/snapshot_linux.rs`,
-//! `tests/snapshot_balloon.rs` (with an /init of its own) and
+//! reboots. Shared by `tests/linux_pvm/snapshot_linux.rs`,
+//! `tests/linux_pvm/snapshot_balloon.rs` (with an /init of its own) and
 //! `examples/busybox-initrd.rs`.
 
 use std::path::Path;

@@ -105,6 +105,7 @@ pub fn command(
 /// Runs one L1 to its end (or until the watchdog ends it), echoing its
 /// output to stderr as it comes.
 pub fn run(mut c: Command) -> Result<L1Run, String> {
+    let _turn = crate::one_l1();
     let deadline = Deadline::default();
     // Its own process group: the hang watchdog ends ember and its QEMU together.
     c.process_group(0);

@@ -20,6 +20,8 @@
 //! Modules: `stage` makes the L1's files, `l1` runs one L1 (and its hang
 //! watchdog), `rig` runs L1s until one finishes the suite (retries) and holds
 //! what it printed, `case` reads the suite's lines, `cases` judges them.
+//! `rig_clean_boot` is another test in an L1 of its own (it shares this
+//! binary, not the suite's L1).
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -28,4 +30,15 @@ mod case;
 mod cases;
 mod l1;
 mod rig;
+mod rig_clean_boot;
 mod stage;
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// One L1 at a time: each keeps QEMU/TCG busy for minutes (the suite's and
+/// rig_clean_boot's ran one after the other as separate test binaries), and
+/// two at once would stretch both towards their limits.
+fn one_l1() -> MutexGuard<'static, ()> {
+    static ONE: Mutex<()> = Mutex::new(());
+    ONE.lock().unwrap_or_else(PoisonError::into_inner)
+}

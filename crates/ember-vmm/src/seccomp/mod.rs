@@ -148,7 +148,7 @@ thread_local! {
 /// test hook is armed).
 pub fn init(mode: Mode, exit_status: i32) -> Result<(), SeccompError> {
     // Armed in every mode, so that `off` and `log` really let the hook's
-    // call through (tests/seccomp_e2e.rs).
+    // call through (tests/vmm_e2e/seccomp_e2e.rs).
     test_hook::init();
     if mode == Mode::Off {
         return Ok(());
@@ -397,7 +397,7 @@ where
 }
 
 /// A test-only way to make a thread break its list
-/// (`tests/seccomp_e2e.rs`): in debug builds, with
+/// (`tests/vmm_e2e/seccomp_e2e.rs`): in debug builds, with
 /// `EMBER_TEST_SECCOMP_VIOLATION` in the environment, `block` makes the
 /// first virtio-blk request's I/O thread call `socket(2)`, which no device
 /// list allows; `vcpu-ioctl` makes the first vCPU thread, before its first

@@ -228,7 +228,7 @@ impl MmioTransport {
         // overwritten by them. Restoring them afterwards lost that VRING bit:
         // the guest took the interrupt, read an empty status, and waited
         // forever for a buffer that was already used
-        // (`tests/appliance_snapshot.rs` hung in 2 of 7 runs).
+        // (`tests/linux_pvm/appliance_snapshot.rs` hung in 2 of 7 runs).
         self.interrupt.clear();
         self.interrupt.restore_status(s.interrupt_status);
         if s.needs_reset {

@@ -2,7 +2,7 @@
 //! and reports how it ended. (On this host guest kernel mode is emulated, so the
 //! test guest does its work in ring 3; see guests/test-guest.)
 
-mod common;
+use crate::common;
 
 use common::{Scratch, ember, output, require_kvm, stderr, stdout};
 use ember_vmm::events::EventFile;

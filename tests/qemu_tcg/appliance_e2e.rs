@@ -5,7 +5,7 @@
 //! fails loudly otherwise. The ember backend needs hardware KVM: its test
 //! is in the nested rig (tests/nested_rig/).
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::path::PathBuf;

@@ -1,4 +1,4 @@
-//! End-to-end: the PVM test kernel (see tests/linux_pvm.rs) boots under ember
+//! End-to-end: the PVM test kernel (see tests/linux_pvm/linux_pvm.rs) boots under ember
 //! from an ext4 root on virtio-pmem mounted with DAX, then mounts an ext4 data
 //! disk on virtio-blk, reads a file the host put there and writes one back.
 //!
@@ -7,7 +7,7 @@
 //! console and then, with `debugfs`, that the guest's file really reached the
 //! data disk's image.
 
-mod common;
+use crate::common;
 
 use common::{PVM_CMDLINE, Scratch, ember, output, pvm_kernel_dir, require_kvm, stderr, stdout};
 use std::path::Path;

@@ -6,7 +6,7 @@
 //! (../shared/pvm-test-kernel, built by `scripts/pvm-kernel`); `scripts/test`
 //! sets EMBER_PVM_KERNEL to its directory. Each boot takes 20-40 s here.
 
-mod common;
+use crate::common;
 
 use common::{
     PVM_CMDLINE, Scratch, ember, output, pvm_kernel_dir, require_kvm, stderr, stdout,

@@ -4,7 +4,7 @@
 //!
 //! Needs EMBER_PVM_KERNEL (set by `scripts/test`) and /dev/kvm; a boot takes ~30 s here.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixListener;
@@ -12,7 +12,7 @@ use std::os::unix::net::UnixListener;
 use common::{Scratch, ember, output, require_kvm, stderr, stdout};
 use ember::initramfs::NewcWriter;
 
-/// Same command line as tests/linux_pvm.rs: what the PVM test kernel needs, plus a
+/// Same command line as tests/linux_pvm/linux_pvm.rs: what the PVM test kernel needs, plus a
 /// keyboard-controller reboot so `reboot -f` ends the VM.
 const PVM_CMDLINE: &str = "console=ttyS0 noxsave noint3selftest nofxsaveleak \
     clearcpuid=151,297,580,308,158,306,534,311,312,59,141 nofsgsbase noinvpcid nopcid nopku \

@@ -5,9 +5,9 @@
 //! statistics arrive), a larger target is inflated, and deflating to zero
 //! returns exactly the pages ember restored as held.
 //!
-//! Needs EMBER_PVM_KERNEL (scripts/test sets it; see tests/linux_pvm.rs).
+//! Needs EMBER_PVM_KERNEL (scripts/test sets it; see tests/linux_pvm/linux_pvm.rs).
 
-mod common;
+use crate::common;
 
 use common::console_vm::ConsoleVm as Vm;
 use common::{Scratch, ember, output, pvm_kernel_dir, require_kvm, stderr, stdout};

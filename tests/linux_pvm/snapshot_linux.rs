@@ -2,9 +2,9 @@
 //! for a command on its console, snapshotted there, and restored in a fresh
 //! ember process that runs a command at once.
 //!
-//! Needs EMBER_PVM_KERNEL (scripts/test sets it; see tests/linux_pvm.rs).
+//! Needs EMBER_PVM_KERNEL (scripts/test sets it; see tests/linux_pvm/linux_pvm.rs).
 
-mod common;
+use crate::common;
 
 use common::busybox::{DONE, READY, busybox_initramfs};
 use common::console_vm::ConsoleVm as Vm;

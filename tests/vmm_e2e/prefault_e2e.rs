@@ -3,7 +3,7 @@
 //! async path's driverless fallback). The fence with a driver is in
 //! crates/ember-vmm/tests/balloon_fence.rs.
 
-mod common;
+use crate::common;
 
 use common::{Scratch, ember, output, require_kvm, stderr, stdout};
 use ember_vmm::events::EventFile;

@@ -6,9 +6,9 @@
 //! command's output and status; two restore it at once; the snapshot is
 //! never written; a changed kernel or ember-init makes a new one.
 //!
-//! Needs EMBER_PVM_KERNEL (scripts/test sets it; see tests/linux_pvm.rs).
+//! Needs EMBER_PVM_KERNEL (scripts/test sets it; see tests/linux_pvm/linux_pvm.rs).
 
-mod common;
+use crate::common;
 
 use common::{PVM_CMDLINE, Scratch, ember, init_binary, pvm_kernel_dir, require_kvm};
 use std::io::Write;

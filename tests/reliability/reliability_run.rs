@@ -25,7 +25,7 @@
 //! and is ignored until its item's fix lands (items 1 and 2's have: ef74e9d);
 //! `cargo test --test reliability_run -- --include-ignored` runs them all.
 
-mod common;
+use crate::common;
 
 use common::{PVM_CMDLINE, Scratch, pvm_kernel_dir, require_kvm};
 use std::io::Read;

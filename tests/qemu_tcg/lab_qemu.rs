@@ -1,7 +1,7 @@
 //! End to end on real boots: Debian's cloud kernel under QEMU/TCG with the
 //! lab's busybox initramfs. A few boots each, so the suite stays quick.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Output};
 

@@ -6,7 +6,7 @@
 //! `EMBER_TEST_SECCOMP_VIOLATION=block`, the virtio-blk I/O thread calls
 //! `socket(2)` on its first pass over the queue.
 
-mod common;
+use crate::common;
 
 use common::{Scratch, ember, output, require_kvm, stderr, stdout};
 use std::io::{BufRead, BufReader};

@@ -9,7 +9,7 @@
 //! ember's stderr) until the commit (64 s from start) is done and the balloon
 //! empty, then shuts the VM down, however fast or slow the kernel booted.
 
-mod common;
+use crate::common;
 
 use common::{PVM_CMDLINE, Scratch, ember, output, pvm_kernel_dir, require_kvm, stderr, stdout};
 use ember_vmm::events::EventFile;

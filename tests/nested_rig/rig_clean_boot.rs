@@ -14,7 +14,7 @@
 //! `XSAVE consistency problem`, a WARNING at `fpu__init_system_xstate`).
 //! A missing or broken rig FAILS the test with the reason.
 
-mod common;
+use crate::common;
 
 use ember::appliance::kernel;
 use std::io::{BufRead, BufReader};
@@ -229,6 +229,7 @@ fn run_l1(rig: &Rig, boots: &str, logs: &mut Logs) -> Result<(), String> {
     c.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    let _turn = crate::one_l1();
     let mut child = c.spawn().map_err(|e| format!("cannot start ember: {e}"))?;
     let stderr = child.stderr.take().unwrap();
     let err_thread = std::thread::spawn(move || {

@@ -4,7 +4,7 @@
 //! after SIGTERM. The guest is a few hand-assembled instructions that echo
 //! COM1's input back to it.
 
-mod common;
+use crate::common;
 
 use std::fs::File;
 use std::io::{Read, Write};

@@ -1,7 +1,7 @@
 //! End-to-end: the control socket, snapshots and restores of the test guest
 //! in fresh ember processes, and every damaged snapshot refused.
 
-mod common;
+use crate::common;
 
 use common::{Scratch, ember, output, require_kvm, stderr, stdout};
 use serde_json::{Value, json};

@@ -5,7 +5,7 @@
 //! the issue asks for; every wait is bounded and every VM and file the
 //! test makes goes away with it, whether it passes or not.
 
-mod common;
+use crate::common;
 
 use common::{Scratch, ember, require_kvm};
 use std::io::{Read, Write};
