@@ -298,6 +298,193 @@ impl Drop for TempPath {
     }
 }
 
+/// A file with no name, 0600: made with `O_TMPFILE` in `dir` (or, where
+/// the file system lacks it, created under a fresh name and unlinked at
+/// once), so nothing is left behind however ember ends, SIGKILL included.
+/// A child reaches it as [`path`](Nameless::path), `/proc/self/fd/N`, once
+/// [`inherit`] has passed it the descriptor.
+#[derive(Debug)]
+pub struct Nameless {
+    file: std::fs::File,
+}
+
+impl Nameless {
+    /// A new empty file in `dir`, open for reading and writing.
+    pub fn new(dir: &Path) -> std::io::Result<Nameless> {
+        use std::fs::OpenOptions;
+        use std::os::unix::fs::OpenOptionsExt;
+        let tmpfile = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .mode(0o600)
+            .custom_flags(libc::O_TMPFILE)
+            .open(dir);
+        let file = match tmpfile {
+            Ok(f) => f,
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EOPNOTSUPP | libc::EISDIR | libc::EINVAL)
+                ) =>
+            {
+                named_then_unlinked(dir)?
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(Nameless { file })
+    }
+
+    /// The open file.
+    pub fn file(&self) -> &std::fs::File {
+        &self.file
+    }
+
+    /// The open file, for good.
+    pub fn into_file(self) -> std::fs::File {
+        self.file
+    }
+
+    /// Its descriptor, for [`inherit`].
+    pub fn fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.file)
+    }
+
+    /// The path that opens it, in this process and in a child it was
+    /// passed to.
+    pub fn path(&self) -> PathBuf {
+        fd_path(self.fd())
+    }
+}
+
+/// The path that opens descriptor `fd` of the process that opens it.
+pub fn fd_path(fd: std::os::fd::RawFd) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{fd}"))
+}
+
+/// [`Nameless`] without `O_TMPFILE`: a fresh 0600 name, unlinked as soon as
+/// it is open (a signal in between removes it: it is registered).
+fn named_then_unlinked(dir: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::sync::atomic::AtomicU32;
+    static N: AtomicU32 = AtomicU32::new(0);
+    loop {
+        let path = dir.join(format!(
+            "ember-nameless-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let guard = TempPath::new(&path);
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(guard.path())
+        {
+            // The guard unlinks it.
+            Ok(f) => return Ok(f),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                drop(guard.keep());
+                continue;
+            }
+            Err(e) => {
+                drop(guard.keep());
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Makes `cmd`'s process die with ember, SIGKILL included
+/// (`PR_SET_PDEATHSIG`), and refuse to start if ember is already gone.
+pub fn dies_with_ember(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: getpid is async-signal-safe.
+    let ember = unsafe { libc::getpid() };
+    // SAFETY: prctl and getppid are async-signal-safe; they only set and
+    // read the child's own attributes.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Ember died before the flag was set: nobody would kill it.
+            if libc::getppid() != ember {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Passes descriptors `fds` to `cmd`'s process (they are close-on-exec in
+/// ember, so no other child gets them), at the same numbers.
+pub fn inherit(cmd: &mut std::process::Command, fds: Vec<std::os::fd::RawFd>) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: fcntl is async-signal-safe; the Vec was allocated before the
+    // fork and is only read in the child.
+    unsafe {
+        cmd.pre_exec(move || {
+            for &fd in &fds {
+                if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Removes what killed embers of this user left in `dir`: their per-run
+/// files and sockets (`ember-root-PID-…`, `ember-api-PID-…`,
+/// `ember-appliance-PID-…`, `ember-PID-N.sock`, a root image's staging
+/// directory). An entry is touched only if it is this user's and its PID
+/// is no live process: a live run's files stay.
+pub fn sweep_dead(dir: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(dead_owner) else {
+            continue;
+        };
+        let Ok(m) = e.path().symlink_metadata() else {
+            continue;
+        };
+        if m.uid() != me || alive(pid) {
+            continue;
+        }
+        let _ = if m.is_dir() {
+            std::fs::remove_dir_all(e.path())
+        } else {
+            std::fs::remove_file(e.path())
+        };
+    }
+}
+
+/// The PID in the name of a per-run file of ember's.
+fn dead_owner(name: &str) -> Option<libc::pid_t> {
+    let rest = name.strip_prefix("ember-")?;
+    let rest = ["root-", "api-", "appliance-", "nameless-"]
+        .iter()
+        .find_map(|p| rest.strip_prefix(p))
+        .or_else(|| rest.ends_with(".sock").then_some(rest))?;
+    let (pid, _) = rest.split_once('-')?;
+    pid.parse().ok().filter(|&p: &libc::pid_t| p > 0)
+}
+
+/// Whether process `pid` exists (of any user).
+fn alive(pid: libc::pid_t) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -465,5 +652,56 @@ mod tests {
         assert_eq!(kept, b);
         assert!(b.exists());
         std::fs::remove_file(&b).unwrap();
+    }
+
+    /// A nameless file has no name in its directory and reopens through
+    /// its descriptor path.
+    #[test]
+    fn a_nameless_file_leaves_no_name_and_reopens_by_descriptor() {
+        let dir =
+            std::env::temp_dir().join(format!("ember-cleanup-nameless-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let n = Nameless::new(&dir).unwrap();
+        std::io::Write::write_all(&mut n.file(), b"held").unwrap();
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+        assert_eq!(std::fs::read(n.path()).unwrap(), b"held");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            n.file().metadata().unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        std::fs::remove_dir(&dir).unwrap();
+    }
+
+    /// The sweep removes a dead ember's files and keeps a live one's and
+    /// names that are not a run's.
+    #[test]
+    fn the_sweep_takes_only_dead_runs_files() {
+        let dir = std::env::temp_dir().join(format!("ember-cleanup-sweep-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut dead = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = dead.id();
+        dead.wait().unwrap();
+        let me = std::process::id();
+        let names = [
+            format!("ember-root-{dead_pid}-0.img"),
+            format!("ember-{dead_pid}-0.sock"),
+            format!("ember-root-{me}-0.img"),
+            format!("ember-test-{dead_pid}-x"),
+        ];
+        for n in &names {
+            std::fs::write(dir.join(n), b"x").unwrap();
+        }
+        std::fs::create_dir(dir.join(format!("ember-root-{dead_pid}-1.d"))).unwrap();
+        sweep_dead(&dir);
+        let mut left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        let mut want = vec![names[2].clone(), names[3].clone()];
+        want.sort();
+        assert_eq!(left, want);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

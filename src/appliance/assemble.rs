@@ -6,7 +6,10 @@ use super::cli::SetupArgs;
 use super::error::ApplianceError;
 use super::{builder, cache, closure, kernel, modules, rig, userland};
 use crate::backend::{self, GuestSpec};
+use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A ready-to-boot appliance and how long preparing it took.
@@ -25,8 +28,23 @@ pub struct Prepared {
     /// Time spent finding/building it.
     pub elapsed: Duration,
     /// The initramfs is this run's own (it carries `--file`s, which are not
-    /// cached): delete it after the run.
+    /// cached): delete it after the run (unless it has no name: see
+    /// [`write_appliance`]).
     pub temporary: bool,
+    /// The initramfs, open (and share-locked when cached: see
+    /// [`builder::Appliance::held`]) while the run uses it; boot from
+    /// [`Prepared::boot_path`] and pass the VMM this descriptor.
+    pub held: Option<Arc<File>>,
+}
+
+impl Prepared {
+    /// The path a VMM boots the initramfs from (see [`Prepared::held`]).
+    pub fn boot_path(&self) -> PathBuf {
+        match &self.held {
+            Some(f) => crate::cleanup::fd_path(f.as_raw_fd()),
+            None => self.initrd.clone(),
+        }
+    }
 }
 
 /// What a run adds to the appliance beyond its command.
@@ -66,7 +84,7 @@ pub fn prepare_with(
     extras: &Extras,
 ) -> Result<Prepared, ApplianceError> {
     let a = assemble(kernel_arg, rootfs, command, extras)?;
-    write_appliance(a)
+    write_appliance(a, false)
 }
 
 /// An appliance's files, found but not written.
@@ -213,8 +231,11 @@ fn add_host_command(
     Ok(exe)
 }
 
-/// Writes (or finds in the cache) the initramfs of `a`.
-pub(super) fn write_appliance(a: Assembled) -> Result<Prepared, ApplianceError> {
+/// Writes (or finds in the cache) the initramfs of `a`. A temporary one
+/// (see [`Prepared::temporary`]) is `nameless` for a run that boots it
+/// itself: a file with no name (it holds `--file`s' contents), reached
+/// through its descriptor, that nothing has to remove.
+pub(super) fn write_appliance(a: Assembled, nameless: bool) -> Result<Prepared, ApplianceError> {
     let Assembled {
         start,
         kernel: k,
@@ -226,7 +247,21 @@ pub(super) fn write_appliance(a: Assembled) -> Result<Prepared, ApplianceError> 
         ..
     } = a;
     let cache = kernel::cache_dir()?;
-    let app = if temporary {
+    let app = if temporary && nameless {
+        let tmp = std::env::temp_dir();
+        let werr = |source| builder::BuildError::Write {
+            path: tmp.clone(),
+            source,
+        };
+        let file = crate::cleanup::Nameless::new(&tmp).map_err(werr)?;
+        let path = file.path();
+        let (file, _) = tree.write_into(file.into_file(), &tmp, &tmp)?;
+        builder::Appliance {
+            path,
+            cached: false,
+            held: Some(Arc::new(file)),
+        }
+    } else if temporary {
         let path = std::env::temp_dir().join(format!(
             "ember-appliance-{}-{}.cpio",
             std::process::id(),
@@ -236,6 +271,7 @@ pub(super) fn write_appliance(a: Assembled) -> Result<Prepared, ApplianceError> 
         builder::Appliance {
             path,
             cached: false,
+            held: None,
         }
     } else {
         builder::build_cached(&tree, &version, &cache, cache::max_bytes())?
@@ -247,7 +283,8 @@ pub(super) fn write_appliance(a: Assembled) -> Result<Prepared, ApplianceError> 
         cached: app.cached,
         modules: mods.len(),
         elapsed: start.elapsed(),
-        temporary,
+        temporary: temporary && !nameless,
+        held: app.held,
     })
 }
 

@@ -17,10 +17,12 @@ use super::cache;
 use super::modules::GroupedModule;
 use crate::initramfs::{InitramfsError, NewcWriter};
 use std::collections::BTreeMap;
-use std::fs;
+use std::fs::{self, File};
 use std::io::BufWriter;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 use thiserror::Error;
 
 /// Bump when the layout changes, so old cached appliances are not reused.
@@ -370,6 +372,12 @@ impl Tree {
     /// private files), via a temp file that is fsynced and renamed, so a
     /// crash never leaves a half-written appliance under the real name.
     pub fn write(&self, out: &Path) -> Result<u64, BuildError> {
+        self.write_held(out).map(|(_, size)| size)
+    }
+
+    /// [`Tree::write`], returning the file too, [held](cache::hold) from
+    /// before it has its name: no eviction can remove it in between.
+    pub fn write_held(&self, out: &Path) -> Result<(File, u64), BuildError> {
         let (file, tmp) = cache::temp_beside(out).map_err(|source| BuildError::Write {
             path: out.to_path_buf(),
             source,
@@ -384,8 +392,27 @@ impl Tree {
             }
         }
         let mut cleanup = Cleanup(&tmp, false);
+        let (file, size) = self.write_into(file, &tmp, out)?;
+        cache::share_lock(&file)
+            .and_then(|()| cache::commit(&file, &tmp, out))
+            .map_err(|source| BuildError::Write {
+                path: out.to_path_buf(),
+                source,
+            })?;
+        cleanup.1 = true;
+        Ok((file, size))
+    }
+
+    /// Writes the newc archive into `file` (named `shown` in errors about
+    /// it, `out` in those about the archive); returns it and the size.
+    pub fn write_into(
+        &self,
+        file: File,
+        shown: &Path,
+        out: &Path,
+    ) -> Result<(File, u64), BuildError> {
         let werr = |source| BuildError::Write {
-            path: tmp.clone(),
+            path: shown.to_path_buf(),
             source,
         };
         let mut w = NewcWriter::new(BufWriter::with_capacity(1 << 20, file));
@@ -409,7 +436,7 @@ impl Tree {
             }
             .map_err(|e| match e {
                 InitramfsError::Io(io) => BuildError::Write {
-                    path: tmp.clone(),
+                    path: shown.to_path_buf(),
                     source: io,
                 },
                 other => arch(other),
@@ -417,12 +444,7 @@ impl Tree {
         }
         let (buf, size) = w.finish().map_err(arch)?;
         let file = buf.into_inner().map_err(|e| werr(e.into_error()))?;
-        cache::commit(file, &tmp, out).map_err(|source| BuildError::Write {
-            path: out.to_path_buf(),
-            source,
-        })?;
-        cleanup.1 = true;
-        Ok(size)
+        Ok((file, size))
     }
 }
 
@@ -433,11 +455,26 @@ pub struct Appliance {
     pub path: PathBuf,
     /// Whether it came from the cache.
     pub cached: bool,
+    /// The cached file, open and share-locked for as long as a run uses it:
+    /// eviction skips it, and even a file removed meanwhile (by an older
+    /// ember) still boots through [`cleanup::fd_path`] of this descriptor.
+    pub held: Option<Arc<File>>,
+}
+
+impl Appliance {
+    /// The path a VMM boots it from: its descriptor's while it is held
+    /// (pass that descriptor to the VMM), else its name.
+    pub fn boot_path(&self) -> PathBuf {
+        match &self.held {
+            Some(f) => crate::cleanup::fd_path(f.as_raw_fd()),
+            None => self.path.clone(),
+        }
+    }
 }
 
 /// Returns the cached appliance for `tree`, building it first if needed (or
 /// if the cached one is incomplete), then evicts the least recently used
-/// appliances past `max_bytes`.
+/// appliances past `max_bytes` (never one a live run holds).
 pub fn build_cached(
     tree: &Tree,
     kernel_version: &str,
@@ -448,7 +485,15 @@ pub fn build_cached(
     let path = dir.join(format!("{}.cpio", tree.cache_key(kernel_version)));
     if path.is_file() && cache::cpio_complete(&path) {
         cache::touch(&path);
-        return Ok(Appliance { path, cached: true });
+        // Gone between the check and the open (evicted by another run):
+        // built again below.
+        if let Ok(held) = cache::hold(&path) {
+            return Ok(Appliance {
+                path,
+                cached: true,
+                held: Some(Arc::new(held)),
+            });
+        }
     }
     for d in [cache_dir, &dir] {
         cache::private_dir(d).map_err(|source| BuildError::Write {
@@ -456,11 +501,14 @@ pub fn build_cached(
             source,
         })?;
     }
-    tree.write(&path)?;
+    // Held from before it has its name: another run's eviction cannot
+    // remove it before this run boots it.
+    let (held, _) = tree.write_held(&path)?;
     cache::evict(&dir, "cpio", max_bytes, &path);
     Ok(Appliance {
         path,
         cached: false,
+        held: Some(Arc::new(held)),
     })
 }
 
@@ -605,13 +653,21 @@ mod tests {
         let dir = crate::appliance::test_dir("builder-evict");
         let one = Tree::skeleton(b"ONE".to_vec(), &[]);
         let two = Tree::skeleton(b"TWO".to_vec(), &[]);
-        let a = build_cached(&one, "6.1", &dir, u64::MAX).unwrap();
+        let mut a = build_cached(&one, "6.1", &dir, u64::MAX).unwrap();
         let size = fs::metadata(&a.path).unwrap().len();
         std::thread::sleep(std::time::Duration::from_millis(20));
-        // Room for one: building the second evicts the first, never itself.
+        // Room for one, but a run still holds the first: both stay.
         let b = build_cached(&two, "6.1", &dir, size).unwrap();
+        assert!(a.path.exists(), "evicted while held");
+        assert!(b.path.exists());
+        // Let go, the first is evicted by the next build; the second is
+        // still held; the new one, never.
+        a.held = None;
+        let three = Tree::skeleton(b"THREE".to_vec(), &[]);
+        let c = build_cached(&three, "6.1", &dir, size).unwrap();
         assert!(!a.path.exists());
         assert!(b.path.exists());
+        assert!(c.path.exists());
     }
 
     #[test]

@@ -14,6 +14,7 @@
 
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
@@ -132,7 +133,7 @@ pub fn temp_beside(path: &Path) -> io::Result<(File, PathBuf)> {
 
 /// Fsyncs `file` (the temp file from [`temp_beside`]) and renames it to
 /// `path`; removes the temp file if either fails.
-pub fn commit(file: File, tmp: &Path, path: &Path) -> io::Result<()> {
+pub fn commit(file: &File, tmp: &Path, path: &Path) -> io::Result<()> {
     let r = file.sync_all().and_then(|()| fs::rename(tmp, path));
     if r.is_err() {
         let _ = fs::remove_file(tmp);
@@ -147,7 +148,7 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
         let _ = fs::remove_file(&tmp);
         return Err(e);
     }
-    commit(f, &tmp, path)
+    commit(&f, &tmp, path)
 }
 
 /// Whether `path` looks like a whole newc archive: it ends with the
@@ -225,12 +226,53 @@ pub fn evict(dir: &Path, ext: &str, max: u64, keep: &Path) -> u64 {
         if path == keep {
             continue;
         }
-        if fs::remove_file(&path).is_ok() {
+        if remove_unless_held(&path) {
             total -= len;
             freed += len;
         }
     }
     freed
+}
+
+/// Opens the cache entry `path` for a run and takes a shared lock on it,
+/// held as long as the file is open: [`evict`] leaves it alone meanwhile.
+/// An entry evicted between the open and the lock is still whole (entries
+/// are renamed into place complete, never rewritten): the run boots from
+/// the descriptor, not the name.
+pub fn hold(path: &Path) -> io::Result<File> {
+    let f = File::open(path)?;
+    share_lock(&f)?;
+    Ok(f)
+}
+
+/// Takes the shared lock of [`hold`] on `f` (a new entry's temp file, so
+/// that it is held from the moment it has its name).
+pub fn share_lock(f: &File) -> io::Result<()> {
+    // SAFETY: flock on a descriptor `f` owns.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Removes the cache entry `path` unless a run [holds](hold) it; whether it
+/// was removed.
+fn remove_unless_held(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(f) = File::open(path) else {
+        return false;
+    };
+    // SAFETY: flock on a descriptor `f` owns.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return false;
+    }
+    // The name may have been given to a new entry between the open and the
+    // lock: only the inode locked here is removed.
+    let same = match (f.metadata(), fs::symlink_metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    };
+    same && fs::remove_file(path).is_ok()
 }
 
 #[cfg(test)]
@@ -321,6 +363,22 @@ mod tests {
         evict(&d, "cpio", 0, &d.join("new.cpio"));
         assert!(d.join("new.cpio").exists());
         assert!(!d.join("old.cpio").exists());
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// An entry a run holds is never evicted; once let go, it is.
+    #[test]
+    fn eviction_skips_an_entry_a_run_holds() {
+        let d = scratch("evict-held");
+        let (used, current) = (d.join("used.cpio"), d.join("current.cpio"));
+        fs::write(&used, vec![0u8; 100]).unwrap();
+        fs::write(&current, vec![0u8; 100]).unwrap();
+        let held = hold(&used).unwrap();
+        assert_eq!(evict(&d, "cpio", 0, &current), 0);
+        assert!(used.exists(), "a held entry was evicted");
+        drop(held);
+        assert_eq!(evict(&d, "cpio", 0, &current), 100);
+        assert!(!used.exists());
         fs::remove_dir_all(&d).unwrap();
     }
 

@@ -9,7 +9,6 @@ use crate::cleanup::{self, TempPath};
 use ember_vmm::error_chain;
 use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
@@ -63,6 +62,9 @@ pub struct Job {
     /// Snapshot the appliance here (through this control socket) when it is
     /// READY, before the job goes out.
     pub snapshot_at_ready: Option<SnapshotAt>,
+    /// Descriptors the VMM opens as `/proc/self/fd/N` (the spec names them
+    /// so): files with no name, or held so the cache keeps them.
+    pub inherit_fds: Vec<std::os::fd::RawFd>,
 }
 
 /// Where [`Job::snapshot_at_ready`] writes.
@@ -203,15 +205,8 @@ pub fn run(
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    // SAFETY: prctl is async-signal-safe; it only sets a flag on the child.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    cleanup::dies_with_ember(&mut cmd);
+    cleanup::inherit(&mut cmd, job.inherit_fds.clone());
     let child = cmd.spawn().map_err(|e| {
         HostError::Io(
             format!("cannot run {}", cmd.get_program().to_string_lossy()),
@@ -467,6 +462,7 @@ pub fn fuzz_converse(from_guest: &[u8]) -> Result<Option<Outcome>, HostError> {
         root: None,
         restored: false,
         snapshot_at_ready: None,
+        inherit_fds: Vec::new(),
     };
     let outcome = converse(host, &job, None, &mut io::sink(), &mut io::sink());
     let _ = drain.join();
@@ -499,6 +495,7 @@ mod tests {
             root: None,
             restored: false,
             snapshot_at_ready: None,
+            inherit_fds: Vec::new(),
         };
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let outcome = converse(host, &job, None, &mut out, &mut err).unwrap();

@@ -7,10 +7,13 @@ use super::cli::{self, RunArgs};
 use super::error::{ApplianceError, EXIT_APPLIANCE, EXIT_BROKEN_PIPE};
 use super::{builder, cache, host, kernel, rig, userland, warm};
 use crate::backend::{self, Backend, ChannelKind, GuestSpec};
-use crate::cleanup::TempPath;
+use crate::cleanup::{self, TempPath};
 use crate::exit::EXIT_TIMEOUT;
 use ember_vmm::error_chain;
+use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Kernel arguments of every appliance boot: console on the first UART,
@@ -161,14 +164,20 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         root: None,
         restored: false,
         snapshot_at_ready: None,
+        inherit_fds: Vec::new(),
     };
-    // What this run removes when it ends (however it ends).
+    // Leftovers of killed runs (a root image's staging directory, a
+    // socket never connected to): only dead embers'.
+    cleanup::sweep_dead(&std::env::temp_dir());
+    // What this run removes when it ends (however it ends), and the files
+    // its VMM opens through their descriptors, open until it is gone.
     let mut temps = Vec::new();
+    let mut held: Vec<Arc<File>> = Vec::new();
     let warm = match plan {
         Plan::Snapshot => {
             let groups = warm_groups(backend.as_ref());
             let cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &groups);
-            warm_spec(args, &a, cmdline, &mut job, &mut temps)?
+            warm_spec(args, &a, cmdline, &mut job, &mut temps, &mut held)?
         }
         Plan::ColdBoot { why } => {
             log::debug!("appliance boots cold: {why}");
@@ -180,7 +189,13 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         None => {
             let cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &cold_groups);
             match cold_spec(args, a, backend.as_ref(), cmdline, &mut temps)? {
-                Some(spec) => spec,
+                Some((spec, p)) => {
+                    if let Some(f) = p.held {
+                        job.inherit_fds.push(f.as_raw_fd());
+                        held.push(f);
+                    }
+                    spec
+                }
                 None => {
                     // `--prepare-only`: kept for the caller to boot.
                     temps.into_iter().for_each(|t| drop(t.keep()));
@@ -196,19 +211,21 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         &mut std::io::stdout(),
         &mut std::io::stderr(),
     )?;
+    drop(held);
     Ok(exit_status(args, outcome, timeout, modules, backend.name()))
 }
 
-/// The appliance written for a cold boot, and the spec that boots it; `None`
-/// for `--prepare-only`, which prints it instead.
+/// The appliance written for a cold boot, and the spec that boots it (with
+/// the appliance, whose descriptor it boots from); `None` for
+/// `--prepare-only`, which prints it instead.
 fn cold_spec(
     args: &RunArgs,
     a: Assembled,
     backend: &dyn Backend,
     cmdline: String,
     temps: &mut Vec<TempPath>,
-) -> Result<Option<GuestSpec>, ApplianceError> {
-    let p = write_appliance(a)?;
+) -> Result<Option<(GuestSpec, super::Prepared)>, ApplianceError> {
+    let p = write_appliance(a, !args.prepare_only)?;
     if p.temporary {
         temps.push(TempPath::new(&p.initrd));
     }
@@ -227,11 +244,11 @@ fn cold_spec(
         );
     }
     let mut spec = with_devices(args, GuestSpec::new(&p.kernel))?;
-    spec.initrd = Some(p.initrd.clone());
+    spec.initrd = Some(p.boot_path());
     spec.mem_mib = args.mem;
     spec.cpus = args.cpus;
     spec.cmdline = cmdline;
-    Ok(Some(spec))
+    Ok(Some((spec, p)))
 }
 
 /// What the run carries beyond its command (`--nested-kvm`, `--file`,
@@ -398,6 +415,7 @@ fn warm_spec(
     cmdline: String,
     job: &mut host::Job,
     temps: &mut Vec<TempPath>,
+    held: &mut Vec<Arc<File>>,
 ) -> Result<Option<GuestSpec>, ApplianceError> {
     let start = Instant::now();
     let cache = kernel::cache_dir()?;
@@ -415,9 +433,14 @@ fn warm_spec(
         cmdline: &cmdline,
     });
     let dir = warm::snapshot_dir(&cache, &key);
-    // Registered before it exists: a signal while it is made removes it.
-    let image = TempPath::new(unique_temp("root", "img"));
-    if let Err(e) = warm::root_image(&userland::with_links(&a.tree), image.path()) {
+    // The per-run image holds the command's files (a 0600 `--file` too): a
+    // 0600 file with no name, which the VMM opens through its descriptor.
+    let tmp = std::env::temp_dir();
+    let image = cleanup::Nameless::new(&tmp).map_err(|e| {
+        ApplianceError::BadArg(format!("cannot make a file in {}: {e}", tmp.display()))
+    })?;
+    let staging = unique_temp("root", "d");
+    if let Err(e) = warm::root_image(&userland::with_links(&a.tree), &image, &staging) {
         if args.verbose {
             eprintln!("ember: booting cold: {}", error_chain(&e));
         }
@@ -425,7 +448,8 @@ fn warm_spec(
     }
     let mut spec = GuestSpec::new(&a.kernel.image);
     spec.devices.pmem = vec![ember_vmm::devices::virtio::PmemConfig::new(image.path())];
-    temps.push(image);
+    job.inherit_fds.push(image.fd());
+    held.push(Arc::new(image.into_file()));
     spec.events = args.devices.events.clone();
     job.root = Some(warm::SLOT_DEVICE.into());
     if warm::is_complete(&dir) {
@@ -433,7 +457,11 @@ fn warm_spec(
         job.restored = true;
     } else {
         let api = TempPath::new(unique_temp("api", "sock"));
-        spec.initrd = Some(base.path);
+        spec.initrd = Some(base.boot_path());
+        if let Some(f) = &base.held {
+            job.inherit_fds.push(f.as_raw_fd());
+            held.push(f.clone());
+        }
         spec.mem_mib = args.mem;
         spec.cpus = args.cpus;
         spec.cmdline = cmdline;

@@ -25,6 +25,7 @@
 
 use super::builder::{Entry, Tree};
 use super::cache::KeyHasher;
+use crate::cleanup::Nameless;
 use std::fs;
 use std::io;
 use std::os::unix::fs::PermissionsExt;
@@ -139,36 +140,47 @@ pub fn materialize(tree: &Tree, dir: &Path) -> Result<(), WarmError> {
 
 /// Makes `image`, a [`SLOT_BYTES`] ext4 file system holding `tree`: 4 KiB
 /// blocks (DAX maps pages), no journal and inode tables zeroed here, so the
-/// guest kernel neither replays nor zeroes anything.
-pub fn root_image(tree: &Tree, image: &Path) -> Result<(), WarmError> {
-    let staging = image.with_extension("d");
-    let _ = fs::remove_dir_all(&staging);
-    let result = (|| {
-        materialize(tree, &staging)?;
-        let f = fs::File::create(image).map_err(io_err(image))?;
-        f.set_len(SLOT_BYTES).map_err(io_err(image))?;
-        drop(f);
-        let out = Command::new("mkfs.ext4")
-            .args(["-q", "-F", "-b", "4096", "-m", "0", "-O", "^has_journal"])
-            .args(["-E", "lazy_itable_init=0", "-d"])
-            .arg(&staging)
-            .arg(image)
-            .output()
-            .map_err(|e| WarmError::Mkfs(format!("mkfs.ext4: {e} (install e2fsprogs)")))?;
-        if !out.status.success() {
-            let err = String::from_utf8_lossy(&out.stderr);
-            return Err(WarmError::Mkfs(format!(
-                "mkfs.ext4: {}",
-                err.lines().last().unwrap_or("failed")
-            )));
-        }
-        Ok(())
-    })();
-    let _ = fs::remove_dir_all(&staging);
-    if result.is_err() {
-        let _ = fs::remove_file(image);
+/// guest kernel neither replays nor zeroes anything. The image has no name
+/// (mkfs.ext4 writes it through its descriptor); the tree is laid out in
+/// `staging` first, a private directory made and removed here (should ember
+/// be killed meanwhile, [`crate::cleanup::sweep_dead`] removes it later).
+pub fn root_image(tree: &Tree, image: &Nameless, staging: &Path) -> Result<(), WarmError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let shown = staging.with_extension("img");
+    let _guard = StagingDir(staging);
+    fs::DirBuilder::new()
+        .mode(0o700)
+        .create(staging)
+        .map_err(io_err(staging))?;
+    materialize(tree, staging)?;
+    image.file().set_len(SLOT_BYTES).map_err(io_err(&shown))?;
+    let mut mkfs = Command::new("mkfs.ext4");
+    mkfs.args(["-q", "-F", "-b", "4096", "-m", "0", "-O", "^has_journal"])
+        .args(["-E", "lazy_itable_init=0", "-d"])
+        .arg(staging)
+        .arg(image.path());
+    crate::cleanup::dies_with_ember(&mut mkfs);
+    crate::cleanup::inherit(&mut mkfs, vec![image.fd()]);
+    let out = mkfs
+        .output()
+        .map_err(|e| WarmError::Mkfs(format!("mkfs.ext4: {e} (install e2fsprogs)")))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(WarmError::Mkfs(format!(
+            "mkfs.ext4: {}",
+            err.lines().last().unwrap_or("failed")
+        )));
     }
-    result
+    Ok(())
+}
+
+/// Removes the staging directory of [`root_image`] however it returns.
+struct StagingDir<'a>(&'a Path);
+
+impl Drop for StagingDir<'_> {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(self.0);
+    }
 }
 
 /// Snapshots the VM behind control socket `api` into `dir` (which must not

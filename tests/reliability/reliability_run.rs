@@ -736,14 +736,12 @@ fn assert_signals_leave_nothing(scratch: &Scratch, mut ember_run: impl FnMut() -
 }
 
 #[test]
-#[ignore = "issue 22 item 4: fails on 4e6807d; un-ignore with its fix"]
 fn item4_signals_leave_no_temp_file_or_qemu_behind() {
     let scratch = Scratch::new("rel-signals-qemu");
     assert_signals_leave_nothing(&scratch, || run_qemu(120));
 }
 
 #[test]
-#[ignore = "issue 22 item 4: fails on 4e6807d; un-ignore with its fix"]
 fn item4_signals_leave_no_per_run_image_behind_on_ember() {
     let Some(pvm) = Pvm::find("item4_signals_leave_no_per_run_image_behind_on_ember") else {
         return;
@@ -771,7 +769,6 @@ fn private_cache(scratch: &Scratch) -> PathBuf {
 }
 
 #[test]
-#[ignore = "issue 22 item 5: fails on 4e6807d; un-ignore with its fix"]
 fn item5_a_one_byte_cache_evicts_no_appliance_a_run_boots() {
     let scratch = Scratch::new("rel-cache-max");
     let cache = private_cache(&scratch);
