@@ -127,20 +127,13 @@ pub fn assemble(
         let kvm = rig::kvm_modules(k.modules.as_deref(), &mods)?;
         mods.extend(kvm);
     }
-    let init_path = find_init()?;
-    let init = std::fs::read(&init_path).map_err(|source| builder::BuildError::Read {
-        path: init_path,
-        source,
-    })?;
+    let init = read_init()?;
     let mut tree = builder::Tree::skeleton(init.clone(), &mods);
     let exec = match rootfs {
         Some(root) => add_rootfs(&mut tree, root, command, extras)?,
         None => add_host_command(&mut tree, &cache, command, extras)?,
     };
-    let version = k
-        .version
-        .clone()
-        .unwrap_or_else(|| k.image.display().to_string());
+    let version = kernel_version(&k);
     rig::add_files(&mut tree, &extras.files)?;
     // `--file`s change from run to run (test images, scripts): such an
     // appliance is written for this run only instead of filling the cache.
@@ -286,6 +279,53 @@ pub(super) fn write_appliance(a: Assembled, nameless: bool) -> Result<Prepared, 
         temporary: temporary && !nameless,
         held: app.held,
     })
+}
+
+/// The appliance with no command, cached as [`prepare`]'s are: ember-init
+/// and the modules of `kernel_arg` a cold `ember run` with no devices of its
+/// own carries on `backend` (virtio-console and the transports its devices
+/// sit on). The boot lab boots it when it is given no initramfs, as
+/// libguestfs's boot-benchmark boots its appliance: without `EMBER_CHANNEL=`
+/// on the command line, init mounts /dev, /proc and /sys, loads the modules,
+/// says it has no channel to take a command from and powers off. `exec` is
+/// empty: there is no command.
+pub fn prepare_boot_only(
+    kernel_arg: Option<&Path>,
+    backend: &dyn backend::Backend,
+) -> Result<Prepared, ApplianceError> {
+    let start = Instant::now();
+    let cache = kernel::cache_dir()?;
+    let k = kernel::find_kernel(kernel_arg, &cache)?;
+    let mut mods = match &k.modules {
+        Some(dir) => modules::resolve_cached(dir, &cache)?,
+        None => Vec::new(),
+    };
+    let groups = module_groups(&GuestSpec::new(&k.image), backend, false);
+    mods.retain(|m| groups.contains(&m.group.as_str()));
+    let tree = builder::Tree::skeleton(read_init()?, &mods);
+    let app = builder::build_cached(&tree, &kernel_version(&k), &cache, cache::max_bytes())?;
+    Ok(Prepared {
+        kernel: k.image,
+        initrd: app.path,
+        exec: String::new(),
+        cached: app.cached,
+        modules: mods.len(),
+        elapsed: start.elapsed(),
+        temporary: false,
+    })
+}
+
+/// ember-init's bytes.
+fn read_init() -> Result<Vec<u8>, ApplianceError> {
+    let path = find_init()?;
+    std::fs::read(&path).map_err(|source| builder::BuildError::Read { path, source }.into())
+}
+
+/// The kernel's version (or its path): part of the appliance's cache keys.
+fn kernel_version(k: &kernel::Kernel) -> String {
+    k.version
+        .clone()
+        .unwrap_or_else(|| k.image.display().to_string())
 }
 
 /// The module groups (see [`modules::MODULE_GROUPS`]) a boot with `spec`'s

@@ -30,7 +30,8 @@ pub mod warm;
 
 pub use crate::exit::EXIT_TIMEOUT;
 pub use assemble::{
-    Assembled, Extras, Prepared, assemble, find_init, prepare, prepare_with, setup,
+    Assembled, Extras, Prepared, assemble, find_init, prepare, prepare_boot_only, prepare_with,
+    setup,
 };
 pub use cli::{RunArgs, SetupArgs, parse_mem_mib};
 pub use error::{

@@ -25,6 +25,12 @@ pub enum ConfigError {
     /// The generated initramfs could not be built.
     #[error("cannot build the busybox initramfs")]
     Guest(#[source] super::guest::GuestError),
+    /// The appliance's initramfs (the default) could not be built.
+    #[error(
+        "no --initrd given, and the appliance's initramfs cannot be built \
+         (pass --initrd FILE, --busybox-init or --no-initrd)"
+    )]
+    Appliance(#[source] crate::appliance::ApplianceError),
     /// An option value makes no sense.
     #[error("{0}")]
     Invalid(String),
@@ -68,13 +74,24 @@ pub struct GuestOpts {
     /// Guest kernel; defaults to the one `ember setup` fetched.
     #[arg(long)]
     pub kernel: Option<PathBuf>,
-    /// Guest initramfs.
-    #[arg(long, conflicts_with = "busybox_init")]
+    /// Guest initramfs. Without it (and without `--busybox-init` or
+    /// `--no-initrd`) the lab boots ember's appliance, as libguestfs's
+    /// boot-benchmark boots its own: the initramfs `ember run` boots, without
+    /// a command — ember-init and the kernel's virtio console and transport
+    /// modules, built and cached as `ember run` builds its own (it needs
+    /// ember-init, and the modules `ember setup` unpacked for the default
+    /// kernel). Its init loads the modules, says it has no channel to take a
+    /// command from, and powers off.
+    #[arg(long, conflicts_with_all = ["busybox_init", "no_initrd"])]
     pub initrd: Option<PathBuf>,
     /// Use a generated initramfs instead: busybox with an /init that prints the
     /// lab's markers and powers off at once (see `ember::lab::guest`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "no_initrd")]
     pub busybox_init: bool,
+    /// Boot with no initramfs at all: for a kernel with one built in, or a
+    /// guest that is not Linux.
+    #[arg(long)]
+    pub no_initrd: bool,
     /// Kernel command line.
     #[arg(long, default_value = "console=ttyS0 panic=-1")]
     pub cmdline: String,
@@ -255,11 +272,6 @@ pub fn build(opts: &GuestOpts, label: &str) -> Result<(BootConfig, Milestones), 
         Some(k) => k.clone(),
         None => default_kernel()?,
     };
-    let mut opts = opts.clone();
-    if opts.busybox_init {
-        opts.initrd = Some(super::guest::busybox_initramfs().map_err(ConfigError::Guest)?);
-    }
-    let opts = &opts;
     for (what, p) in [("kernel", Some(&kernel)), ("initrd", opts.initrd.as_ref())] {
         if let Some(p) = p {
             if !p.is_file() {
@@ -276,18 +288,40 @@ pub fn build(opts: &GuestOpts, label: &str) -> Result<(BootConfig, Milestones), 
             "--timeout must be a positive number of seconds".into(),
         ));
     }
-    let mut spec = GuestSpec::new(kernel);
-    spec.initrd = opts.initrd.clone();
+    let milestones = milestones(opts)?;
+    let backend = backend(opts)?;
+    let mut spec = GuestSpec::new(&kernel);
+    spec.initrd = initrd(opts, backend.as_ref())?;
     spec.cmdline = opts.cmdline.clone();
     spec.mem_mib = opts.mem;
     spec.cpus = opts.cpus;
     let cfg = BootConfig {
         label: label.into(),
-        backend: backend(opts)?,
+        backend,
         spec,
         timeout: Duration::from_secs_f64(opts.timeout),
     };
-    Ok((cfg, milestones(opts)?))
+    Ok((cfg, milestones))
+}
+
+/// The initramfs `opts` boots with on `backend`: `--initrd`, the generated
+/// busybox one, none, or by default the appliance's for `--kernel` (or, as
+/// `ember run` finds it, the default kernel with its modules).
+fn initrd(opts: &GuestOpts, backend: &dyn Backend) -> Result<Option<PathBuf>, ConfigError> {
+    if opts.busybox_init {
+        return super::guest::busybox_initramfs()
+            .map(Some)
+            .map_err(ConfigError::Guest);
+    }
+    if opts.no_initrd {
+        return Ok(None);
+    }
+    match &opts.initrd {
+        Some(path) => Ok(Some(path.clone())),
+        None => super::guest::appliance_initramfs(opts.kernel.as_deref(), backend)
+            .map(Some)
+            .map_err(ConfigError::Appliance),
+    }
 }
 
 /// The kernel `ember setup` fetched (as `ember run` finds it).

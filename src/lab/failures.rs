@@ -1,9 +1,9 @@
-//! Boots that did not count: how many timed out or never reached
-//! userspace, and what the first of them last printed (its last console
-//! line, its first oops).
+//! Boots that did not count: how many timed out, panicked or never reached
+//! userspace, and what the first of them printed (its panic line or last
+//! console line, its first oops).
 
 use super::analysis::{Milestones, split_printk};
-use super::record::BootRecord;
+use super::record::{BootRecord, is_panic_line};
 use super::runner::{Verdict, verdict};
 use serde::{Deserialize, Serialize};
 
@@ -12,10 +12,18 @@ use serde::{Deserialize, Serialize};
 pub struct Failures {
     /// Killed at the timeout.
     pub timed_out: usize,
+    /// Their kernel panicked.
+    #[serde(default)]
+    pub panicked: usize,
     /// Ended without reaching userspace.
     pub no_userspace: usize,
-    /// The last console line of the first boot that did not count: usually
-    /// says where it got stuck.
+    /// The first panicked boot's panic line (`Kernel panic - not syncing:
+    /// CAUSE`): why it panicked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub panic: Option<String>,
+    /// The last console line of the first boot that did not count, unless
+    /// it panicked (its panic line says more): usually says where it got
+    /// stuck.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_line: Option<String>,
     /// That boot's first kernel oops (or warning, or RCU stall report), when
@@ -51,7 +59,6 @@ const OOPS_FRAMES: usize = 4;
 /// first line, its `RIP:` line and up to [`OOPS_FRAMES`] frames of its call
 /// trace; empty when there is none.
 pub fn oops_excerpt<'a>(lines: impl IntoIterator<Item = &'a str>) -> Vec<String> {
-    let quote = |l: &str| -> String { l.trim().chars().take(MAX_QUOTE).collect() };
     let mut out = Vec::new();
     let (mut rip, mut frames) = (false, None::<usize>);
     for line in lines {
@@ -89,21 +96,45 @@ impl Failures {
     /// Counts the boots of `records` that did not count under `m`.
     pub fn of(records: &[BootRecord], m: &Milestones) -> Failures {
         let failed = |v| records.iter().filter(|r| verdict(r, m) == v).count();
-        let first_bad = records
-            .iter()
-            .find(|r| matches!(verdict(r, m), Verdict::TimedOut | Verdict::NoUserspace));
+        let first_bad = records.iter().find(|r| {
+            matches!(
+                verdict(r, m),
+                Verdict::TimedOut | Verdict::Panicked | Verdict::NoUserspace
+            )
+        });
+        let panic_line = |r: &BootRecord| {
+            let line = r.lines.iter().find(|l| is_panic_line(&l.text))?;
+            Some(quote(&split_printk(&line.text).1))
+        };
         Failures {
             timed_out: failed(Verdict::TimedOut),
+            panicked: failed(Verdict::Panicked),
             no_userspace: failed(Verdict::NoUserspace),
-            last_line: first_bad.and_then(|r| {
-                let line = r.lines.iter().rev().find(|l| !l.text.trim().is_empty())?;
-                Some(split_printk(&line.text).1.chars().take(MAX_QUOTE).collect())
-            }),
+            panic: records
+                .iter()
+                .filter(|r| verdict(r, m) == Verdict::Panicked)
+                .find_map(panic_line),
+            last_line: first_bad
+                .filter(|r| panic_line(r).is_none())
+                .and_then(|r| {
+                    let line = r.lines.iter().rev().find(|l| !l.text.trim().is_empty())?;
+                    Some(split_printk(&line.text).1.chars().take(MAX_QUOTE).collect())
+                }),
             oops: first_bad
                 .map(|r| oops_excerpt(r.lines.iter().map(|l| l.text.as_str())))
                 .unwrap_or_default(),
         }
     }
+
+    /// How many boots did not count (Ctrl-C's aside).
+    pub fn count(&self) -> usize {
+        self.timed_out + self.panicked + self.no_userspace
+    }
+}
+
+/// `line` trimmed to at most [`MAX_QUOTE`] characters.
+fn quote(line: &str) -> String {
+    line.trim().chars().take(MAX_QUOTE).collect()
 }
 
 /// The report's line about `f` (`None` when every boot counted), after
@@ -115,6 +146,12 @@ pub fn failures_line(label: &str, f: &Failures, timeout_s: Option<f64>) -> Optio
         (0, _) => {}
         (n, Some(t)) => parts.push(format!("{n} timed out after {t} s")),
         (n, None) => parts.push(format!("{n} timed out")),
+    }
+    match (f.panicked, &f.panic) {
+        (0, _) => {}
+        (1, Some(line)) => parts.push(format!("1 panicked: `{line}`")),
+        (n, Some(line)) => parts.push(format!("{n} panicked (the first: `{line}`)")),
+        (n, None) => parts.push(format!("{n} panicked")),
     }
     if f.no_userspace > 0 {
         parts.push(format!(
@@ -149,12 +186,21 @@ mod tests {
         let f = Failures {
             timed_out: 2,
             no_userspace: 1,
-            last_line: None,
-            oops: Vec::new(),
+            ..Failures::default()
         };
         assert_eq!(
             failures_line("A", &f, Some(5.0)).unwrap(),
             "A: boot(s) not averaged in: 2 timed out after 5 s, 1 ended without reaching userspace"
+        );
+        let f = Failures {
+            panicked: 2,
+            panic: Some("Kernel panic - not syncing: No working init found.".into()),
+            ..Failures::default()
+        };
+        assert_eq!(
+            failures_line("", &f, Some(5.0)).unwrap(),
+            "boot(s) not averaged in: 2 panicked (the first: \
+             `Kernel panic - not syncing: No working init found.`)"
         );
         assert!(failures_line("", &Failures::default(), Some(5.0)).is_none());
         // A loaded recording does not know its timeout: no made-up figure.
@@ -166,6 +212,50 @@ mod tests {
             failures_line("", &f, None).unwrap(),
             "boot(s) not averaged in: 1 timed out"
         );
+    }
+
+    /// A panic is told by its panic line, whether the lab ended the boot at
+    /// it or the kernel's reboot (`panic=-1`) ended the VMM first, and even
+    /// after userspace; a boot that merely timed out keeps its last line.
+    #[test]
+    fn panics_are_counted_with_their_cause() {
+        use crate::lab::record::Outcome;
+        let m = Milestones::default();
+        let after_init = BootRecord::from_lines(
+            &[
+                (1.0, "[    0.100000] Run /init as init process"),
+                (
+                    2.0,
+                    "[    0.200000] Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000100",
+                ),
+                (3.0, "[    0.200001] CPU: 0 PID: 1 Comm: init Not tainted 6.1.0 #1"),
+            ],
+            4.0,
+        );
+        let mut ended_by_us = BootRecord::from_lines(
+            &[(1.0, "[    0.300000] Kernel panic - not syncing: VFS: Unable to mount root fs")],
+            2.0,
+        );
+        ended_by_us.outcome = Outcome::Panicked;
+        let mut hung = BootRecord::from_lines(&[(1.0, "[    0.100000] Linux version 6.1")], 2.0);
+        hung.outcome = Outcome::TimedOut;
+        let f = Failures::of(&[hung.clone(), after_init, ended_by_us], &m);
+        assert_eq!((f.timed_out, f.panicked, f.no_userspace), (1, 2, 0));
+        assert_eq!(f.count(), 3);
+        assert_eq!(
+            f.panic.as_deref(),
+            Some("Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000100")
+        );
+        assert_eq!(f.last_line.as_deref(), Some("Linux version 6.1"));
+        let f = Failures::of(&[hung.clone()], &m);
+        assert_eq!((f.panicked, f.panic.as_deref()), (0, None));
+        let mut panicked_first = BootRecord::from_lines(
+            &[(1.0, "[    0.300000] Kernel panic - not syncing: VFS: Unable to mount root fs")],
+            2.0,
+        );
+        panicked_first.outcome = Outcome::Panicked;
+        let f = Failures::of(&[panicked_first, hung], &m);
+        assert_eq!(f.last_line, None, "its panic line says more");
     }
 
     /// The shape of an x86 oops on a serial console, cut from a real one.

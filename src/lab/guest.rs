@@ -1,12 +1,19 @@
-//! A ready-made userspace for boot measurements: a newc initramfs with
-//! busybox-static and an `/init` script that prints the lab's markers and
-//! powers the guest off at once, so a boot goes kernel → userspace →
-//! shutdown → VMM exit with nothing else in the way.
+//! Ready-made userspaces for boot measurements, each a boot that goes
+//! kernel → userspace → shutdown → VMM exit with nothing else in the way:
 //!
-//! Markers (matched by the built-in activity definitions): `ember-lab: begin init-script` /
+//! - by default, ember's appliance without a command ([`appliance_initramfs`]):
+//!   what `ember run` boots, as libguestfs's boot-benchmark boots its
+//!   appliance;
+//! - with `--busybox-init`, a newc initramfs with busybox-static and an
+//!   `/init` script that prints the lab's markers and powers the guest off
+//!   at once.
+//!
+//! The busybox script's markers (matched by the built-in activity definitions): `ember-lab: begin init-script` /
 //! `ember-lab: end init-script` around the script's work, and
 //! `ember-lab: poweroff` just before `poweroff -f`.
 
+use crate::appliance::{self, ApplianceError};
+use crate::backend::Backend;
 use crate::initramfs::{InitramfsError, NewcWriter};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
@@ -97,6 +104,17 @@ pub fn busybox_initramfs() -> Result<PathBuf, GuestError> {
         })?;
     }
     Ok(path)
+}
+
+/// The appliance's initramfs for `kernel` (`None`: the default kernel, as
+/// `ember run` finds it) booted on `backend`, built once into ember's cache
+/// (see [`appliance::prepare_boot_only`]): ember-init and the kernel's
+/// modules for `ember run`'s console channel on that backend.
+pub fn appliance_initramfs(
+    kernel: Option<&Path>,
+    backend: &dyn Backend,
+) -> Result<PathBuf, ApplianceError> {
+    Ok(appliance::prepare_boot_only(kernel, backend)?.initrd)
 }
 
 #[cfg(test)]

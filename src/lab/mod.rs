@@ -295,7 +295,7 @@ fn exit_status(series: &Series, any_counted: bool) -> i32 {
     } else if any_counted {
         0
     } else {
-        eprintln!("ember: no boot reached userspace (see above)");
+        eprintln!("ember: no boot counted (see above)");
         1
     }
 }

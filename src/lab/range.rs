@@ -273,7 +273,7 @@ fn save_state(path: &Path, state: &State) -> Result<(), RangeError> {
 fn fingerprint(args: &RangeArgs) -> String {
     let g = &args.guest;
     format!(
-        "build={}|artifact={}|kind={:?}|backend={}|machine={}|accel={:?}|vmm={:?}|kernel={:?}|initrd={:?}|busybox={}|cmdline={}|mem={}|cpus={}|userspace={}|metric={}|n={}|w={}",
+        "build={}|artifact={}|kind={:?}|backend={}|machine={}|accel={:?}|vmm={:?}|kernel={:?}|initrd={}|busybox={}|cmdline={}|mem={}|cpus={}|userspace={}|metric={}|n={}|w={}",
         args.build,
         args.artifact.display(),
         args.artifact_kind,
@@ -283,7 +283,7 @@ fn fingerprint(args: &RangeArgs) -> String {
         g.accel,
         g.vmm,
         g.kernel,
-        g.initrd,
+        initrd_choice(g),
         g.busybox_init,
         g.cmdline,
         g.mem,
@@ -293,6 +293,17 @@ fn fingerprint(args: &RangeArgs) -> String {
         args.runs,
         args.warmup
     )
+}
+
+/// `--initrd` as the fingerprint has it (as it always had, with `busybox=`
+/// beside it), but the appliance booted by default is named: measurements
+/// made when no `--initrd` meant no initramfs are not taken for its.
+fn initrd_choice(g: &GuestOpts) -> String {
+    if g.initrd.is_none() && !g.busybox_init && !g.no_initrd {
+        "appliance".into()
+    } else {
+        format!("{:?}", g.initrd)
+    }
 }
 
 fn default_cache(repo: &Path) -> PathBuf {
@@ -451,11 +462,17 @@ fn render(r: &CommitResult, change: Option<Change>) -> String {
                 ));
             }
             let f = &r.failures;
-            if f.timed_out + f.no_userspace > 0 {
-                b.push_str(&format!(
-                    " [{} timed out, {} without userspace]",
-                    f.timed_out, f.no_userspace
-                ));
+            let lost: Vec<String> = [
+                (f.timed_out, "timed out"),
+                (f.panicked, "panicked"),
+                (f.no_userspace, "without userspace"),
+            ]
+            .iter()
+            .filter(|(n, _)| *n > 0)
+            .map(|(n, what)| format!("{n} {what}"))
+            .collect();
+            if !lost.is_empty() {
+                b.push_str(&format!(" [{}]", lost.join(", ")));
             }
             b
         }

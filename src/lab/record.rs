@@ -23,6 +23,13 @@ const POLL: Duration = Duration::from_millis(20);
 const MAX_STDERR: usize = 16 * 1024;
 /// Size of one read from the console pipe.
 const READ_CHUNK: usize = 8192;
+/// What every Linux panic prints first, its cause after the colon.
+const PANIC_LINE: &str = "Kernel panic - not syncing";
+
+/// Whether console line `text` is a kernel's panic line.
+pub fn is_panic_line(text: &str) -> bool {
+    text.contains(PANIC_LINE)
+}
 
 /// Errors starting a boot.
 #[derive(Debug, Error)]
@@ -95,6 +102,10 @@ pub enum Outcome {
     TimedOut,
     /// We killed it because of Ctrl-C.
     Cancelled,
+    /// We killed it when its kernel printed its panic line: what it does
+    /// next (wait forever with `panic=0`, reboot after N seconds) only
+    /// delays the report of a boot that cannot count.
+    Panicked,
 }
 
 /// Everything measured in one boot.
@@ -159,7 +170,8 @@ struct Reaped {
 }
 
 /// Boots `cfg` once. `cancel` is polled while the guest runs; when it is set
-/// the VMM is killed and the record says [`Outcome::Cancelled`].
+/// the VMM is killed and the record says [`Outcome::Cancelled`]. A kernel
+/// panic on the console ends the boot at once, as [`Outcome::Panicked`].
 pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, BootError> {
     let mut spec = cfg.spec.clone();
     let events_path = (cfg.backend.name() == "ember").then(scratch_events_path);
@@ -181,7 +193,11 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
     let stdout = child.stdout.take().expect("stdout is piped");
     let mut stderr = child.stderr.take().expect("stderr is piped");
 
-    let console = std::thread::spawn(move || read_console(stdout, t0));
+    let panicked = Arc::new(AtomicBool::new(false));
+    let console = {
+        let panicked = panicked.clone();
+        std::thread::spawn(move || read_console(stdout, t0, &panicked))
+    };
     let errors = std::thread::spawn(move || {
         let mut buf = Vec::new();
         let _ = (&mut stderr).take(MAX_STDERR as u64).read_to_end(&mut buf);
@@ -194,7 +210,7 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
         let _ = tx.send(reap(pid));
     });
 
-    let (reaped, outcome) = wait(&rx, pid, t0, cfg.timeout, cancel);
+    let (reaped, outcome) = wait(&rx, pid, t0, cfg.timeout, [cancel, &panicked]);
     // Reaped by wait4 above; dropping a Child neither waits nor kills.
     drop(child);
     // Anything the VMM left behind in its group (a helper still holding the
@@ -241,14 +257,14 @@ pub fn run_boot(cfg: &BootConfig, cancel: &AtomicBool) -> Result<BootRecord, Boo
 }
 
 /// Waits for the reaper's report on `rx`, killing the VMM's group once
-/// `cancel` is set or `timeout` has passed since `t0`; the outcome when it
-/// was killed.
+/// `cancel` or `panicked` is set or `timeout` has passed since `t0`; the
+/// outcome when it was killed.
 fn wait(
     rx: &mpsc::Receiver<Reaped>,
     pid: libc::pid_t,
     t0: Instant,
     timeout: Duration,
-    cancel: &AtomicBool,
+    [cancel, panicked]: [&AtomicBool; 2],
 ) -> (Reaped, Option<Outcome>) {
     let mut outcome = None;
     let reaped = loop {
@@ -266,6 +282,8 @@ fn wait(
         if outcome.is_none() {
             if cancel.load(Ordering::SeqCst) {
                 outcome = Some(Outcome::Cancelled);
+            } else if panicked.load(Ordering::SeqCst) {
+                outcome = Some(Outcome::Panicked);
             } else if t0.elapsed() > timeout {
                 outcome = Some(Outcome::TimedOut);
             }
@@ -277,8 +295,13 @@ fn wait(
     (reaped, outcome)
 }
 
-/// Reads the console until EOF, stamping each line as its newline arrives.
-fn read_console(mut out: impl Read, t0: Instant) -> (Vec<ConsoleLine>, u64, Option<f64>) {
+/// Reads the console until EOF, stamping each line as its newline arrives;
+/// sets `panicked` at a kernel's panic line.
+fn read_console(
+    mut out: impl Read,
+    t0: Instant,
+    panicked: &AtomicBool,
+) -> (Vec<ConsoleLine>, u64, Option<f64>) {
     let mut stamper = LineStamper::default();
     let mut lines = Vec::new();
     let mut bytes = 0u64;
@@ -295,6 +318,9 @@ fn read_console(mut out: impl Read, t0: Instant) -> (Vec<ConsoleLine>, u64, Opti
         first.get_or_insert(t_us);
         bytes += n as u64;
         stamper.feed(&buf[..n], |text| {
+            if is_panic_line(text) {
+                panicked.store(true, Ordering::SeqCst);
+            }
             lines.push(ConsoleLine {
                 t_us,
                 text: text.to_owned(),
@@ -459,6 +485,27 @@ mod tests {
         assert_eq!(r.outcome, Outcome::Exited(0));
         assert_eq!(r.lines.len(), 1);
         assert!(start.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_panicked_kernel_ends_its_boot_at_once() {
+        let never = AtomicBool::new(false);
+        let start = Instant::now();
+        // panic=0: the kernel waits forever after its panic line.
+        let r = run_boot(
+            &cfg(
+                "echo '[    0.500000] Kernel panic - not syncing: No working init found.'; \
+                 exec sleep 30",
+                60_000,
+            ),
+            &never,
+        )
+        .unwrap();
+        assert_eq!(r.outcome, Outcome::Panicked);
+        assert!(!r.completed());
+        assert!(start.elapsed() < Duration::from_secs(5));
+        assert!(is_panic_line(&r.lines[0].text));
+        assert!(!is_panic_line("[    0.1] Run /init as init process"));
     }
 
     #[test]

@@ -279,7 +279,7 @@ impl AnalyzeReport {
             let _ = writeln!(s, "{l}\n");
         }
         let Some(total) = self.total else {
-            s.push_str("No boot reached userspace: nothing to analyse.\n");
+            s.push_str("No boot counted (see above): nothing to analyse.\n");
             return s;
         };
         let _ = writeln!(

@@ -3,7 +3,7 @@
 //! Shows a progress bar on a terminal and stops cleanly on Ctrl-C.
 
 use super::analysis::Milestones;
-use super::record::{BootConfig, BootError, BootRecord, Outcome, run_boot};
+use super::record::{BootConfig, BootError, BootRecord, Outcome, is_panic_line, run_boot};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use std::io::IsTerminal;
@@ -47,17 +47,23 @@ pub enum Verdict {
     Ok,
     /// Killed at the timeout.
     TimedOut,
+    /// Its kernel panicked (before or after userspace).
+    Panicked,
     /// Ended without ever reaching userspace.
     NoUserspace,
     /// Stopped by Ctrl-C.
     Cancelled,
 }
 
-/// Classifies one boot.
+/// Classifies one boot. A panic never counts, even after userspace (an init
+/// that died) and even when the kernel's own reboot (`panic=-1`) ended the
+/// VMM before the lab did.
 pub fn verdict(r: &BootRecord, m: &Milestones) -> Verdict {
     match r.outcome {
         Outcome::TimedOut => Verdict::TimedOut,
         Outcome::Cancelled => Verdict::Cancelled,
+        Outcome::Panicked => Verdict::Panicked,
+        _ if r.lines.iter().any(|l| is_panic_line(&l.text)) => Verdict::Panicked,
         _ if r.lines.iter().any(|l| {
             m.userspace
                 .is_match(&super::analysis::split_printk(&l.text).1)

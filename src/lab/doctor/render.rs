@@ -86,10 +86,7 @@ pub fn verification_text(v: &Verification) -> String {
         ),
         _ => format!("{verdict} ({} pairs)", v.pairs),
     };
-    let lost = v.failures[0].timed_out
-        + v.failures[0].no_userspace
-        + v.failures[1].timed_out
-        + v.failures[1].no_userspace;
+    let lost = v.failures[0].count() + v.failures[1].count();
     if lost > 0 {
         text.push_str(&format!("; {lost} boot(s) did not count"));
     }
