@@ -92,7 +92,8 @@ pub struct GuestOpts {
     /// guest that is not Linux.
     #[arg(long)]
     pub no_initrd: bool,
-    /// Kernel command line.
+    /// Kernel command line. A boot whose kernel panics is ended at its panic
+    /// line and reported as panicked, with that line, whatever `panic=` says.
     #[arg(long, default_value = "console=ttyS0 panic=-1")]
     pub cmdline: String,
     /// Guest memory, with an optional K/M/G suffix (bytes without one); a
@@ -187,7 +188,12 @@ pub fn apply_vs(base: &GuestOpts, vs: &str) -> Result<GuestOpts, ConfigError> {
             }
             "vmm" => o.vmm = Some(value.into()),
             "kernel" => o.kernel = Some(value.into()),
-            "initrd" => o.initrd = Some(value.into()),
+            "initrd" => {
+                // B boots this one, whatever A boots.
+                o.initrd = Some(value.into());
+                o.busybox_init = false;
+                o.no_initrd = false;
+            }
             "cmdline" => o.cmdline = value.into(),
             "cmdline+" => {
                 o.cmdline.push(' ');
@@ -485,6 +491,12 @@ mod tests {
     fn vs_overrides_keys_and_keeps_commas_in_values() {
         let base = opts(&["--backend", "qemu", "--cmdline", "console=ttyS0"]);
         let b = apply_vs(&base, "machine=microvm,cmdline+=quiet,loglevel=3,cpus=2").unwrap();
+        assert_eq!(b.initrd, None);
+        for a in [&["--busybox-init"][..], &["--no-initrd"]] {
+            let b = apply_vs(&opts(a), "initrd=/b.cpio").unwrap();
+            assert_eq!(b.initrd.as_deref(), Some(std::path::Path::new("/b.cpio")));
+            assert!(!b.busybox_init && !b.no_initrd, "{a:?}");
+        }
         assert_eq!(b.machine, "microvm");
         assert_eq!(b.cmdline, "console=ttyS0 quiet,loglevel=3");
         assert_eq!(b.cpus, 2);
