@@ -114,12 +114,10 @@ impl Failures {
                 .iter()
                 .filter(|r| verdict(r, m) == Verdict::Panicked)
                 .find_map(panic_line),
-            last_line: first_bad
-                .filter(|r| panic_line(r).is_none())
-                .and_then(|r| {
-                    let line = r.lines.iter().rev().find(|l| !l.text.trim().is_empty())?;
-                    Some(split_printk(&line.text).1.chars().take(MAX_QUOTE).collect())
-                }),
+            last_line: first_bad.filter(|r| panic_line(r).is_none()).and_then(|r| {
+                let line = r.lines.iter().rev().find(|l| !l.text.trim().is_empty())?;
+                Some(split_printk(&line.text).1.chars().take(MAX_QUOTE).collect())
+            }),
             oops: first_bad
                 .map(|r| oops_excerpt(r.lines.iter().map(|l| l.text.as_str())))
                 .unwrap_or_default(),
@@ -228,12 +226,18 @@ mod tests {
                     2.0,
                     "[    0.200000] Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000100",
                 ),
-                (3.0, "[    0.200001] CPU: 0 PID: 1 Comm: init Not tainted 6.1.0 #1"),
+                (
+                    3.0,
+                    "[    0.200001] CPU: 0 PID: 1 Comm: init Not tainted 6.1.0 #1",
+                ),
             ],
             4.0,
         );
         let mut ended_by_us = BootRecord::from_lines(
-            &[(1.0, "[    0.300000] Kernel panic - not syncing: VFS: Unable to mount root fs")],
+            &[(
+                1.0,
+                "[    0.300000] Kernel panic - not syncing: VFS: Unable to mount root fs",
+            )],
             2.0,
         );
         ended_by_us.outcome = Outcome::Panicked;
@@ -250,7 +254,10 @@ mod tests {
         let f = Failures::of(&[hung.clone()], &m);
         assert_eq!((f.panicked, f.panic.as_deref()), (0, None));
         let mut panicked_first = BootRecord::from_lines(
-            &[(1.0, "[    0.300000] Kernel panic - not syncing: VFS: Unable to mount root fs")],
+            &[(
+                1.0,
+                "[    0.300000] Kernel panic - not syncing: VFS: Unable to mount root fs",
+            )],
             2.0,
         );
         panicked_first.outcome = Outcome::Panicked;

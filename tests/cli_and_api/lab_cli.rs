@@ -239,7 +239,11 @@ fn a_kernel_that_never_reaches_userspace_is_reported() {
     args.extend(["-n", "1", "-w", "0", "--timeout", "30"]);
     let start = Instant::now();
     let out = ember(&args);
-    assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
     assert_eq!(out.status.code(), Some(1));
     let s = text(&out.stdout);
     assert!(

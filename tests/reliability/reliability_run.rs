@@ -22,7 +22,8 @@
 //! makes is in a scratch directory removed however the test ends.
 //!
 //! Each test failed on 4e6807d (but the ember backend's slow-reader guard)
-//! and is ignored until its item's fix lands (items 1 and 2's have: ef74e9d);
+//! and is ignored until its item's fix lands (items 1 and 2's have: ef74e9d;
+//! item 12's: the lab's appliance initramfs and panic watch);
 //! `cargo test --test reliability_run -- --include-ignored` runs them all.
 
 use crate::common;
@@ -902,7 +903,6 @@ fn lab_out_of_the_box(lab: &str) -> Done {
 }
 
 #[test]
-#[ignore = "issue 22 item 12: fails on 4e6807d; un-ignore with its fix"]
 fn item12_bench_and_analyze_reach_userspace_without_an_initrd() {
     let mut problems = Vec::new();
     for lab in ["analyze", "bench"] {
@@ -937,7 +937,6 @@ fn item12_bench_and_analyze_reach_userspace_without_an_initrd() {
 }
 
 #[test]
-#[ignore = "issue 22 item 12: fails on 4e6807d; un-ignore with its fix"]
 fn item12_a_panicking_guest_ends_its_boot_at_once() {
     let scratch = Scratch::new("rel-panic");
     // An initramfs with no /init: with no root= either, the kernel panics

@@ -12,7 +12,14 @@ fn ember(sub: &str, args: &[&str]) -> Output {
     let guest = ember_testing::test_guest().expect("the test guest builds");
     Command::new(env!("CARGO_BIN_EXE_ember"))
         .arg(sub)
-        .args(["--backend", "ember", "--cmdline", CMDLINE, "--no-initrd", "--kernel"])
+        .args([
+            "--backend",
+            "ember",
+            "--cmdline",
+            CMDLINE,
+            "--no-initrd",
+            "--kernel",
+        ])
         .arg(guest)
         .args(args)
         .output()
