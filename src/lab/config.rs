@@ -94,7 +94,10 @@ pub struct GuestOpts {
     pub no_initrd: bool,
     /// Kernel command line. A boot whose kernel panics is ended at its panic
     /// line and reported as panicked, with that line, whatever `panic=` says.
-    #[arg(long, default_value = "console=ttyS0 panic=-1")]
+    /// The default's `no_timer_check` skips the IO-APIC timer check, as
+    /// `ember run`'s appliance does: under TCG on a loaded host it can miss
+    /// its ticks and panic ("IO-APIC + timer doesn't work!").
+    #[arg(long, default_value = "console=ttyS0 panic=-1 no_timer_check")]
     pub cmdline: String,
     /// Guest memory, with an optional K/M/G suffix (bytes without one); a
     /// whole number of MiB.

@@ -36,6 +36,10 @@ pub struct Failures {
 
 /// Longest `last_line` we quote, in characters.
 const MAX_QUOTE: usize = 100;
+/// Longest panic line we quote: the cause is all of it ("IO-APIC + timer
+/// doesn't work!  Boot with apic=debug and send a report.  Then try booting
+/// with the 'noapic' option.").
+const MAX_PANIC_QUOTE: usize = 240;
 
 /// How a kernel oops starts (x86 Linux's own words), or a warning or an
 /// RCU stall, whose register dumps and traces have the same shape: a boot
@@ -104,7 +108,15 @@ impl Failures {
         });
         let panic_line = |r: &BootRecord| {
             let line = r.lines.iter().find(|l| is_panic_line(&l.text))?;
-            Some(quote(&split_printk(&line.text).1))
+            let body = split_printk(&line.text).1;
+            Some(
+                body.trim()
+                    .chars()
+                    .take(MAX_PANIC_QUOTE)
+                    .collect::<String>()
+                    .trim_end()
+                    .to_owned(),
+            )
         };
         Failures {
             timed_out: failed(Verdict::TimedOut),
