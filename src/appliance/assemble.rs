@@ -312,6 +312,7 @@ pub fn prepare_boot_only(
         modules: mods.len(),
         elapsed: start.elapsed(),
         temporary: false,
+        held: app.held,
     })
 }
 

@@ -300,7 +300,8 @@ pub fn build(opts: &GuestOpts, label: &str) -> Result<(BootConfig, Milestones), 
     let milestones = milestones(opts)?;
     let backend = backend(opts)?;
     let mut spec = GuestSpec::new(&kernel);
-    spec.initrd = initrd(opts, backend.as_ref())?;
+    let (initrd, held) = initrd(opts, backend.as_ref())?;
+    spec.initrd = initrd;
     spec.cmdline = opts.cmdline.clone();
     spec.mem_mib = opts.mem;
     spec.cpus = opts.cpus;
@@ -309,29 +310,34 @@ pub fn build(opts: &GuestOpts, label: &str) -> Result<(BootConfig, Milestones), 
         backend,
         spec,
         timeout: Duration::from_secs_f64(opts.timeout),
+        held,
     };
     Ok((cfg, milestones))
 }
 
 /// The initramfs `opts` boots with on `backend`: `--initrd`, the generated
 /// busybox one, none, or by default the appliance's for `--kernel` (or, as
-/// `ember run` finds it, the default kernel with its modules).
-fn initrd(opts: &GuestOpts, backend: &dyn Backend) -> Result<Option<PathBuf>, ConfigError> {
+/// `ember run` finds it, the default kernel with its modules), held while
+/// the lab boots it.
+fn initrd(opts: &GuestOpts, backend: &dyn Backend) -> Result<Held, ConfigError> {
     if opts.busybox_init {
         return super::guest::busybox_initramfs()
-            .map(Some)
+            .map(|p| (Some(p), None))
             .map_err(ConfigError::Guest);
     }
     if opts.no_initrd {
-        return Ok(None);
+        return Ok((None, None));
     }
     match &opts.initrd {
-        Some(path) => Ok(Some(path.clone())),
+        Some(path) => Ok((Some(path.clone()), None)),
         None => super::guest::appliance_initramfs(opts.kernel.as_deref(), backend)
-            .map(Some)
+            .map(|(p, held)| (Some(p), held))
             .map_err(ConfigError::Appliance),
     }
 }
+
+/// An initramfs (if any) and, for a cached one, its file held open.
+type Held = (Option<PathBuf>, Option<Arc<std::fs::File>>);
 
 /// The kernel `ember setup` fetched (as `ember run` finds it).
 fn default_kernel() -> Result<PathBuf, ConfigError> {

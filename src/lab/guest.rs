@@ -15,7 +15,9 @@
 use crate::appliance::{self, ApplianceError};
 use crate::backend::Backend;
 use crate::initramfs::{InitramfsError, NewcWriter};
+use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use thiserror::Error;
 
 /// Where busybox-static lives on Debian.
@@ -109,12 +111,14 @@ pub fn busybox_initramfs() -> Result<PathBuf, GuestError> {
 /// The appliance's initramfs for `kernel` (`None`: the default kernel, as
 /// `ember run` finds it) booted on `backend`, built once into ember's cache
 /// (see [`appliance::prepare_boot_only`]): ember-init and the kernel's
-/// modules for `ember run`'s console channel on that backend.
+/// modules for `ember run`'s console channel on that backend. Its path,
+/// and the file held (share-locked) for as long as the lab boots it.
 pub fn appliance_initramfs(
     kernel: Option<&Path>,
     backend: &dyn Backend,
-) -> Result<PathBuf, ApplianceError> {
-    Ok(appliance::prepare_boot_only(kernel, backend)?.initrd)
+) -> Result<(PathBuf, Option<Arc<File>>), ApplianceError> {
+    let p = appliance::prepare_boot_only(kernel, backend)?;
+    Ok((p.initrd, p.held))
 }
 
 #[cfg(test)]

@@ -68,6 +68,9 @@ pub struct BootConfig {
     pub spec: GuestSpec,
     /// Kill a boot that has not ended after this long.
     pub timeout: Duration,
+    /// The cached initramfs (the appliance's), held open and share-locked
+    /// while the lab boots it, so no run's cache eviction removes it.
+    pub held: Option<Arc<std::fs::File>>,
 }
 
 impl std::fmt::Debug for BootConfig {
@@ -441,6 +444,7 @@ mod tests {
             backend: Arc::new(Script(script)),
             spec: GuestSpec::new("/k"),
             timeout: Duration::from_millis(timeout_ms),
+            held: None,
         }
     }
 
