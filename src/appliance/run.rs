@@ -204,6 +204,7 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
             }
         }
     };
+    let restored_from = spec.restore.clone();
     let outcome = host::run(
         backend.as_ref(),
         spec,
@@ -212,6 +213,28 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         &mut std::io::stderr(),
     )?;
     drop(held);
+    if let Some(dir) = &restored_from {
+        let never_ran = matches!(outcome, host::Outcome::VmmFailed { .. });
+        if never_ran || matches!(outcome, host::Outcome::NoReport(_)) {
+            // The restore failed: a damaged memory file is the likelier
+            // cause than the guest, and would fail every later run too.
+            if let Err(e) = warm::check_memory(dir) {
+                let gone = warm::discard(dir).is_ok();
+                let then = match (gone, never_ran) {
+                    (true, true) => "; making it again",
+                    (true, false) => "; the next run makes it again",
+                    (false, _) => "",
+                };
+                eprintln!("ember: {}{then}", error_chain(&e));
+                // Nothing of the command ran (no input read, no output
+                // written): run it again, making the snapshot afresh.
+                if gone && never_ran {
+                    return run(args);
+                }
+                return Ok(EXIT_APPLIANCE);
+            }
+        }
+    }
     Ok(exit_status(args, outcome, timeout, modules, backend.name()))
 }
 
@@ -452,7 +475,21 @@ fn warm_spec(
     held.push(Arc::new(image.into_file()));
     spec.events = args.devices.events.clone();
     job.root = Some(warm::SLOT_DEVICE.into());
-    if warm::is_complete(&dir) {
+    // A damaged snapshot, or one of another format, is made again, as a
+    // damaged cached appliance is (a failed restore checks the rest).
+    let sound = dir.exists()
+        && match warm::check(&dir) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("ember: {}; making it again", error_chain(&e));
+                if let Err(e) = warm::discard(&dir) {
+                    eprintln!("ember: booting cold: {}", error_chain(&e));
+                    return Ok(None);
+                }
+                false
+            }
+        };
+    if sound {
         spec.restore = Some(dir.clone());
         job.restored = true;
     } else {

@@ -55,6 +55,9 @@ pub enum WarmError {
     /// The control socket refused a step of the snapshot.
     #[error("cannot snapshot the appliance")]
     Snapshot(#[source] crate::api::ClientError),
+    /// A cached snapshot is damaged or of another format.
+    #[error("the appliance's cached snapshot cannot be restored")]
+    Unsound(#[source] ember_vmm::snapshot::SnapshotError),
 }
 
 fn io_err(p: &Path) -> impl Fn(io::Error) -> WarmError + '_ {
@@ -104,6 +107,57 @@ pub fn snapshot_dir(cache: &Path, key: &str) -> PathBuf {
 pub fn is_complete(dir: &Path) -> bool {
     use ember_vmm::snapshot::{MEMORY_FILE, STATE_FILE};
     dir.join(STATE_FILE).is_file() && dir.join(MEMORY_FILE).is_file()
+}
+
+/// Whether the whole snapshot in `dir` can be restored by this ember: its
+/// state decodes (magic, format version, its checksum, the values it holds)
+/// and its memory file has the size the state records. Cheap enough for
+/// every run: the state is a few KiB and the memory file is only stat'ed
+/// (its checksum is checked by [`check_memory`] when a restore fails).
+pub fn check(dir: &Path) -> Result<(), WarmError> {
+    use ember_vmm::snapshot::{self, MAX_STATE_BYTES, MEMORY_FILE, STATE_FILE, SnapshotError};
+    use std::io::Read;
+    let state_path = dir.join(STATE_FILE);
+    let mut bytes = Vec::new();
+    fs::File::open(&state_path)
+        .and_then(|f| f.take(MAX_STATE_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(io_err(&state_path))?;
+    let state = snapshot::decode(&bytes, &state_path).map_err(WarmError::Unsound)?;
+    let mem_path = dir.join(MEMORY_FILE);
+    let found = fs::metadata(&mem_path).map_err(io_err(&mem_path))?.len();
+    if found != state.mem_size {
+        return Err(WarmError::Unsound(SnapshotError::MemorySize {
+            path: mem_path,
+            found,
+            want: state.mem_size,
+        }));
+    }
+    Ok(())
+}
+
+/// Whether the snapshot's memory still matches the checksum taken with it
+/// (reads the whole file: for a restore that failed).
+pub fn check_memory(dir: &Path) -> Result<(), WarmError> {
+    ember_vmm::snapshot::check_memory(dir).map_err(WarmError::Unsound)
+}
+
+/// Removes the damaged snapshot `dir` so that the next run makes it again:
+/// renamed aside first (a concurrent run then finds no snapshot rather than
+/// half of one), then removed. A run restoring it meanwhile keeps its
+/// mapping.
+pub fn discard(dir: &Path) -> Result<(), WarmError> {
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    let aside = parent.join(format!(
+        ".{}.damaged.{}",
+        dir.file_name().unwrap_or_default().to_string_lossy(),
+        std::process::id()
+    ));
+    match fs::rename(dir, &aside) {
+        Ok(()) => fs::remove_dir_all(&aside).map_err(io_err(&aside)),
+        // Another run discarded it first.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(WarmError::Io(dir.to_owned(), e)),
+    }
 }
 
 /// Writes `tree` as files under `dir` (device nodes are left out: the
@@ -211,7 +265,7 @@ pub fn save(api: &Path, dir: &Path) -> Result<(), WarmError> {
         match fs::rename(&tmp, dir) {
             Ok(()) => Ok(()),
             // A concurrent first run renamed its own first: keep that one.
-            Err(_) if is_complete(dir) => Ok(()),
+            Err(_) if check(dir).is_ok() => Ok(()),
             Err(e) => Err(WarmError::Io(dir.to_owned(), e)),
         }
     });
@@ -288,6 +342,29 @@ mod tests {
         fs::write(&e, b"ember 2").unwrap();
         assert_ne!(key(&inputs(&k, &e)), after_kernel, "ember");
         let _ = fs::remove_dir_all(dir);
+    }
+
+    /// A snapshot whose state does not decode is unsound, and discarding
+    /// it leaves nothing behind (its files are read-only).
+    #[test]
+    fn a_damaged_snapshot_is_unsound_and_discarded_whole() {
+        let parent = crate::appliance::test_dir("warm-damaged");
+        let dir = parent.join("key");
+        fs::create_dir(&dir).unwrap();
+        for (f, data) in [
+            ("state", &b"EMBERSNP truncated"[..]),
+            ("memory", &[0u8; 4096]),
+        ] {
+            fs::write(dir.join(f), data).unwrap();
+            fs::set_permissions(dir.join(f), fs::Permissions::from_mode(0o400)).unwrap();
+        }
+        assert!(is_complete(&dir));
+        assert!(matches!(check(&dir), Err(WarmError::Unsound(_))));
+        discard(&dir).unwrap();
+        assert_eq!(fs::read_dir(&parent).unwrap().count(), 0);
+        // Gone already (another run discarded it): not an error.
+        discard(&dir).unwrap();
+        let _ = fs::remove_dir_all(parent);
     }
 
     #[test]

@@ -23,7 +23,8 @@
 //!
 //! Each test failed on 4e6807d (but the ember backend's slow-reader guard)
 //! and is ignored until its item's fix lands (items 1 and 2's have: ef74e9d;
-//! item 12's: the lab's appliance initramfs and panic watch);
+//! items 4, 5 and 6's: ae8ebaf and the next; item 12's: the lab's
+//! appliance initramfs and panic watch);
 //! `cargo test --test reliability_run -- --include-ignored` runs them all.
 
 use crate::common;
@@ -835,7 +836,6 @@ fn snapshots(cache: &Path) -> Vec<PathBuf> {
 }
 
 #[test]
-#[ignore = "issue 22 item 6: fails on 4e6807d; un-ignore with its fix"]
 fn item6_a_truncated_snapshot_is_rebuilt() {
     let Some(pvm) = Pvm::find("item6_a_truncated_snapshot_is_rebuilt") else {
         return;
