@@ -44,7 +44,10 @@ impl Busybox {
         let text = match cached.as_deref().map(std::fs::read) {
             Some(Ok(text)) if !text.is_empty() => text,
             _ => {
-                let out = Command::new(&path).arg("--list").output().ok()?;
+                let mut list = Command::new(&path);
+                list.arg("--list");
+                crate::cleanup::dies_with_ember(&mut list);
+                let out = list.output().ok()?;
                 if !out.status.success() {
                     return None;
                 }

@@ -356,8 +356,10 @@ pub fn by_name(name: &str, qemu_machine: &str) -> Result<Box<dyn Backend>, Backe
 
 /// First line of `binary --version`.
 pub fn binary_version(name: &str, binary: &Path) -> Result<String, BackendError> {
-    let out = Command::new(binary)
-        .arg("--version")
+    let mut probe = Command::new(binary);
+    probe.arg("--version");
+    crate::cleanup::dies_with_ember(&mut probe);
+    let out = probe
         .output()
         .map_err(|e| BackendError::Version(name.to_owned(), e))?;
     Ok(String::from_utf8_lossy(&out.stdout)
