@@ -22,7 +22,7 @@ use super::{BalloonReport, Reply, Request, Response, SnapshotWritten, Status, Vm
 
 use crate::cleanup::TempPath;
 use ember_vmm::devices::virtio::target_pages;
-use ember_vmm::snapshot::Machine;
+use ember_vmm::machine::Machine;
 use ember_vmm::vstate::control::RunState;
 
 /// A request line may not be longer than this.

@@ -8,10 +8,10 @@ fn main() {
         std::hint::black_box(ember_vmm::snapshot::load_replacing(&dir, &[]).unwrap());
     }
     println!(
-        "first {:?} warm {:?} vcpus {}",
+        "first {:?} warm {:?} devices {}",
         first,
         t.elapsed() / 50,
-        s.vcpus.len()
+        s.devices.len()
     );
     let bytes = std::fs::read(dir.join("state")).unwrap();
     println!("state {} bytes", bytes.len());

@@ -63,7 +63,7 @@ pub enum DeviceConfig {
 
 impl DeviceConfig {
     /// The backing file, for a disk or pmem device.
-    pub fn path(&self) -> Option<&Path> {
+    pub(crate) fn path(&self) -> Option<&Path> {
         match self {
             DeviceConfig::Block(d) => Some(&d.path),
             DeviceConfig::Pmem(p) => Some(&p.path),
@@ -96,20 +96,20 @@ pub struct DeviceSet {
 /// interrupt line (which follow from its position in the machine).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Placement {
+pub(crate) struct Placement {
     /// The guest-physical address of a device's memory region (pmem).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub region: Option<u64>,
+    pub(crate) region: Option<u64>,
 }
 
 /// One virtio device of a running VM.
-pub struct AttachedDevice {
+pub(crate) struct AttachedDevice {
     /// What it is, as configured.
-    pub config: DeviceConfig,
+    pub(crate) config: DeviceConfig,
     /// Where it was put.
-    pub placement: Placement,
+    pub(crate) placement: Placement,
     /// Its register window.
-    pub transport: Arc<Mutex<MmioTransport>>,
+    pub(crate) transport: Arc<Mutex<MmioTransport>>,
 }
 
 /// A running VM, built by [`crate::builder::build`] or

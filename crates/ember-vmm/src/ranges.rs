@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 /// Merged half-open ranges `start..end`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RangeSet {
+pub(crate) struct RangeSet {
     /// start -> end; no two ranges overlap or touch.
     map: BTreeMap<u64, u64>,
     total: u64,

@@ -14,7 +14,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 /// Console output: the guest's bytes go to `out` (the terminal) and, split
 /// into lines stamped on arrival, into the event timeline.
-pub struct ConsoleSink {
+pub(crate) struct ConsoleSink {
     out: Option<Box<dyn Write + Send>>,
     stamper: LineStamper,
     recorder: Arc<Recorder>,
@@ -33,7 +33,7 @@ impl ConsoleSink {
     }
 
     /// Records a trailing partial line (at exit).
-    pub fn finish(&mut self) {
+    pub(crate) fn finish(&mut self) {
         let rec = &self.recorder;
         self.stamper.flush(|l| rec.mark_text(kind::CONSOLE_LINE, l));
     }
@@ -68,7 +68,7 @@ impl Write for ConsoleSink {
 
 /// The serial interrupt: an irqfd.
 #[derive(Debug)]
-pub struct SerialIrq(pub EventFd);
+pub(crate) struct SerialIrq(pub EventFd);
 
 impl vm_superio::Trigger for SerialIrq {
     type E = io::Error;
@@ -82,7 +82,7 @@ pub(crate) type SerialUart =
     vm_superio::Serial<SerialIrq, vm_superio::serial::NoEvents, ConsoleSink>;
 
 /// COM1 on the port-I/O bus.
-pub struct Serial(pub SerialUart);
+pub(crate) struct Serial(pub SerialUart);
 
 impl BusDevice for Serial {
     fn read(&mut self, offset: u64, data: &mut [u8]) {

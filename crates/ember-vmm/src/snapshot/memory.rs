@@ -30,7 +30,7 @@ const MAX_RUN: usize = 8 << 20;
 /// pages are the old file's: those are read like any other.
 /// Returns the bytes written (the rest of the file is holes) and the file's
 /// [`checksum`], taken as it is written.
-pub fn write(mem: &GuestMemoryMmap, file: &File, anonymous: bool) -> io::Result<(u64, u32)> {
+pub(crate) fn write(mem: &GuestMemoryMmap, file: &File, anonymous: bool) -> io::Result<(u64, u32)> {
     let total: u64 = mem.iter().map(|r| r.len()).sum();
     file.set_len(total)?;
     let pagemap = if anonymous {
@@ -117,7 +117,7 @@ fn add_page(sum: &mut crc32fast::Hasher, offset: u64, page: &[u8]) {
 /// its offset, in file order. Zero pages (holes, or zeroes written) count
 /// for nothing, so a sparse file and the same memory written densely agree.
 /// Reads the whole file: for a restore that went wrong, not for every one.
-pub fn checksum(path: &Path) -> io::Result<u32> {
+pub(crate) fn checksum(path: &Path) -> io::Result<u32> {
     use std::io::Read;
     // Sequential reads: this runs on a filtered main thread, whose
     // allow-list has read, not pread.
@@ -156,7 +156,7 @@ fn is_zero(page: &[u8]) -> bool {
 /// Maps the memory file at `path` as the RAM of a `size`-byte guest,
 /// privately: the guest's writes go to copies, the file is only read, and
 /// only the pages the guest touches.
-pub fn map_private(path: &Path, size: u64) -> io::Result<GuestMemoryMmap> {
+pub(crate) fn map_private(path: &Path, size: u64) -> io::Result<GuestMemoryMmap> {
     let file = std::sync::Arc::new(crate::files::open_regular(path)?);
     let mut regions = Vec::new();
     let mut off = 0u64;

@@ -21,7 +21,7 @@
 //! vCPU is made (the VM and its memory are made meanwhile on a helper
 //! thread, and dropped unused when the snapshot is refused).
 
-pub mod memory;
+pub(crate) mod memory;
 pub mod restore;
 mod staging;
 
@@ -36,7 +36,7 @@ use kvm_bindings::kvm_cpuid_entry2;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-pub use crate::machine::{AttachedDevice, DeviceConfig, Machine, Placement};
+pub(crate) use crate::machine::{AttachedDevice, DeviceConfig, Machine, Placement};
 
 use crate::arch::x86_64::layout;
 use crate::devices::virtio::mmio::TransportState;
@@ -63,7 +63,7 @@ const MAX_MSRS: usize = 1024;
 /// The largest state file read: ~25 KiB a vCPU, so 64 MiB is far beyond any
 /// real one, and a damaged or hostile file cannot make ember allocate its
 /// size.
-pub const MAX_STATE_BYTES: u64 = 64 << 20;
+pub(crate) const MAX_STATE_BYTES: u64 = 64 << 20;
 const MAX_CPUID: usize = kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 const MAX_QUEUES: usize = 64;
 
@@ -165,18 +165,18 @@ fn io_err(path: &Path) -> impl Fn(std::io::Error) -> SnapshotError + '_ {
 #[serde(deny_unknown_fields)]
 pub struct FileIdentity {
     /// st_dev.
-    pub dev: u64,
+    pub(crate) dev: u64,
     /// st_ino.
-    pub ino: u64,
+    pub(crate) ino: u64,
     /// Size in bytes.
-    pub size: u64,
+    pub(crate) size: u64,
     /// Modification time, nanoseconds since the epoch.
     pub mtime_ns: i128,
 }
 
 impl FileIdentity {
     /// The identity of the file at `path` now.
-    pub fn of(path: &Path) -> std::io::Result<Self> {
+    pub(crate) fn of(path: &Path) -> std::io::Result<Self> {
         let m = std::fs::metadata(path)?;
         Ok(FileIdentity {
             dev: m.dev(),
@@ -208,42 +208,42 @@ impl FileIdentity {
 #[serde(deny_unknown_fields)]
 pub struct DeviceState {
     /// What it is and what backs it, as configured.
-    pub config: DeviceConfig,
+    pub(crate) config: DeviceConfig,
     /// Where the device manager put it.
-    pub placement: Placement,
+    pub(crate) placement: Placement,
     /// Its backing file, for disks and pmem.
     pub file: Option<FileIdentity>,
     /// Its register window.
-    pub transport: TransportState,
+    pub(crate) transport: TransportState,
     /// A balloon's target, size, held ranges and statistics.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub balloon: Option<BalloonState>,
+    pub(crate) balloon: Option<BalloonState>,
 }
 
 /// COM1 (vm-superio's `SerialState`, which has no serde of its own).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct SerialState {
+pub(crate) struct SerialState {
     /// DLL.
-    pub baud_divisor_low: u8,
+    pub(crate) baud_divisor_low: u8,
     /// DLM.
-    pub baud_divisor_high: u8,
+    pub(crate) baud_divisor_high: u8,
     /// IER.
-    pub interrupt_enable: u8,
+    pub(crate) interrupt_enable: u8,
     /// IIR.
-    pub interrupt_identification: u8,
+    pub(crate) interrupt_identification: u8,
     /// LCR.
-    pub line_control: u8,
+    pub(crate) line_control: u8,
     /// LSR.
-    pub line_status: u8,
+    pub(crate) line_status: u8,
     /// MCR.
-    pub modem_control: u8,
+    pub(crate) modem_control: u8,
     /// MSR.
-    pub modem_status: u8,
+    pub(crate) modem_status: u8,
     /// SCR.
-    pub scratch: u8,
+    pub(crate) scratch: u8,
     /// Received bytes the guest has not read.
-    pub in_buffer: Vec<u8>,
+    pub(crate) in_buffer: Vec<u8>,
 }
 
 impl From<vm_superio::serial::SerialState> for SerialState {
@@ -286,30 +286,30 @@ impl From<&SerialState> for vm_superio::serial::SerialState {
 #[serde(deny_unknown_fields)]
 pub struct SnapshotState {
     /// The ember that wrote it (informational).
-    pub ember_version: String,
+    pub(crate) ember_version: String,
     /// Guest RAM in bytes (the memory file's size).
-    pub mem_size: u64,
+    pub(crate) mem_size: u64,
     /// The CPU signature of the host it was taken on
     /// (`arch::x86_64::cpuid::host_signature`).
     #[serde(with = "crate::hex::vec")]
     pub host_cpuid: Vec<kvm_cpuid_entry2>,
     /// Each vCPU, by index.
-    pub vcpus: Vec<vcpu::VcpuState>,
+    pub(crate) vcpus: Vec<vcpu::VcpuState>,
     /// Interrupt controllers, PIT, clock.
-    pub vm: vm::VmState,
+    pub(crate) vm: vm::VmState,
     /// COM1.
-    pub serial: SerialState,
+    pub(crate) serial: SerialState,
     /// The virtio devices, in window order.
     pub devices: Vec<DeviceState>,
     /// Whether the guest has a VM generation ID (at `layout::VMGENID_START`,
     /// announced through the GED at `layout::GED_GSI`). Absent in older
     /// snapshots, whose guests had none.
     #[serde(default)]
-    pub vmgenid: bool,
+    pub(crate) vmgenid: bool,
     /// The memory file's checksum (`memory::checksum`), checked when a
     /// restored guest crashes ([`check_memory`]). Absent in older snapshots.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub memory_checksum: Option<u32>,
+    pub(crate) memory_checksum: Option<u32>,
 }
 
 impl SnapshotState {
@@ -440,7 +440,8 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<SnapshotState, SnapshotError>
 /// the snapshot was taken on (`host_cpuid` gives its CPUID; it is asked
 /// only once the state has parsed, so the caller may fetch it meanwhile).
 /// Nothing is built.
-pub fn load(
+#[cfg(test)]
+pub(crate) fn load(
     dir: &Path,
     host_cpuid: impl FnOnce() -> Result<Vec<kvm_cpuid_entry2>, SnapshotError>,
 ) -> Result<(SnapshotState, PathBuf), SnapshotError> {
@@ -470,7 +471,7 @@ pub fn check_memory(dir: &Path) -> Result<(), SnapshotError> {
 /// (`host_cpuid`: this host's `arch::x86_64::cpuid::host_signature`).
 /// [`load`] checks it; a caller of [`load_replacing`] must, before the VM
 /// runs.
-pub fn check_host_cpu(
+pub(crate) fn check_host_cpu(
     state: &SnapshotState,
     host_cpuid: &[kvm_cpuid_entry2],
 ) -> Result<(), SnapshotError> {

@@ -83,7 +83,7 @@ struct Ctl<S> {
 
 /// Pause control shared by the vCPU threads and the control socket. `S` is
 /// what a vCPU saves when asked (its snapshot state).
-pub struct VcpuControl<S> {
+pub(crate) struct VcpuControl<S> {
     ctl: Mutex<Ctl<S>>,
     cv: Condvar,
     total: usize,
@@ -176,7 +176,7 @@ impl<S> VcpuControl<S> {
     }
 
     /// Running or paused.
-    pub fn state(&self) -> RunState {
+    pub(crate) fn state(&self) -> RunState {
         let c = self.lock();
         if c.pause && c.parked == self.total {
             RunState::Paused
@@ -215,7 +215,7 @@ impl<S> VcpuControl<S> {
     }
 
     /// Stops every vCPU; returns once all are parked.
-    pub fn pause(&self, end: &VmEnd) -> Result<(), ControlError> {
+    pub(crate) fn pause(&self, end: &VmEnd) -> Result<(), ControlError> {
         self.pause_within(end, PAUSE_TIMEOUT)
     }
 
@@ -260,7 +260,7 @@ impl<S> VcpuControl<S> {
     }
 
     /// Lets every parked vCPU run again.
-    pub fn resume(&self) -> Result<(), ControlError> {
+    pub(crate) fn resume(&self) -> Result<(), ControlError> {
         let mut c = self.lock();
         if !c.pause {
             return Err(ControlError::Already("running"));

@@ -37,7 +37,7 @@ impl GuestEnd {
 /// Where devices and vCPU threads report the end of the guest's run; the
 /// VMM's main thread waits on [`VmEnd::eventfd`]. The first report wins.
 #[derive(Debug)]
-pub struct VmEnd {
+pub(crate) struct VmEnd {
     end: Mutex<Option<Result<GuestEnd, String>>>,
     evt: EventFd,
 }
@@ -52,7 +52,7 @@ impl VmEnd {
     }
 
     /// Records how the guest ended and wakes the VMM.
-    pub fn report(&self, end: GuestEnd) {
+    pub(crate) fn report(&self, end: GuestEnd) {
         self.set(Ok(end));
     }
 
@@ -71,7 +71,7 @@ impl VmEnd {
     }
 
     /// Whether the run is over (either way).
-    pub fn is_over(&self) -> bool {
+    pub(crate) fn is_over(&self) -> bool {
         self.end.lock().unwrap_or_else(|p| p.into_inner()).is_some()
     }
 
@@ -82,12 +82,12 @@ impl VmEnd {
     }
 
     /// The recorded outcome, if any.
-    pub fn outcome(&self) -> Option<Result<GuestEnd, String>> {
+    pub(crate) fn outcome(&self) -> Option<Result<GuestEnd, String>> {
         self.end.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// The eventfd that becomes readable at the end.
-    pub fn eventfd(&self) -> &EventFd {
+    pub(crate) fn eventfd(&self) -> &EventFd {
         &self.evt
     }
 }

@@ -178,7 +178,7 @@ pub(crate) fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
 
 /// How many bytes of guest memory are resident on the host, from
 /// /proc/self/smaps (cheap even for a 64 GiB guest, unlike mincore).
-pub fn resident_bytes(mem: &GuestMemoryMmap) -> u64 {
+pub(crate) fn resident_bytes(mem: &GuestMemoryMmap) -> u64 {
     // Host ranges of guest RAM. Advice splits a region into several mappings
     // (small pages first, see `create`), so match mappings inside a range.
     let ranges: Vec<(u64, u64)> = mem

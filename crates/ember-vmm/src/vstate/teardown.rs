@@ -24,7 +24,7 @@ use std::os::fd::RawFd;
 
 /// Ends ember with status `code`, leaving the teardown of the VM whose
 /// descriptor is `vm` to a keeper.
-pub fn exit(code: i32, vm: RawFd) -> ! {
+pub(crate) fn exit(code: i32, vm: RawFd) -> ! {
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     keep_for_teardown(vm);

@@ -43,42 +43,42 @@ pub(crate) enum VcpuStateError {
 /// What a vCPU is, for the snapshot (Firecracker saves the same list).
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct VcpuState {
+pub(crate) struct VcpuState {
     /// The vCPU index (and APIC id).
-    pub id: u32,
+    pub(crate) id: u32,
     /// The CPUID table the guest saw.
     #[serde(with = "crate::hex::vec")]
-    pub cpuid: Vec<kvm_cpuid_entry2>,
+    pub(crate) cpuid: Vec<kvm_cpuid_entry2>,
     /// The guest TSC rate; the restoring host's must be the same.
-    pub tsc_khz: Option<u32>,
+    pub(crate) tsc_khz: Option<u32>,
     /// Running, halted, waiting for SIPI...
     #[serde(with = "crate::hex")]
-    pub mp_state: kvm_mp_state,
+    pub(crate) mp_state: kvm_mp_state,
     /// General-purpose registers.
     #[serde(with = "crate::hex")]
-    pub regs: kvm_regs,
+    pub(crate) regs: kvm_regs,
     /// Segment, control and descriptor-table registers.
     #[serde(with = "crate::hex")]
-    pub sregs: kvm_sregs,
+    pub(crate) sregs: kvm_sregs,
     /// FPU, SSE and AVX state.
     #[serde(with = "crate::hex")]
-    pub xsave: kvm_xsave,
+    pub(crate) xsave: kvm_xsave,
     /// Extended control registers (XCR0).
     #[serde(with = "crate::hex")]
-    pub xcrs: kvm_xcrs,
+    pub(crate) xcrs: kvm_xcrs,
     /// Debug registers.
     #[serde(with = "crate::hex")]
-    pub debugregs: kvm_debugregs,
+    pub(crate) debugregs: kvm_debugregs,
     /// The in-kernel local APIC's registers.
     #[serde(with = "crate::hex")]
-    pub lapic: kvm_lapic_state,
+    pub(crate) lapic: kvm_lapic_state,
     /// Every MSR KVM lists as saveable that reads back (TSC, syscall MSRs,
     /// kvmclock's, PAT, EFER...).
     #[serde(with = "crate::hex::vec")]
-    pub msrs: Vec<kvm_msr_entry>,
+    pub(crate) msrs: Vec<kvm_msr_entry>,
     /// Pending exceptions, interrupts, NMIs, SMM state.
     #[serde(with = "crate::hex")]
-    pub events: kvm_vcpu_events,
+    pub(crate) events: kvm_vcpu_events,
 }
 
 /// The MSRs KVM saves and restores (KVM_GET_MSR_INDEX_LIST), read once per

@@ -76,7 +76,7 @@ impl PendingRam {
 
 /// A VM with its interrupt controllers set up.
 #[derive(Debug)]
-pub struct Vm {
+pub(crate) struct Vm {
     fd: VmFd,
     max_slots: usize,
     slots: Mutex<Slots>,
@@ -127,7 +127,7 @@ impl Vm {
     }
 
     /// The raw VM fd, for vCPU creation.
-    pub fn fd(&self) -> &VmFd {
+    pub(crate) fn fd(&self) -> &VmFd {
         &self.fd
     }
 

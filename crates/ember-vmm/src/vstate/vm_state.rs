@@ -21,22 +21,22 @@ pub(crate) struct VmStateError {
 /// The VM's KVM-side state.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct VmState {
+pub(crate) struct VmState {
     /// The master 8259.
     #[serde(with = "crate::hex")]
-    pub pic_master: kvm_irqchip,
+    pub(crate) pic_master: kvm_irqchip,
     /// The slave 8259.
     #[serde(with = "crate::hex")]
-    pub pic_slave: kvm_irqchip,
+    pub(crate) pic_slave: kvm_irqchip,
     /// The IOAPIC (redirection table, IRR).
     #[serde(with = "crate::hex")]
-    pub ioapic: kvm_irqchip,
+    pub(crate) ioapic: kvm_irqchip,
     /// The 8254 PIT's three channels.
     #[serde(with = "crate::hex")]
-    pub pit: kvm_pit_state2,
+    pub(crate) pit: kvm_pit_state2,
     /// The KVM clock (guest nanoseconds) at the snapshot.
     #[serde(with = "crate::hex")]
-    pub clock: kvm_clock_data,
+    pub(crate) clock: kvm_clock_data,
 }
 
 fn chip(fd: &VmFd, id: u32, what: &'static str) -> Result<kvm_irqchip, VmStateError> {

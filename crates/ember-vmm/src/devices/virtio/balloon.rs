@@ -42,18 +42,18 @@ use super::{
 };
 
 /// The driver must tell the device before it reuses deflated pages.
-pub const VIRTIO_BALLOON_F_MUST_TELL_HOST: u32 = 0;
+pub(crate) const VIRTIO_BALLOON_F_MUST_TELL_HOST: u32 = 0;
 /// The driver may deflate on its own when the guest runs out of memory.
-pub const VIRTIO_BALLOON_F_DEFLATE_ON_OOM: u32 = 2;
+pub(crate) const VIRTIO_BALLOON_F_DEFLATE_ON_OOM: u32 = 2;
 /// A statistics queue exists.
-pub const VIRTIO_BALLOON_F_STATS_VQ: u32 = 1;
+pub(crate) const VIRTIO_BALLOON_F_STATS_VQ: u32 = 1;
 /// A free page reporting queue exists.
-pub const VIRTIO_BALLOON_F_FREE_PAGE_REPORTING: u32 = 5;
+pub(crate) const VIRTIO_BALLOON_F_FREE_PAGE_REPORTING: u32 = 5;
 
 /// Entries per queue.
-pub const QUEUE_SIZE: u16 = 256;
+pub(crate) const QUEUE_SIZE: u16 = 256;
 /// Balloon page frame numbers are in 4 KiB units, whatever the guest's page size.
-pub const BALLOON_PAGE_SHIFT: u32 = 12;
+pub(crate) const BALLOON_PAGE_SHIFT: u32 = 12;
 const BALLOON_PAGE_SIZE: u64 = 1 << BALLOON_PAGE_SHIFT;
 /// A balloon target that cannot be set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -101,24 +101,15 @@ const CONFIG_ACTUAL: usize = 4;
 const CONFIG_LEN: usize = 16;
 const DEVICE: &str = "virtio-balloon";
 
-/// Statistics tags (`VIRTIO_BALLOON_S_*`).
-pub mod stat {
+/// The statistics tags (`VIRTIO_BALLOON_S_*`) the tests report.
+#[cfg(test)]
+mod stat {
     /// Bytes swapped in.
-    pub const SWAP_IN: u16 = 0;
-    /// Bytes swapped out.
-    pub const SWAP_OUT: u16 = 1;
-    /// Major page faults.
-    pub const MAJOR_FAULTS: u16 = 2;
-    /// Minor page faults.
-    pub const MINOR_FAULTS: u16 = 3;
+    pub(crate) const SWAP_IN: u16 = 0;
     /// Free memory, bytes.
-    pub const FREE_MEMORY: u16 = 4;
+    pub(crate) const FREE_MEMORY: u16 = 4;
     /// Total memory, bytes.
-    pub const TOTAL_MEMORY: u16 = 5;
-    /// Available memory, bytes.
-    pub const AVAILABLE_MEMORY: u16 = 6;
-    /// Disk caches, bytes.
-    pub const DISK_CACHES: u16 = 7;
+    pub(crate) const TOTAL_MEMORY: u16 = 5;
 }
 
 /// The last statistics report, as (tag, value) pairs in the driver's order.
@@ -129,8 +120,9 @@ pub struct BalloonStats {
 }
 
 impl BalloonStats {
-    /// The value reported for `tag` (see [`stat`]).
-    pub fn get(&self, tag: u16) -> Option<u64> {
+    /// The value reported for `tag`.
+    #[cfg(test)]
+    fn get(&self, tag: u16) -> Option<u64> {
         self.entries.iter().find(|e| e.0 == tag).map(|e| e.1)
     }
 }
@@ -206,37 +198,37 @@ impl Default for BalloonConfig {
 /// A balloon's state in a snapshot, besides its transport's registers and queues.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct BalloonState {
+pub(crate) struct BalloonState {
     /// Whether free page reporting was offered (the driver may have accepted it).
-    pub reporting: bool,
+    pub(crate) reporting: bool,
     /// The user's target, pages.
-    pub user_pages: u32,
+    pub(crate) user_pages: u32,
     /// The memory committer's floor, pages (`--prefault async` not finished).
-    pub fence_pages: u32,
+    pub(crate) fence_pages: u32,
     /// The driver's `actual`.
-    pub actual_pages: u32,
+    pub(crate) actual_pages: u32,
     /// The config generation the driver last saw.
-    pub generation: u32,
+    pub(crate) generation: u32,
     /// Guest-physical byte ranges held in the balloon, merged, ascending.
-    pub held: Vec<(u64, u64)>,
+    pub(crate) held: Vec<(u64, u64)>,
     /// Counters.
-    pub discarded_pages: u64,
+    pub(crate) discarded_pages: u64,
     /// Pages inflated so far.
-    pub inflated_pages: u64,
+    pub(crate) inflated_pages: u64,
     /// Pages deflated so far.
-    pub deflated_pages: u64,
+    pub(crate) deflated_pages: u64,
     /// The last statistics report.
-    pub stats: Option<Vec<(u16, u64)>>,
+    pub(crate) stats: Option<Vec<(u16, u64)>>,
     /// The head of the statistics buffer the device held (informational and
     /// checked: the restored device takes the buffer at the queue's used index).
-    pub held_stats: Option<u16>,
+    pub(crate) held_stats: Option<u16>,
 }
 
 impl BalloonState {
     /// Checks what a state file's checksum cannot: held ranges are whole pages,
     /// ascending, apart, and inside `ram` (guest-physical (start, len) ranges), and
     /// no list is longer than the device could have made.
-    pub fn check(&self, ram: &[(u64, u64)]) -> Result<(), String> {
+    pub(crate) fn check(&self, ram: &[(u64, u64)]) -> Result<(), String> {
         if self.held.len() > MAX_STATE_RANGES {
             return Err(format!("{} held ranges", self.held.len()));
         }
@@ -310,12 +302,12 @@ impl BalloonHandle {
     }
 
     /// The user's target (without the committer's floor).
-    pub fn user_target_pages(&self) -> u32 {
+    pub(crate) fn user_target_pages(&self) -> u32 {
         self.lock().user_pages
     }
 
     /// The memory committer's floor (pages not committed yet).
-    pub fn fence_pages(&self) -> u32 {
+    pub(crate) fn fence_pages(&self) -> u32 {
         self.lock().fence_pages
     }
 
@@ -357,7 +349,7 @@ impl BalloonHandle {
     }
 
     /// Pages the driver has inflated so far (in RAM; repeats counted).
-    pub fn inflated_pages(&self) -> u64 {
+    pub(crate) fn inflated_pages(&self) -> u64 {
         self.lock().inflated_pages
     }
 
@@ -385,7 +377,7 @@ impl BalloonHandle {
     /// Runs `f` on the held ranges with the device's lock held, so no inflate or
     /// deflate runs meanwhile (the committer uses it to release what the balloon
     /// holds once the fence comes down).
-    pub fn with_held<R>(&self, f: impl FnOnce(&RangeSet) -> R) -> R {
+    pub(crate) fn with_held<R>(&self, f: impl FnOnce(&RangeSet) -> R) -> R {
         f(&self.lock().held)
     }
 
@@ -396,7 +388,7 @@ impl BalloonHandle {
 
     /// The balloon's state for a snapshot (take it with the vCPUs paused and the
     /// inflate and deflate queues drained).
-    pub fn state(&self) -> BalloonState {
+    pub(crate) fn state(&self) -> BalloonState {
         let s = self.lock();
         BalloonState {
             reporting: s.reporting,
@@ -455,7 +447,7 @@ impl Balloon {
     /// it on its queues; the statistics buffer it held is taken again from there.
     /// No memory committer is attached: the caller attaches one
     /// ([`BalloonHandle::set_fence`]) before lowering the recorded floor.
-    pub fn from_state(s: &BalloonState) -> std::io::Result<Self> {
+    pub(crate) fn from_state(s: &BalloonState) -> std::io::Result<Self> {
         let mut held = RangeSet::new();
         for &(start, end) in &s.held {
             held.insert(start, end);
@@ -491,7 +483,7 @@ impl Balloon {
     /// negotiates). Off, the guest's free memory stays resident on the host
     /// until the balloon takes it, as with QEMU's and Cloud Hypervisor's
     /// default balloon.
-    pub fn set_free_page_reporting(&mut self, on: bool) {
+    pub(crate) fn set_free_page_reporting(&mut self, on: bool) {
         self.handle.lock().reporting = on;
     }
 
@@ -869,7 +861,12 @@ impl QueueHandler for BalloonHandler {
 /// four queues (inflate, deflate, statistics, free-page reporting) served in `order` on
 /// arbitrary memory.
 #[cfg(fuzzing)]
-pub fn fuzz_queues(mem: GuestMemory, queues: Vec<Queue>, irq: VirtioInterrupt, order: &[u8]) {
+pub(crate) fn fuzz_queues(
+    mem: GuestMemory,
+    queues: Vec<Queue>,
+    irq: VirtioInterrupt,
+    order: &[u8],
+) {
     let Ok(balloon) = Balloon::new(16) else {
         return;
     };

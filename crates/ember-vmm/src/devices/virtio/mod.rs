@@ -27,10 +27,10 @@
 
 pub mod balloon;
 pub mod block;
-pub mod console;
-pub mod mmio;
-pub mod pmem;
-pub mod rng;
+pub(crate) mod console;
+pub(crate) mod mmio;
+pub(crate) mod pmem;
+pub(crate) mod rng;
 mod worker;
 
 #[cfg(test)]
@@ -39,11 +39,11 @@ pub(crate) mod test_utils;
 pub use block::{Block, DiskConfig};
 pub use console::{Console, ConsoleInput};
 
-pub use balloon::{
-    Balloon, BalloonConfig, BalloonHandle, BalloonState, BalloonStats, TargetError, target_pages,
-};
+pub(crate) use balloon::BalloonState;
+pub use balloon::{Balloon, BalloonConfig, BalloonHandle, TargetError, target_pages};
 pub use mmio::MmioTransport;
-pub use pmem::{Pmem, PmemConfig, PmemRegion};
+pub use pmem::PmemConfig;
+pub(crate) use pmem::{Pmem, PmemRegion};
 
 pub use rng::{Rng, RngConfig};
 
@@ -64,10 +64,10 @@ pub type GuestMemory = GuestMemoryMmap<()>;
 
 /// `VIRTIO_F_VERSION_1`: the device is a modern (virtio 1.x) device. Every device offers it
 /// and the transport refuses a driver that does not accept it.
-pub const VIRTIO_F_VERSION_1: u64 = 1 << virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+pub(crate) const VIRTIO_F_VERSION_1: u64 = 1 << virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 /// `VIRTIO_RING_F_INDIRECT_DESC`: the driver may use indirect descriptor tables.
 /// `virtio-queue` walks them for us, so every device offers it.
-pub const VIRTIO_RING_F_INDIRECT_DESC: u64 =
+pub(crate) const VIRTIO_RING_F_INDIRECT_DESC: u64 =
     1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC;
 
 /// Errors a device reports when the driver sets `DRIVER_OK`.
@@ -136,29 +136,29 @@ impl VirtioInterrupt {
     }
 
     /// Tells the driver that a used ring has new entries.
-    pub fn signal_used_queue(&self) {
+    pub(crate) fn signal_used_queue(&self) {
         self.signal(VIRTIO_MMIO_INT_VRING);
     }
 
     /// Tells the driver that the configuration space (or the device status) changed.
-    pub fn signal_config_change(&self) {
+    pub(crate) fn signal_config_change(&self) {
         self.signal(VIRTIO_MMIO_INT_CONFIG);
     }
 
     /// Marks the device broken (`DEVICE_NEEDS_RESET`) after guest input it cannot recover
     /// from, and tells the driver through a configuration-change interrupt.
-    pub fn set_needs_reset(&self) {
+    pub(crate) fn set_needs_reset(&self) {
         self.needs_reset.store(true, Ordering::SeqCst);
         self.signal_config_change();
     }
 
     /// Whether [`set_needs_reset`](Self::set_needs_reset) was called since the last reset.
-    pub fn needs_reset(&self) -> bool {
+    pub(crate) fn needs_reset(&self) -> bool {
         self.needs_reset.load(Ordering::SeqCst)
     }
 
     /// The pending interrupt causes (`VIRTIO_MMIO_INT_*` bits).
-    pub fn status(&self) -> u32 {
+    pub(crate) fn status(&self) -> u32 {
         self.status.load(Ordering::SeqCst)
     }
 

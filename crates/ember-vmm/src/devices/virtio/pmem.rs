@@ -21,9 +21,9 @@ use super::{
 };
 
 /// Entries in the request queue.
-pub const QUEUE_SIZE: u16 = 256;
+pub(crate) const QUEUE_SIZE: u16 = 256;
 /// The guest driver hot-adds the region as memory: it must be 2 MiB aligned and sized.
-pub const PMEM_ALIGN: u64 = 2 << 20;
+pub(crate) const PMEM_ALIGN: u64 = 2 << 20;
 /// `VIRTIO_PMEM_REQ_TYPE_FLUSH`, the only request type.
 const REQ_TYPE_FLUSH: u32 = 0;
 /// Response codes: zero is success, anything else an I/O error to the guest.
@@ -32,7 +32,7 @@ const RESP_EIO: u32 = 1;
 /// The most descriptors a request chain may have. A request is a 4-byte type and a 4-byte
 /// response (Linux sends two descriptors); virtio-queue's `Reader` and `Writer` hold a list
 /// entry per descriptor, and an indirect table lets the guest ask for 65535 of them.
-pub const MAX_REQUEST_DESCRIPTORS: usize = 16;
+pub(crate) const MAX_REQUEST_DESCRIPTORS: usize = 16;
 const DEVICE: &str = "virtio-pmem";
 
 /// virtio-pmem errors.
@@ -112,12 +112,10 @@ impl FromStr for PmemConfig {
 /// The mapping is rounded up to [`PMEM_ALIGN`]; the part past the end of the file is
 /// anonymous memory, so the guest touching it cannot fault the VMM with `SIGBUS`.
 #[derive(Debug)]
-pub struct PmemRegion {
+pub(crate) struct PmemRegion {
     file: File,
-    path: PathBuf,
     host_addr: *mut libc::c_void,
     len: u64,
-    file_len: u64,
 }
 
 // SAFETY: the mapping is plain shared memory owned by this value; it is only unmapped on
@@ -128,7 +126,7 @@ unsafe impl Sync for PmemRegion {}
 
 impl PmemRegion {
     /// Opens `path` read-write and maps it.
-    pub fn map(path: impl AsRef<Path>) -> Result<Self, Error> {
+    pub(crate) fn map(path: impl AsRef<Path>) -> Result<Self, Error> {
         let path = path.as_ref().to_path_buf();
         let open_err = |source| Error::Open {
             path: path.clone(),
@@ -203,36 +201,19 @@ impl PmemRegion {
         }
         Ok(Self {
             file,
-            path,
             host_addr: base,
             len,
-            file_len,
         })
     }
 
     /// Host virtual address of the mapping (KVM's `userspace_addr`).
-    pub fn host_addr(&self) -> u64 {
+    pub(crate) fn host_addr(&self) -> u64 {
         self.host_addr as u64
     }
 
     /// Length of the mapping: the file size rounded up to [`PMEM_ALIGN`].
-    pub fn len(&self) -> u64 {
+    pub(crate) fn len(&self) -> u64 {
         self.len
-    }
-
-    /// Never true: empty files are refused.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Size of the backing file.
-    pub fn file_len(&self) -> u64 {
-        self.file_len
-    }
-
-    /// The backing file.
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 }
 
@@ -254,7 +235,7 @@ impl Drop for PmemRegion {
 /// let pmem = Pmem::new(&region, guest_addr).unwrap();
 /// ```
 #[derive(Debug)]
-pub struct Pmem {
+pub(crate) struct Pmem {
     file: File,
     config_space: [u8; 16],
     worker: Option<Worker>,
@@ -262,7 +243,7 @@ pub struct Pmem {
 
 impl Pmem {
     /// A device for `region`, which the VMM maps at guest-physical `guest_addr`.
-    pub fn new(region: &PmemRegion, guest_addr: u64) -> std::io::Result<Self> {
+    pub(crate) fn new(region: &PmemRegion, guest_addr: u64) -> std::io::Result<Self> {
         let mut config_space = [0u8; 16];
         config_space[..8].copy_from_slice(&guest_addr.to_le_bytes());
         config_space[8..].copy_from_slice(&region.len().to_le_bytes());
@@ -389,7 +370,7 @@ impl QueueHandler for PmemHandler {
 /// For the fuzz target `pmem` (fuzz/, built by scripts/fuzz with `--cfg fuzzing`): serves
 /// the queue twice on arbitrary memory, with `file` as the backing file.
 #[cfg(fuzzing)]
-pub fn fuzz_queue(mem: GuestMemory, queue: Queue, irq: VirtioInterrupt, file: File) {
+pub(crate) fn fuzz_queue(mem: GuestMemory, queue: Queue, irq: VirtioInterrupt, file: File) {
     let mut h = PmemHandler {
         mem,
         queue,
@@ -413,7 +394,8 @@ mod tests {
         let tmp = TempFile::new(&[0x11u8; 5000]);
         let region = PmemRegion::map(&tmp.path).unwrap();
         assert_eq!(region.len(), PMEM_ALIGN);
-        assert_eq!(region.file_len(), 5000);
+        // The padding is anonymous: the file keeps its size.
+        assert_eq!(std::fs::metadata(&tmp.path).unwrap().len(), 5000);
         assert_eq!(region.host_addr() % 4096, 0);
         let p = region.host_addr() as *mut u8;
         // SAFETY: inside the live mapping of `region.len()` bytes.

@@ -12,10 +12,10 @@ use super::{
 };
 
 /// Entries in the request queue.
-pub const QUEUE_SIZE: u16 = 256;
+pub(crate) const QUEUE_SIZE: u16 = 256;
 /// Most bytes one request gets: the guest asks for little at a time, and a bound keeps a
 /// huge buffer from stalling the thread.
-pub const MAX_BYTES_PER_REQUEST: usize = 64 * 1024;
+pub(crate) const MAX_BYTES_PER_REQUEST: usize = 64 * 1024;
 const DEVICE: &str = "virtio-rng";
 
 /// An entropy device as the user configures it (`--rng`; see [`crate::machine`] for the
@@ -148,7 +148,7 @@ pub(crate) fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
 /// For the fuzz target `rng` (fuzz/, built by scripts/fuzz with `--cfg fuzzing`): serves
 /// the queue twice on arbitrary memory.
 #[cfg(fuzzing)]
-pub fn fuzz_queue(mem: GuestMemory, queue: Queue, irq: VirtioInterrupt) {
+pub(crate) fn fuzz_queue(mem: GuestMemory, queue: Queue, irq: VirtioInterrupt) {
     let mut h = RngHandler { mem, queue, irq };
     h.process_queue(0);
     h.process_queue(0);

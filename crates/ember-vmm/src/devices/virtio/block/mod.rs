@@ -44,13 +44,13 @@ use super::{
 };
 
 /// Sectors are 512 bytes, whatever the host's block size.
-pub const SECTOR_SHIFT: u32 = 9;
+pub(crate) const SECTOR_SHIFT: u32 = 9;
 /// Bytes per sector.
-pub const SECTOR_SIZE: u32 = 1 << SECTOR_SHIFT;
+pub(crate) const SECTOR_SIZE: u32 = 1 << SECTOR_SHIFT;
 /// Entries in the request queue.
-pub const QUEUE_SIZE: u16 = 256;
+pub(crate) const QUEUE_SIZE: u16 = 256;
 /// Largest discard / write-zeroes request we advertise, in sectors (2 GiB).
-pub const MAX_DISCARD_SECTORS: u32 = 1 << 22;
+pub(crate) const MAX_DISCARD_SECTORS: u32 = 1 << 22;
 /// Discard alignment we advertise, in sectors (4 KiB: hole punching works in pages).
 const DISCARD_ALIGNMENT_SECTORS: u32 = 8;
 
@@ -126,9 +126,9 @@ pub enum Error {
 /// driver takes to answer a completion (~1 µs), short enough that an idle disk costs next
 /// to nothing and that polling on the vCPU's own CPU (an overcommitted host) wastes
 /// little.
-pub const DEFAULT_POLL: Duration = Duration::from_micros(32);
+pub(crate) const DEFAULT_POLL: Duration = Duration::from_micros(32);
 /// The largest `poll=` accepted, in microseconds.
-pub const MAX_POLL_US: u64 = 1_000_000;
+pub(crate) const MAX_POLL_US: u64 = 1_000_000;
 
 /// A disk as the user configures it: `--disk PATH[,ro][,direct][,serial=ID][,poll=US]`
 /// on the command line, the same value in a machine description, a snapshot and the
@@ -169,13 +169,13 @@ impl DiskConfig {
     }
 
     /// The I/O thread's busy-poll window.
-    pub fn poll(&self) -> Duration {
+    pub(crate) fn poll(&self) -> Duration {
         self.poll_us.map_or(DEFAULT_POLL, Duration::from_micros)
     }
 
     /// Checks what the grammar checks, for a configuration that did not come through it
     /// (a snapshot's, the appliance's hand-over).
-    pub fn validate(&self) -> Result<(), Error> {
+    pub(crate) fn validate(&self) -> Result<(), Error> {
         if self.path.as_os_str().is_empty() {
             return Err(Error::MissingPath);
         }
@@ -376,7 +376,8 @@ impl Block {
     }
 
     /// The name its I/O thread gets.
-    pub fn thread_name(&self) -> &str {
+    #[cfg(test)]
+    pub(crate) fn thread_name(&self) -> &str {
         &self.thread_name
     }
 }

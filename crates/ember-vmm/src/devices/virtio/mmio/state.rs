@@ -53,7 +53,7 @@ pub(crate) enum StateError {
 /// One queue's registers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct QueueRegs {
+pub(crate) struct QueueRegs {
     /// Size the driver chose.
     pub size: u16,
     /// Whether the driver enabled it.
@@ -69,7 +69,7 @@ pub struct QueueRegs {
 /// The register file of one virtio-mmio window.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct TransportState {
+pub(crate) struct TransportState {
     /// `DeviceID`, checked against the rebuilt device.
     pub device_type: u32,
     /// The device status byte.
