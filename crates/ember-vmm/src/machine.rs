@@ -11,7 +11,7 @@
 //! `ember boot` (as JSON, never re-rendered as options). A value a backend
 //! may not be able to honour is an `Option` (given or not), so that backend
 //! refuses it instead of dropping it. Where the device manager put the
-//! device ([`Placement`]: a window, an interrupt line, a guest-physical
+//! device (`Placement`: a window, an interrupt line, a guest-physical
 //! region) is not configuration, and neither is what the device holds once
 //! the guest runs (its transport's and its own state in a snapshot). A new
 //! device adds its configuration type, a [`DeviceConfig`] variant and a
@@ -251,7 +251,7 @@ impl Machine {
     }
 
     /// Ends the process with status `code` at once, leaving the VM's
-    /// teardown to a process nobody waits for ([`crate::vstate::teardown`]):
+    /// teardown to a process nobody waits for (`crate::vstate::teardown`):
     /// no destructors run, so the caller restores what it must first.
     pub fn exit(&self, code: i32) -> ! {
         crate::vstate::teardown::exit(code, self.vm.fd().as_raw_fd())

@@ -2,7 +2,7 @@
 //! the POST/debug port for boot-timing marks, Firecracker's boot-timer page,
 //! an isa-debug-exit port and the hardware-reduced ACPI sleep register.
 //!
-//! None of them holds KVM: each reports through an injected [`VmEnd`],
+//! None of them holds KVM: each reports through an injected `VmEnd`,
 //! [`Recorder`] or `Write` sink.
 
 use crate::events::{LineStamper, Recorder, kind};

@@ -5,7 +5,7 @@
 //!
 //! - `memory`: guest RAM, its regions back to back in guest-address order,
 //!   sparse (only non-zero pages the guest may have written take space);
-//! - `state`: everything else — every vCPU ([`vcpu::VcpuState`]), the VM's
+//! - `state`: everything else — every vCPU (`vcpu::VcpuState`), the VM's
 //!   interrupt controllers, PIT and clock (`vm::VmState`), COM1, each
 //!   virtio-mmio transport and the device behind it, and the host CPUID the
 //!   snapshot was taken on. It is a fixed header (magic, format version,
@@ -478,8 +478,9 @@ pub(crate) fn check_host_cpu(
     compare_cpuid(&state.host_cpuid, host_cpuid).map_err(SnapshotError::Cpu)
 }
 
-/// [`load`] but for the CPU, which the caller checks with
-/// [`check_host_cpu`] before the VM runs, and with the first `pmem.len()`
+/// Reads and checks a snapshot directory (state, memory size, backing
+/// files' identity) but not the CPU, which the caller checks with
+/// `check_host_cpu` before the VM runs, and with the first `pmem.len()`
 /// pmem devices backed by these files instead of the recorded ones. A replacement must have the recorded size (the guest sized
 /// its region by it); its contents are the caller's business: the guest must
 /// hold nothing of the old file in its caches (the appliance's per-run slot

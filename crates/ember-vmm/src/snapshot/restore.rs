@@ -7,7 +7,7 @@
 //!    reading and checking it;
 //! 2. meanwhile read and check the snapshot ([`super::load_replacing`]) and
 //!    this host's CPU signature against the snapshot's
-//!    ([`super::check_host_cpu`]): a snapshot that fails a check is refused
+//!    (`super::check_host_cpu`): a snapshot that fails a check is refused
 //!    before any vCPU exists (the VM made meanwhile is dropped; nothing ran);
 //! 3. map pmem files at their recorded addresses;
 //! 4. create each vCPU and set its state, each on its own thread (the

@@ -16,7 +16,7 @@
 //!   report stays readable ([`BalloonHandle::stats`]).
 //! - With `PAGE_REPORTING` the driver reports free page ranges, which are discarded the
 //!   same way as inflated pages.
-//! - Snapshots ([`BalloonState`]): the target (the user's and the committer's floor),
+//! - Snapshots (`BalloonState`): the target (the user's and the committer's floor),
 //!   `actual`, the held ranges, the counters, the last statistics and the config
 //!   generation are saved. The statistics buffer the device holds is not returned
 //!   first (it would make the driver post a new one at once): like the console's
@@ -175,7 +175,7 @@ const MAX_STATE_STATS: usize = MAX_BUFFER_BYTES / STAT_LEN;
 
 /// A balloon as the user configures it (`--balloon`, `--balloon-target SIZE`,
 /// `--balloon-no-reporting`; see [`crate::machine`] for the rule). What it holds once
-/// the guest runs is its [`BalloonState`].
+/// the guest runs is its `BalloonState`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BalloonConfig {

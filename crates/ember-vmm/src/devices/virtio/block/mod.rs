@@ -77,7 +77,7 @@ pub enum Error {
     /// An option we do not know.
     #[error("unknown disk option `{0}` (expected ro, direct, serial=ID or poll=US)")]
     UnknownOption(String),
-    /// `poll=` is not a whole number of microseconds up to [`MAX_POLL_US`].
+    /// `poll=` is not a whole number of microseconds up to `MAX_POLL_US`.
     #[error("disk option `poll={0}` is not a number of microseconds up to {MAX_POLL_US}")]
     BadPoll(String),
     /// The serial does not fit `GET_ID`'s 20 bytes.
@@ -148,7 +148,7 @@ pub struct DiskConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serial: Option<String>,
     /// The I/O thread's longest busy-poll before sleeping, in microseconds (`poll=US`;
-    /// zero: never poll), when given: [`DEFAULT_POLL`] otherwise, and a backend without
+    /// zero: never poll), when given: `DEFAULT_POLL` otherwise, and a backend without
     /// busy-polling refuses a given one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub poll_us: Option<u64>,
