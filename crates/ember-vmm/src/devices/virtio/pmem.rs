@@ -227,8 +227,10 @@ impl Drop for PmemRegion {
 
 /// A virtio-pmem device describing a region at `guest_addr`.
 ///
-/// ```no_run
-/// use ember_vmm::devices::virtio::{Pmem, PmemRegion};
+/// How the builder uses it (crate-internal, so not a doctest):
+///
+/// ```text
+/// use crate::devices::virtio::{Pmem, PmemRegion};
 /// let region = PmemRegion::map("/var/lib/ember/root.img").unwrap();
 /// let guest_addr = 0x10_0000_0000; // layout::PMEM_START_MIN
 /// // vm.set_user_memory_region(slot, guest_addr, region.len(), region.host_addr())
