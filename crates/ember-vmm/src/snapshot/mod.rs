@@ -43,7 +43,7 @@ use crate::devices::virtio::mmio::TransportState;
 use crate::devices::virtio::{BalloonHandle, BalloonState};
 
 /// The state file's first bytes.
-pub const MAGIC: &[u8; 8] = b"EMBERSNP";
+pub(crate) const MAGIC: &[u8; 8] = b"EMBERSNP";
 /// The state format this ember writes and reads. Bump it whenever a
 /// serialized type changes (4: devices are recorded by their configuration
 /// types, `machine::DeviceConfig`, and their placement).
