@@ -63,7 +63,7 @@ const MAX_MSRS: usize = 1024;
 /// The largest state file read: ~25 KiB a vCPU, so 64 MiB is far beyond any
 /// real one, and a damaged or hostile file cannot make ember allocate its
 /// size.
-pub(crate) const MAX_STATE_BYTES: u64 = 64 << 20;
+pub const MAX_STATE_BYTES: u64 = 64 << 20;
 const MAX_CPUID: usize = kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 const MAX_QUEUES: usize = 64;
 
@@ -288,7 +288,7 @@ pub struct SnapshotState {
     /// The ember that wrote it (informational).
     pub(crate) ember_version: String,
     /// Guest RAM in bytes (the memory file's size).
-    pub(crate) mem_size: u64,
+    pub mem_size: u64,
     /// The CPU signature of the host it was taken on
     /// (`arch::x86_64::cpuid::host_signature`).
     #[serde(with = "crate::hex::vec")]
