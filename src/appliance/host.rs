@@ -381,15 +381,50 @@ fn converse(
                 }
                 Kind::Exit => {
                     let code = protocol::exit_code(&frame.payload).unwrap_or(-1);
+                    release(&stream);
                     return Ok(Some(Outcome::Exited(code)));
                 }
                 Kind::Error => {
                     let msg = String::from_utf8_lossy(&frame.payload).into_owned();
+                    release(&stream);
                     return Ok(Some(Outcome::GuestError(msg)));
                 }
                 // Host-bound kinds are never sent by the guest; ignore them.
                 _ => {}
             }
+        }
+    }
+}
+
+/// Held while a frame is written to the guest: the stdin thread and
+/// [`release`] write the same stream, and a frame must not be cut in two.
+static GUEST_FRAMES: Mutex<()> = Mutex::new(());
+
+/// Tells the guest it may power off: its last frame, and so everything it
+/// sent before, is here (protocol step 5). Best effort, and bounded: a
+/// guest that does not hear it is killed with its VMM anyway (only a VMM
+/// given time to write its timeline waits for the guest to power off).
+fn release(stream: &UnixStream) {
+    let mut frame = Vec::new();
+    protocol::encode(&mut frame, Kind::Done, &[]);
+    // The stdin thread may be mid-frame; the guest reads (and drops) stdin
+    // until DONE, so it finishes soon.
+    let until = Instant::now() + Duration::from_secs(2);
+    loop {
+        match GUEST_FRAMES.try_lock() {
+            Ok(_held) => {
+                let _ = (&*stream).write_all(&frame);
+                return;
+            }
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                let _held = p.into_inner();
+                let _ = (&*stream).write_all(&frame);
+                return;
+            }
+            Err(std::sync::TryLockError::WouldBlock) if Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(std::sync::TryLockError::WouldBlock) => return,
         }
     }
 }
@@ -423,12 +458,14 @@ fn send_job(stream: &UnixStream, job: &Job) -> io::Result<()> {
                 match stdin.read(&mut buf) {
                     Ok(0) | Err(_) => break,
                     Ok(n) => {
+                        let _held = GUEST_FRAMES.lock().unwrap_or_else(|p| p.into_inner());
                         if protocol::write_frame(&mut w, Kind::Stdin, &buf[..n]).is_err() {
                             return;
                         }
                     }
                 }
             }
+            let _held = GUEST_FRAMES.lock().unwrap_or_else(|p| p.into_inner());
             let _ = protocol::write_frame(&mut w, Kind::StdinEof, &[]);
         });
     }

@@ -22,7 +22,11 @@
 //! 3. both ways concurrently: host → guest `STDIN`… then `STDIN_EOF`;
 //!    guest → host `STDOUT`/`STDERR` as the command writes;
 //! 4. guest → host `EXIT` (i32 le: exit code, or 128 + signal), or `ERROR`
-//!    (UTF-8 message) if the appliance itself failed; then the guest powers off.
+//!    (UTF-8 message) if the appliance itself failed;
+//! 5. host → guest `DONE` once it has read that frame (and so everything
+//!    before it); only then does the guest power off. A slow reader holds
+//!    the guest's output back in its port's queue (QEMU throttles the port),
+//!    and a guest that powered off at once would take that output with it.
 //!
 //! Kernel messages never travel here: the kernel's console is another device.
 
@@ -57,6 +61,8 @@ pub enum Kind {
     StdinEof,
     /// The block device holding the command's root file system.
     Root,
+    /// The host has the guest's last frame: it may power off.
+    Done,
 }
 
 impl Kind {
@@ -76,6 +82,7 @@ impl Kind {
             Kind::Stdin => t::STDIN,
             Kind::StdinEof => t::STDIN_EOF,
             Kind::Root => t::ROOT,
+            Kind::Done => t::DONE,
         }
     }
 
@@ -95,6 +102,7 @@ impl Kind {
             t::STDIN => Kind::Stdin,
             t::STDIN_EOF => Kind::StdinEof,
             t::ROOT => Kind::Root,
+            t::DONE => Kind::Done,
             _ => return None,
         })
     }

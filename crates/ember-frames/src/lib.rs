@@ -39,3 +39,8 @@ pub const STDIN_EOF: u8 = 0x15;
 /// file system init mounts (DAX where the device allows) and runs the
 /// command chrooted in. A restored appliance gets its files this way.
 pub const ROOT: u8 = 0x16;
+/// The host has the guest's `EXIT` or `ERROR` and everything sent before it
+/// (empty payload): the guest may power off. Until then it must not: a port
+/// the host reads slowly still holds output in its queue, which a VMM that
+/// ends with the guest would drop.
+pub const DONE: u8 = 0x17;

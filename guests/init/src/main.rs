@@ -131,10 +131,10 @@ fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
             // The host may stop the VM as soon as EXIT arrives: flush disks first.
             sys::sync();
             ch.send(ft::EXIT, &code.to_le_bytes());
+            ch.wait_done();
         }
         Err(msg) => ch.error_with(msg, b""),
     }
-    ch.drain();
     Ok(())
 }
 
@@ -606,12 +606,21 @@ impl Channel {
         let m = detail.len().min(buf.len() - n);
         buf[n..n + m].copy_from_slice(&detail[..m]);
         self.send(ft::ERROR, &buf[..n + m]);
-        self.drain();
+        self.wait_done();
     }
 
-    /// Waits until the tty has sent everything (tcdrain).
-    fn drain(&self) {
+    /// After the last frame: waits until the host says it has it (`DONE`),
+    /// dropping whatever else comes (stdin the command never read). A port
+    /// the host reads slowly still holds output in its queue when `write`
+    /// returns, and powering off now would drop it with the VM. A closed
+    /// channel ends the wait too.
+    fn wait_done(&mut self) {
         sys::tcdrain(self.fd);
+        while let Some((kind, _)) = self.recv() {
+            if kind == ft::DONE {
+                break;
+            }
+        }
     }
 
     /// Length of the complete frame at the start of `rx`, if there is one.
