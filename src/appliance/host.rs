@@ -399,6 +399,8 @@ fn converse(
 /// Held while a frame is written to the guest: the stdin thread and
 /// [`release`] write the same stream, and a frame must not be cut in two.
 static GUEST_FRAMES: Mutex<()> = Mutex::new(());
+/// Set once the guest's last frame is in: the stdin thread sends no more.
+static GUEST_DONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Tells the guest it may power off: its last frame, and so everything it
 /// sent before, is here (protocol step 5). Best effort, and bounded: a
@@ -407,8 +409,9 @@ static GUEST_FRAMES: Mutex<()> = Mutex::new(());
 fn release(stream: &UnixStream) {
     let mut frame = Vec::new();
     protocol::encode(&mut frame, Kind::Done, &[]);
+    GUEST_DONE.store(true, std::sync::atomic::Ordering::SeqCst);
     // The stdin thread may be mid-frame; the guest reads (and drops) stdin
-    // until DONE, so it finishes soon.
+    // until DONE, so it finishes soon, and sends no other.
     let until = Instant::now() + Duration::from_secs(2);
     loop {
         match GUEST_FRAMES.try_lock() {
@@ -449,6 +452,8 @@ fn send_job(stream: &UnixStream, job: &Job) -> io::Result<()> {
         protocol::encode(&mut frames, Kind::StdinEof, &[]);
     }
     (&*stream).write_all(&frames)?;
+    // One run per process: this run's guest has sent nothing final yet.
+    GUEST_DONE.store(false, std::sync::atomic::Ordering::SeqCst);
     if job.forward_stdin {
         let mut w = stream.try_clone()?;
         std::thread::spawn(move || {
@@ -459,14 +464,18 @@ fn send_job(stream: &UnixStream, job: &Job) -> io::Result<()> {
                     Ok(0) | Err(_) => break,
                     Ok(n) => {
                         let _held = GUEST_FRAMES.lock().unwrap_or_else(|p| p.into_inner());
-                        if protocol::write_frame(&mut w, Kind::Stdin, &buf[..n]).is_err() {
+                        if GUEST_DONE.load(std::sync::atomic::Ordering::SeqCst)
+                            || protocol::write_frame(&mut w, Kind::Stdin, &buf[..n]).is_err()
+                        {
                             return;
                         }
                     }
                 }
             }
             let _held = GUEST_FRAMES.lock().unwrap_or_else(|p| p.into_inner());
-            let _ = protocol::write_frame(&mut w, Kind::StdinEof, &[]);
+            if !GUEST_DONE.load(std::sync::atomic::Ordering::SeqCst) {
+                let _ = protocol::write_frame(&mut w, Kind::StdinEof, &[]);
+            }
         });
     }
     Ok(())
