@@ -115,11 +115,7 @@ pub fn assemble(
 ) -> Result<Assembled, ApplianceError> {
     let start = Instant::now();
     let cache = kernel::cache_dir()?;
-    let k = kernel::find_kernel(kernel_arg, &cache)?;
-    let mut mods = match &k.modules {
-        Some(dir) => modules::resolve_cached(dir, &cache)?,
-        None => Vec::new(),
-    };
+    let (k, mut mods) = kernel_and_modules(kernel_arg, &cache)?;
     if let Some(groups) = &extras.module_groups {
         carry_only(&mut mods, groups);
     }
@@ -295,11 +291,7 @@ pub fn prepare_boot_only(
 ) -> Result<Prepared, ApplianceError> {
     let start = Instant::now();
     let cache = kernel::cache_dir()?;
-    let k = kernel::find_kernel(kernel_arg, &cache)?;
-    let mut mods = match &k.modules {
-        Some(dir) => modules::resolve_cached(dir, &cache)?,
-        None => Vec::new(),
-    };
+    let (k, mut mods) = kernel_and_modules(kernel_arg, &cache)?;
     let groups = module_groups(&GuestSpec::new(&k.image), backend, false);
     mods.retain(|m| groups.contains(&m.group.as_str()));
     let tree = builder::Tree::skeleton(read_init()?, &mods);
@@ -356,6 +348,20 @@ pub(super) fn module_groups(
 }
 
 /// Keeps the modules of `groups` only.
+/// The kernel to boot and the appliance modules found for it (none when it
+/// has no module tree: then what it needs must be built in).
+fn kernel_and_modules(
+    kernel_arg: Option<&Path>,
+    cache: &Path,
+) -> Result<(kernel::Kernel, Vec<modules::GroupedModule>), ApplianceError> {
+    let k = kernel::find_kernel(kernel_arg, cache)?;
+    let mods = match &k.modules {
+        Some(dir) => modules::resolve_cached(dir, cache)?,
+        None => Vec::new(),
+    };
+    Ok((k, mods))
+}
+
 fn carry_only(mods: &mut Vec<modules::GroupedModule>, groups: &[String]) {
     mods.retain(|m| groups.contains(&m.group));
 }
