@@ -405,41 +405,17 @@ pub fn find_init() -> Result<PathBuf, ApplianceError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::ChannelKind;
-
-    /// A backend that only answers which transports it uses.
-    struct Transports(&'static [&'static str]);
-
-    impl backend::Backend for Transports {
-        fn name(&self) -> &str {
-            "test"
-        }
-        fn version(&self) -> Result<String, backend::BackendError> {
-            Ok(String::new())
-        }
-        fn describe(&self) -> String {
-            String::new()
-        }
-        fn channel_kind(&self) -> ChannelKind {
-            ChannelKind::VirtioConsole
-        }
-        fn command(&self, _: &GuestSpec) -> Result<std::process::Command, backend::BackendError> {
-            unreachable!("not booted")
-        }
-        fn virtio_transports(&self) -> &'static [&'static str] {
-            self.0
-        }
-    }
+    use crate::backend::Fake;
 
     #[test]
     fn a_boot_loads_and_carries_only_its_devices_module_groups() {
         let mut spec = GuestSpec::new("/k");
-        let pci = Transports(&["pci"]);
+        let pci = Fake::with_transports(&["pci"]);
         assert_eq!(module_groups(&spec, &pci, false), ["core", "pci"]);
         spec.devices.rng = Some(Default::default());
         spec.devices.balloon = Some(Default::default());
         assert_eq!(
-            module_groups(&spec, &Transports(&["pci", "mmio"]), true),
+            module_groups(&spec, &Fake::with_transports(&["pci", "mmio"]), true),
             ["core", "pci", "mmio", "rng", "balloon", rig::KVM_GROUP]
         );
         let m = |group: &str, name: &str| modules::GroupedModule {

@@ -565,6 +565,7 @@ fn console_excerpt(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Fake;
 
     #[test]
     fn a_crashed_guest_shows_its_crash_report_from_the_top() {
@@ -588,27 +589,6 @@ mod tests {
         assert_eq!(console_excerpt(&long).lines().count(), CRASH_LINES + 1);
     }
 
-    /// A backend that only has a name.
-    struct Named(&'static str);
-
-    impl Backend for Named {
-        fn name(&self) -> &str {
-            self.0
-        }
-        fn version(&self) -> Result<String, backend::BackendError> {
-            Ok(String::new())
-        }
-        fn describe(&self) -> String {
-            String::new()
-        }
-        fn channel_kind(&self) -> ChannelKind {
-            ChannelKind::VirtioConsole
-        }
-        fn command(&self, _: &GuestSpec) -> Result<std::process::Command, backend::BackendError> {
-            unreachable!("not booted")
-        }
-    }
-
     fn run_args(options: &[&str]) -> RunArgs {
         #[derive(clap::Parser)]
         struct Cli {
@@ -623,10 +603,10 @@ mod tests {
     /// uses one; otherwise the plan names the first reason.
     #[test]
     fn the_plan_uses_the_snapshot_only_when_nothing_rules_it_out() {
-        let ember = Named("ember");
+        let ember = Fake::named("ember");
         assert_eq!(Plan::of(&run_args(&[]), &ember), Plan::Snapshot);
         assert_eq!(
-            Plan::of(&run_args(&[]), &Named("qemu")),
+            Plan::of(&run_args(&[]), &Fake::named("qemu")),
             Plan::ColdBoot { why: Cold::Backend }
         );
         for (options, why) in [

@@ -389,6 +389,55 @@ pub(crate) fn is_executable(p: &Path) -> bool {
     std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
+/// A backend for unit tests: a name and the virtio transports it uses;
+/// it boots nothing.
+#[cfg(test)]
+pub(crate) struct Fake {
+    name: &'static str,
+    transports: &'static [&'static str],
+}
+
+#[cfg(test)]
+impl Fake {
+    /// A backend called `name`, on both transports.
+    pub(crate) fn named(name: &'static str) -> Fake {
+        Fake {
+            name,
+            transports: &["pci", "mmio"],
+        }
+    }
+
+    /// A backend whose devices sit on `transports`.
+    pub(crate) fn with_transports(transports: &'static [&'static str]) -> Fake {
+        Fake {
+            name: "test",
+            transports,
+        }
+    }
+}
+
+#[cfg(test)]
+impl Backend for Fake {
+    fn name(&self) -> &str {
+        self.name
+    }
+    fn version(&self) -> Result<String, BackendError> {
+        Ok(String::new())
+    }
+    fn describe(&self) -> String {
+        String::new()
+    }
+    fn channel_kind(&self) -> ChannelKind {
+        ChannelKind::VirtioConsole
+    }
+    fn command(&self, _: &GuestSpec) -> Result<Command, BackendError> {
+        unreachable!("not booted")
+    }
+    fn virtio_transports(&self) -> &'static [&'static str] {
+        self.transports
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
