@@ -134,8 +134,8 @@ pub enum ConsoleMode {
 pub const DEFAULT_CMDLINE: &str =
     "console=ttyS0 reboot=k panic=-1 pci=off 8250.nr_uarts=1 i8042.noaux i8042.nomux i8042.dumbkbd";
 
-fn parse_device_set(json: &str) -> Result<DeviceSet, String> {
-    serde_json::from_str(json).map_err(|e| e.to_string())
+fn parse_device_set(json: &str) -> Result<DeviceSet, serde_json::Error> {
+    serde_json::from_str(json)
 }
 
 impl BootArgs {
@@ -256,7 +256,7 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
         Some(Err(why)) => {
             eprintln!(
                 "ember: {}",
-                damaged_memory(&args).unwrap_or_else(|| why.clone())
+                damaged_memory(&args).unwrap_or_else(|| why.to_string())
             );
             EXIT_GUEST_CRASHED
         }

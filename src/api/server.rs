@@ -70,7 +70,7 @@ pub enum ApiError {
     NoBalloon,
     /// A balloon target the guest or the device cannot take.
     #[error(transparent)]
-    BalloonTarget(#[from] ember_vmm::devices::virtio::TargetError),
+    BalloonTarget(#[from] ember_vmm::devices::virtio::BalloonError),
     /// Something already listens on the path.
     #[error("{0} is in use by a running VM")]
     InUse(PathBuf),

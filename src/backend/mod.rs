@@ -36,6 +36,15 @@ pub enum BackendError {
     /// An unknown backend name.
     #[error("unknown backend `{0}` (known: auto, ember, qemu)")]
     Unknown(String),
+    /// A `--mem` value that is not a size.
+    #[error("`{0}` is not a memory size (e.g. 256M, 1G)")]
+    MemSize(String),
+    /// A `--mem` of zero.
+    #[error("`{0}` is no memory")]
+    NoMemory(String),
+    /// A `--mem` that is not whole MiB.
+    #[error("`{0}` is not a whole number of MiB")]
+    MemNotMib(String),
 }
 
 /// Which VMM boots a guest (`--backend`, the same values and default in
@@ -337,12 +346,12 @@ pub fn by_kind(
 /// Parses a memory size the way `ember boot --mem` does (`256M`, `1G`,
 /// `524288K`, or bytes) into whole MiB: the one `--mem` syntax of every
 /// subcommand.
-pub fn parse_mem_mib(s: &str) -> Result<u64, String> {
+pub fn parse_mem_mib(s: &str) -> Result<u64, BackendError> {
     let bytes = ember_vmm::vstate::memory::parse_size(s)
-        .map_err(|_| format!("`{s}` is not a memory size (e.g. 256M, 1G)"))?;
+        .map_err(|_| BackendError::MemSize(s.to_owned()))?;
     match bytes {
-        0 => Err(format!("`{s}` is no memory")),
-        b if b % (1 << 20) != 0 => Err(format!("`{s}` is not a whole number of MiB")),
+        0 => Err(BackendError::NoMemory(s.to_owned())),
+        b if b % (1 << 20) != 0 => Err(BackendError::MemNotMib(s.to_owned())),
         b => Ok(b >> 20),
     }
 }

@@ -241,7 +241,7 @@ impl Backend for QemuBackend {
             // idle time: what the guest does, whatever the host's load.
             c.args(["-icount", "shift=0,sleep=off"]);
         }
-        let pmem = self.pmem_sizes(spec).map_err(|what| unsupported(&what))?;
+        let pmem = self.pmem_sizes(spec)?;
         // virtio-pmem regions are memory devices: they live in the machine's
         // device-memory area, which `maxmem` above the RAM size makes.
         let pmem_total: u64 = pmem.iter().sum();
@@ -369,13 +369,17 @@ impl Backend for QemuBackend {
 
 impl QemuBackend {
     /// Each `--pmem` file's size, or why this QEMU machine cannot map it.
-    fn pmem_sizes(&self, spec: &GuestSpec) -> Result<Vec<u64>, String> {
+    fn pmem_sizes(&self, spec: &GuestSpec) -> Result<Vec<u64>, BackendError> {
+        let unsupported = |what: String| BackendError::Unsupported {
+            backend: "the qemu backend".into(),
+            what,
+        };
         if !spec.devices.pmem.is_empty() && self.is_microvm() {
-            return Err(
+            return Err(unsupported(
                 "attach --pmem to -M microvm (no memory-device area; use --machine q35 \
                  or --backend ember)"
                     .into(),
-            );
+            ));
         }
         spec.devices
             .pmem
@@ -383,15 +387,15 @@ impl QemuBackend {
             .map(|p| &p.path)
             .map(|p| {
                 let size = std::fs::metadata(p)
-                    .map_err(|e| format!("read --pmem {}: {e}", p.display()))?
+                    .map_err(|e| unsupported(format!("read --pmem {}: {e}", p.display())))?
                     .len();
                 // QEMU would grow a shorter file to the region's size; the
                 // guest hot-adds the region in 2 MiB sections.
                 if size == 0 || size % PMEM_ALIGN != 0 {
-                    return Err(format!(
+                    return Err(unsupported(format!(
                         "map --pmem {} ({size} bytes): it needs a non-empty multiple of 2 MiB",
                         p.display()
-                    ));
+                    )));
                 }
                 Ok(size)
             })

@@ -33,7 +33,7 @@ use crate::events::{Recorder, kind};
 use crate::machine::{AttachedDevice, DeviceConfig, DeviceSet, Machine, Placement};
 use crate::prefault::{self, CommitError, Committer, MemoryOptions, Prefault};
 use crate::vstate::bus::Bus;
-use crate::vstate::end::VmEnd;
+use crate::vstate::end::{EndError, VmEnd};
 use crate::vstate::kvm::{self, KvmError};
 use crate::vstate::memory::{self, MemoryError};
 use crate::vstate::vcpu::{BootEntry, Control, Vcpu, VcpuError};
@@ -405,7 +405,7 @@ fn start_vcpu_threads(
                     Ok(vcpu.run(&start.io, &start.mmio, &end, &vm, &start.mem, &control)?)
                 })();
                 if let Err(e) = result {
-                    end.fail(crate::error_chain(&e));
+                    end.fail(EndError::Vcpu(crate::error_chain(&e)));
                 }
             })?;
         out.threads.push(thread);

@@ -51,13 +51,18 @@ impl Log for StderrLogger {
 
 static LOGGER: StderrLogger = StderrLogger;
 
+/// An `EMBER_LOG` value that names no level.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{ENV}={0}: expected off, error, warn, info, debug or trace")]
+pub(crate) struct LevelError(String);
+
 /// The level `EMBER_LOG` and `verbose` (the count of `-v`) ask for.
-pub(crate) fn level_from(env: Option<&str>, verbose: u8) -> Result<LevelFilter, String> {
+pub(crate) fn level_from(env: Option<&str>, verbose: u8) -> Result<LevelFilter, LevelError> {
     let base = match env.map(str::trim) {
         None | Some("") => LevelFilter::Info,
         Some(v) => v
             .parse::<LevelFilter>()
-            .map_err(|_| format!("{ENV}={v}: expected off, error, warn, info, debug or trace"))?,
+            .map_err(|_| LevelError(v.to_owned()))?,
     };
     let raised = (0..verbose).fold(base, |l, _| match l {
         LevelFilter::Off => LevelFilter::Error,
@@ -178,10 +183,9 @@ mod tests {
         assert_eq!(level_from(None, 1), Ok(LevelFilter::Debug));
         assert_eq!(level_from(None, 5), Ok(LevelFilter::Trace));
         assert_eq!(level_from(Some("off"), 1), Ok(LevelFilter::Error));
-        assert!(
-            level_from(Some("loud"), 0)
-                .unwrap_err()
-                .contains("EMBER_LOG=loud")
+        assert_eq!(
+            level_from(Some("loud"), 0).unwrap_err().to_string(),
+            "EMBER_LOG=loud: expected off, error, warn, info, debug or trace"
         );
     }
 

@@ -40,7 +40,7 @@ use crate::devices::virtio::{
 };
 use crate::prefault::Committer;
 use crate::vstate::control::{ControlError, RunState};
-use crate::vstate::end::{GuestEnd, VmEnd};
+use crate::vstate::end::{EndError, GuestEnd, VmEnd};
 use crate::vstate::vcpu::Control;
 use crate::vstate::vm::Vm;
 
@@ -196,7 +196,7 @@ impl Machine {
 
     /// Waits for the guest's run to end: how it ended, or why the VMM could
     /// not go on; `None` when `timeout` passes first.
-    pub fn wait(&self, timeout: Option<Duration>) -> Option<Result<GuestEnd, String>> {
+    pub fn wait(&self, timeout: Option<Duration>) -> Option<Result<GuestEnd, EndError>> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             if let Some(outcome) = self.end.outcome() {

@@ -733,8 +733,8 @@ impl MemoryFence for Inner {
         self.lock().remove(addr, addr + len);
     }
 
-    fn commit(&self, addr: u64, len: u64) -> Result<(), String> {
-        Inner::commit(self, &[(addr, addr + len)]).map_err(|e| crate::error_chain(&e))
+    fn commit(&self, addr: u64, len: u64) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        Ok(Inner::commit(self, &[(addr, addr + len)])?)
     }
 }
 

@@ -779,12 +779,8 @@ fn code(a: SeccompAction) -> u32 {
 
 /// Compiles `thread`'s list ([`compact`]): a call on it is allowed, any
 /// other gets `mismatch` (trap or log).
-pub(crate) fn program(thread: Thread, mismatch: SeccompAction) -> Result<BpfProgram, String> {
-    Ok(compact(
-        &rules(thread),
-        code(mismatch),
-        code(SeccompAction::Allow),
-    ))
+pub(crate) fn program(thread: Thread, mismatch: SeccompAction) -> BpfProgram {
+    compact(&rules(thread), code(mismatch), code(SeccompAction::Allow))
 }
 
 /// clone3 alone, for [`no_clone3_program`].
@@ -798,12 +794,12 @@ fn clone3_only() -> Rules {
 /// The second filter of threads that create threads: clone3 fails with
 /// ENOSYS (its flags cannot be checked), so the C library uses clone.
 #[cfg_attr(not(test), allow(dead_code))] // the build script's (build.rs includes this file)
-pub(crate) fn no_clone3_program() -> Result<BpfProgram, String> {
-    Ok(compact(
+pub(crate) fn no_clone3_program() -> BpfProgram {
+    compact(
         &clone3_only(),
         code(SeccompAction::Allow),
         code(SeccompAction::Errno(libc::ENOSYS as u32)),
-    ))
+    )
 }
 
 /// seccompiler's compilation of the same lists, which [`program`] and
@@ -812,13 +808,23 @@ pub(crate) fn no_clone3_program() -> Result<BpfProgram, String> {
 pub(super) mod reference {
     use super::{Cond, Rules, Thread, clone3_only, rules};
     use seccompiler::{
-        BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-        SeccompRule, TargetArch,
+        BackendError, BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition,
+        SeccompFilter, SeccompRule, TargetArch,
     };
     use std::collections::BTreeMap;
 
+    /// seccompiler refused a list.
+    #[derive(Debug, thiserror::Error)]
+    #[error("seccompiler refused the {list} list: {source}")]
+    pub(crate) struct ReferenceError {
+        /// The list's name.
+        list: &'static str,
+        /// seccompiler's complaint.
+        source: BackendError,
+    }
+
     /// `rules` as seccompiler's rules.
-    fn seccompiler_rules(rules: &Rules) -> Result<BTreeMap<i64, Vec<SeccompRule>>, String> {
+    fn seccompiler_rules(rules: &Rules) -> Result<BTreeMap<i64, Vec<SeccompRule>>, BackendError> {
         let cond = |c: &Cond| {
             let len = if c.wide {
                 SeccompCmpArgLen::Qword
@@ -835,17 +841,14 @@ pub(super) mod reference {
             } else {
                 SeccompCmpOp::MaskedEq(c.mask)
             };
-            SeccompCondition::new(c.arg, len, op, c.value).map_err(|e| e.to_string())
+            SeccompCondition::new(c.arg, len, op, c.value)
         };
         rules
             .iter()
             .map(|(&call, rs)| {
                 let rs = rs
                     .iter()
-                    .map(|r| {
-                        SeccompRule::new(r.iter().map(cond).collect::<Result<_, _>>()?)
-                            .map_err(|e| e.to_string())
-                    })
+                    .map(|r| SeccompRule::new(r.iter().map(cond).collect::<Result<_, _>>()?))
                     .collect::<Result<_, _>>()?;
                 Ok((call, rs))
             })
@@ -855,39 +858,55 @@ pub(super) mod reference {
     /// seccompiler's program for `rules`: a call on the list (and its rules
     /// holding) gets `matched`, any other `mismatch`.
     /// seccompiler's program for any `rules` (allowed, or `mismatch`).
-    pub(crate) fn compile(rules: &Rules, mismatch: SeccompAction) -> Result<BpfProgram, String> {
-        seccompiler_program(rules, mismatch, SeccompAction::Allow)
+    pub(crate) fn compile(
+        rules: &Rules,
+        mismatch: SeccompAction,
+    ) -> Result<BpfProgram, ReferenceError> {
+        seccompiler_program(rules, mismatch, SeccompAction::Allow).map_err(|source| {
+            ReferenceError {
+                list: "given",
+                source,
+            }
+        })
     }
 
     fn seccompiler_program(
         rules: &Rules,
         mismatch: SeccompAction,
         matched: SeccompAction,
-    ) -> Result<BpfProgram, String> {
+    ) -> Result<BpfProgram, BackendError> {
         SeccompFilter::new(
             seccompiler_rules(rules)?,
             mismatch,
             matched,
             TargetArch::x86_64,
-        )
-        .map_err(|e| e.to_string())?
+        )?
         .try_into()
-        .map_err(|e: seccompiler::BackendError| e.to_string())
     }
 
     /// seccompiler's program for `thread`'s list.
-    pub(crate) fn program(thread: Thread, mismatch: SeccompAction) -> Result<BpfProgram, String> {
-        seccompiler_program(&rules(thread), mismatch, SeccompAction::Allow)
-            .map_err(|e| format!("the {} list: {e}", thread.name()))
+    pub(crate) fn program(
+        thread: Thread,
+        mismatch: SeccompAction,
+    ) -> Result<BpfProgram, ReferenceError> {
+        seccompiler_program(&rules(thread), mismatch, SeccompAction::Allow).map_err(|source| {
+            ReferenceError {
+                list: thread.name(),
+                source,
+            }
+        })
     }
 
     /// seccompiler's clone3 filter.
-    pub(crate) fn no_clone3_program() -> Result<BpfProgram, String> {
+    pub(crate) fn no_clone3_program() -> Result<BpfProgram, ReferenceError> {
         seccompiler_program(
             &clone3_only(),
             SeccompAction::Allow,
             SeccompAction::Errno(libc::ENOSYS as u32),
         )
-        .map_err(|e| format!("the clone3 filter: {e}"))
+        .map_err(|source| ReferenceError {
+            list: "clone3",
+            source,
+        })
     }
 }

@@ -56,9 +56,6 @@ use thiserror::Error;
 /// Seccomp errors.
 #[derive(Debug, Error)]
 pub enum SeccompError {
-    /// seccompiler refused a list (a bug in this file).
-    #[error("seccomp: cannot compile the {0} filter: {1}")]
-    Compile(&'static str, String),
     /// The kernel refused a filter (no seccomp support?).
     #[error("seccomp: cannot install the {0} filter: {1}")]
     Install(&'static str, String),
@@ -94,8 +91,8 @@ mod built {
 
 /// Compiles `thread`'s list for `mode` at run time (the build script did the
 /// same for the programs ember installs; tests and the bench use this).
-pub fn compile(thread: Thread, mode: Mode) -> Result<BpfProgram, SeccompError> {
-    lists::program(thread, mismatch(mode)).map_err(|e| SeccompError::Compile(thread.name(), e))
+pub fn compile(thread: Thread, mode: Mode) -> BpfProgram {
+    lists::program(thread, mismatch(mode))
 }
 
 /// What a filter in `mode` does with a call its list lacks.
@@ -115,8 +112,8 @@ pub fn compile_rules(rules: &Rules, mode: Mode) -> BpfProgram {
 /// The clone3 filter, compiled at run time (see [`compile`]), which the
 /// tests hold the build script's against.
 #[cfg(test)]
-fn no_clone3() -> Result<BpfProgram, SeccompError> {
-    lists::no_clone3_program().map_err(|e| SeccompError::Compile("clone3", e))
+fn no_clone3() -> BpfProgram {
+    lists::no_clone3_program()
 }
 
 /// The built-in program of `thread` for `mode` (trap for [`Mode::Off`],
@@ -537,13 +534,13 @@ mod tests {
     fn every_list_compiles_in_every_mode() {
         for t in Thread::ALL {
             for mode in [Mode::Trap, Mode::Log] {
-                let p = compile(t, mode).unwrap_or_else(|e| panic!("{e}"));
+                let p = compile(t, mode);
                 assert!(!p.is_empty(), "{t:?}");
                 // A classic BPF program has at most 4096 instructions.
                 assert!(p.len() <= 4096, "{t:?}: {} instructions", p.len());
             }
         }
-        assert!(!no_clone3().unwrap().is_empty());
+        assert!(!no_clone3().is_empty());
     }
 
     /// The programs ember installs (compiled by the build script) are the
@@ -554,12 +551,12 @@ mod tests {
             for mode in [Mode::Trap, Mode::Log] {
                 assert_eq!(
                     built_in(t, mode),
-                    compile(t, mode).unwrap().as_slice(),
+                    compile(t, mode).as_slice(),
                     "{t:?} {mode:?}"
                 );
             }
         }
-        assert_eq!(built::NO_CLONE3, no_clone3().unwrap().as_slice());
+        assert_eq!(built::NO_CLONE3, no_clone3().as_slice());
         // Trap and log differ (the action on a mismatch).
         assert_ne!(
             built_in(Thread::Vcpu, Mode::Trap),
@@ -782,7 +779,7 @@ mod tests {
         };
         for t in Thread::ALL {
             for mode in [SeccompAction::Trap, SeccompAction::Log] {
-                let ours = lists::program(t, mode.clone()).unwrap();
+                let ours = lists::program(t, mode.clone());
                 let theirs = lists::reference::program(t, mode).unwrap();
                 check(t.name(), &ours, &theirs, &rules(t));
             }
@@ -821,7 +818,7 @@ mod tests {
         clone3.insert(libc::SYS_clone3, Vec::new());
         check(
             "clone3",
-            &lists::no_clone3_program().unwrap(),
+            &lists::no_clone3_program(),
             &lists::reference::no_clone3_program().unwrap(),
             &clone3,
         );

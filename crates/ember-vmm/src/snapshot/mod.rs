@@ -315,25 +315,29 @@ pub struct SnapshotState {
 impl SnapshotState {
     /// Checks what a checksum cannot: that the state describes a VM this
     /// ember can build.
-    fn validate(&self) -> Result<(), String> {
-        crate::vstate::memory::check_size(self.mem_size).map_err(|e| e.to_string())?;
+    fn validate(&self, path: &Path) -> Result<(), SnapshotError> {
+        let bad = |why: String| SnapshotError::Invalid {
+            path: path.to_owned(),
+            why,
+        };
+        crate::vstate::memory::check_size(self.mem_size).map_err(|e| bad(e.to_string()))?;
         if self.mem_size % 4096 != 0 {
-            return Err("guest memory is not a whole number of pages".into());
+            return Err(bad("guest memory is not a whole number of pages".into()));
         }
         let max_cpus = crate::arch::x86_64::mptable::max_cpus() as usize;
         if self.vcpus.is_empty() || self.vcpus.len() > max_cpus {
-            return Err(format!("{} vCPUs", self.vcpus.len()));
+            return Err(bad(format!("{} vCPUs", self.vcpus.len())));
         }
         for (i, v) in self.vcpus.iter().enumerate() {
             if v.id as usize != i {
-                return Err(format!("vCPU {i} is recorded as vCPU {}", v.id));
+                return Err(bad(format!("vCPU {i} is recorded as vCPU {}", v.id)));
             }
             if v.msrs.len() > MAX_MSRS || v.cpuid.len() > MAX_CPUID {
-                return Err(format!("vCPU {i} has too many MSRs or CPUID entries"));
+                return Err(bad(format!("vCPU {i} has too many MSRs or CPUID entries")));
             }
         }
         if self.host_cpuid.len() > MAX_CPUID {
-            return Err("too many host CPUID entries".into());
+            return Err(bad("too many host CPUID entries".into()));
         }
         let chips = [
             (&self.vm.pic_master, kvm_bindings::KVM_IRQCHIP_PIC_MASTER),
@@ -341,34 +345,36 @@ impl SnapshotState {
             (&self.vm.ioapic, kvm_bindings::KVM_IRQCHIP_IOAPIC),
         ];
         if chips.iter().any(|(c, id)| c.chip_id != *id) {
-            return Err("interrupt controllers out of order".into());
+            return Err(bad("interrupt controllers out of order".into()));
         }
         if self.serial.in_buffer.len() > 64 {
-            return Err("COM1 holds more than its FIFO".into());
+            return Err(bad("COM1 holds more than its FIFO".into()));
         }
         if self.devices.len() > layout::VIRTIO_MMIO_MAX_DEVICES {
-            return Err(format!("{} virtio devices", self.devices.len()));
+            return Err(bad(format!("{} virtio devices", self.devices.len())));
         }
         for (i, d) in self.devices.iter().enumerate() {
             if d.transport.queues.len() > MAX_QUEUES {
-                return Err(format!("device {i} has too many queues"));
+                return Err(bad(format!("device {i} has too many queues")));
             }
             if d.config.path().is_some() != d.file.is_some() {
-                return Err(format!("device {i}'s backing file is not recorded"));
+                return Err(bad(format!("device {i}'s backing file is not recorded")));
             }
             let pmem = matches!(d.config, DeviceConfig::Pmem(_));
             if pmem != d.placement.region.is_some() {
-                return Err(format!("device {i}'s memory region is not as recorded"));
+                return Err(bad(format!(
+                    "device {i}'s memory region is not as recorded"
+                )));
             }
             match (&d.config, &d.balloon) {
                 (DeviceConfig::Balloon(_), Some(b)) => {
                     let ram = layout::ram_ranges(self.mem_size);
-                    b.check(&ram).map_err(|e| format!("device {i}: {e}"))?;
+                    b.check(&ram).map_err(|e| bad(format!("device {i}: {e}")))?;
                 }
                 (DeviceConfig::Balloon(_), None) => {
-                    return Err(format!("device {i} is a balloon without its state"));
+                    return Err(bad(format!("device {i} is a balloon without its state")));
                 }
-                (_, Some(_)) => return Err(format!("device {i} has a balloon's state")),
+                (_, Some(_)) => return Err(bad(format!("device {i} has a balloon's state"))),
                 (_, None) => {}
             }
         }
@@ -429,9 +435,7 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<SnapshotState, SnapshotError>
             path: p(),
             why: e.to_string(),
         })?;
-    state
-        .validate()
-        .map_err(|why| SnapshotError::Invalid { path: p(), why })?;
+    state.validate(path)?;
     Ok(state)
 }
 
@@ -475,7 +479,7 @@ pub(crate) fn check_host_cpu(
     state: &SnapshotState,
     host_cpuid: &[kvm_cpuid_entry2],
 ) -> Result<(), SnapshotError> {
-    compare_cpuid(&state.host_cpuid, host_cpuid).map_err(SnapshotError::Cpu)
+    compare_cpuid(&state.host_cpuid, host_cpuid)
 }
 
 /// Reads and checks a snapshot directory (state, memory size, backing
@@ -595,25 +599,31 @@ fn cpu_independent(e: &kvm_cpuid_entry2) -> (u32, u32, u32, u32, u32) {
 }
 
 /// Compares two hosts' CPUID tables leaf by leaf.
-fn compare_cpuid(then: &[kvm_cpuid_entry2], now: &[kvm_cpuid_entry2]) -> Result<(), String> {
+fn compare_cpuid(then: &[kvm_cpuid_entry2], now: &[kvm_cpuid_entry2]) -> Result<(), SnapshotError> {
     let key = |e: &kvm_cpuid_entry2| (e.function, e.index);
     let regs = cpu_independent;
     for t in then {
         match now.iter().find(|n| key(n) == key(t)) {
             None => {
-                return Err(format!(
+                return Err(SnapshotError::Cpu(format!(
                     "leaf {:#x}.{} is missing here",
                     t.function, t.index
-                ));
+                )));
             }
             Some(n) if regs(n) != regs(t) => {
-                return Err(format!("leaf {:#x}.{} differs", t.function, t.index));
+                return Err(SnapshotError::Cpu(format!(
+                    "leaf {:#x}.{} differs",
+                    t.function, t.index
+                )));
             }
             Some(_) => {}
         }
     }
     if let Some(n) = now.iter().find(|n| !then.iter().any(|t| key(t) == key(n))) {
-        return Err(format!("leaf {:#x}.{} is new here", n.function, n.index));
+        return Err(SnapshotError::Cpu(format!(
+            "leaf {:#x}.{} is new here",
+            n.function, n.index
+        )));
     }
     Ok(())
 }

@@ -43,7 +43,7 @@ use crate::devices::virtio::{
 use crate::devices::vmgenid::VmGenId;
 use crate::events::{Recorder, kind};
 use crate::vstate::bus::Bus;
-use crate::vstate::end::VmEnd;
+use crate::vstate::end::{EndError, VmEnd};
 use crate::vstate::kvm;
 use crate::vstate::vcpu::{Control, Vcpu};
 use crate::vstate::vm::Vm;
@@ -173,7 +173,7 @@ fn spawn_vcpu(
             // The restore gave up (its error is the caller's) when no start comes.
             let Ok(start) = go.recv() else { return };
             if let Err(e) = confined {
-                start.end.fail(crate::error_chain(&e));
+                start.end.fail(EndError::Vcpu(crate::error_chain(&e)));
                 return;
             }
             if v.id() == 0 {
@@ -181,7 +181,7 @@ fn spawn_vcpu(
             }
             let (io, mmio) = &*start.buses;
             if let Err(e) = v.run(io, mmio, &start.end, &vm, &start.mem, &start.control) {
-                start.end.fail(crate::error_chain(&e));
+                start.end.fail(EndError::Vcpu(crate::error_chain(&e)));
             }
         })
         .map_err(step)

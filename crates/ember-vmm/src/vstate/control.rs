@@ -31,7 +31,7 @@ const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 const KICK_INTERVAL: Duration = Duration::from_millis(1);
 
 /// Control errors.
-#[derive(Debug, Error, PartialEq, Eq)]
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
 pub enum ControlError {
     /// The vCPUs did not all park in time.
     #[error("only {parked} of {total} vCPUs stopped in time")]
@@ -78,7 +78,7 @@ struct Ctl<S> {
     threads: Vec<Option<usize>>,
     /// Bumped for each collection; each vCPU answers it once.
     save_gen: u64,
-    saved: Vec<Option<(u64, Result<S, String>)>>,
+    saved: Vec<Option<(u64, Result<S, ControlError>)>>,
 }
 
 /// Pause control shared by the vCPU threads and the control socket. `S` is
@@ -120,14 +120,13 @@ fn kick_signal() -> libc::c_int {
 
 /// Installs the kick handler once per process.
 pub(crate) fn install_kick_handler() -> Result<(), ControlError> {
-    static RESULT: OnceLock<Result<(), String>> = OnceLock::new();
+    static RESULT: OnceLock<Result<(), ControlError>> = OnceLock::new();
     RESULT
         .get_or_init(|| {
             vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)
-                .map_err(|e| e.to_string())
+                .map_err(|e| ControlError::Signal(e.to_string()))
         })
         .clone()
-        .map_err(ControlError::Signal)
 }
 
 /// Records `run` as this thread's kvm_run page for the kick handler.
@@ -187,7 +186,12 @@ impl<S> VcpuControl<S> {
 
     /// Parks vCPU `id` (on its own thread) until resume or the VM's end,
     /// serving save requests with `save` meanwhile.
-    pub(crate) fn park(&self, id: u32, end: &VmEnd, mut save: impl FnMut() -> Result<S, String>) {
+    pub(crate) fn park(
+        &self,
+        id: u32,
+        end: &VmEnd,
+        mut save: impl FnMut() -> Result<S, ControlError>,
+    ) {
         let mut c = self.lock();
         c.parked += 1;
         self.cv.notify_all();
@@ -302,12 +306,9 @@ impl<S> VcpuControl<S> {
                 .0;
         }
         let mut out = Vec::with_capacity(self.total);
-        for (id, slot) in c.saved.iter_mut().enumerate() {
+        for slot in c.saved.iter_mut() {
             match slot.take() {
-                Some((_, Ok(s))) => out.push(s),
-                Some((_, Err(why))) => {
-                    return Err(ControlError::Save { id: id as u32, why });
-                }
+                Some((_, saved)) => out.push(saved?),
                 None => unreachable!("every slot was answered above"),
             }
         }
@@ -318,6 +319,7 @@ impl<S> VcpuControl<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vstate::end::EndError;
 
     /// Fake vCPU threads that "run" by polling the flag, as the real loop does.
     fn spawn(ctl: &Arc<VcpuControl<u32>>, end: &Arc<VmEnd>, n: u32) {
@@ -358,7 +360,7 @@ mod tests {
         assert_eq!(ctl.state(), RunState::Running);
         ctl.pause(&end).unwrap();
         ctl.resume().unwrap();
-        end.fail("done".into());
+        end.fail(EndError::Vcpu("done".into()));
     }
 
     #[test]
@@ -383,6 +385,6 @@ mod tests {
         );
         assert!(t.elapsed() >= timeout);
         assert!(!ctl.pause_requested(), "a failed pause lets the vCPUs go");
-        end.fail("done".into());
+        end.fail(EndError::Vcpu("done".into()));
     }
 }

@@ -9,6 +9,7 @@
 use crate::events::kind;
 use std::io;
 use std::sync::Mutex;
+use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
 /// How a guest ended its run. First report wins.
@@ -34,11 +35,21 @@ impl GuestEnd {
     }
 }
 
+/// Why the VMM could not go on running the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum EndError {
+    /// A vCPU thread failed (configuring, confining or running its vCPU). The
+    /// error is rendered with its causes on that thread: the first failure is
+    /// kept and read by every waiter, from other threads.
+    #[error("{0}")]
+    Vcpu(String),
+}
+
 /// Where devices and vCPU threads report the end of the guest's run; the
 /// VMM's main thread waits on [`VmEnd::eventfd`]. The first report wins.
 #[derive(Debug)]
 pub(crate) struct VmEnd {
-    end: Mutex<Option<Result<GuestEnd, String>>>,
+    end: Mutex<Option<Result<GuestEnd, EndError>>>,
     evt: EventFd,
 }
 
@@ -56,12 +67,12 @@ impl VmEnd {
         self.set(Ok(end));
     }
 
-    /// Records that the VMM could not go on (a vCPU error) and wakes the VMM.
-    pub(crate) fn fail(&self, why: String) {
+    /// Records that the VMM could not go on and wakes the VMM.
+    pub(crate) fn fail(&self, why: EndError) {
         self.set(Err(why));
     }
 
-    fn set(&self, outcome: Result<GuestEnd, String>) {
+    fn set(&self, outcome: Result<GuestEnd, EndError>) {
         let mut slot = self.end.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
             *slot = Some(outcome);
@@ -82,7 +93,7 @@ impl VmEnd {
     }
 
     /// The recorded outcome, if any.
-    pub(crate) fn outcome(&self) -> Option<Result<GuestEnd, String>> {
+    pub(crate) fn outcome(&self) -> Option<Result<GuestEnd, EndError>> {
         self.end.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
@@ -104,17 +115,20 @@ mod tests {
         end.report(GuestEnd::Reset);
         assert_eq!(end.get(), Some(GuestEnd::ExitCode(7)));
         assert_eq!(end.eventfd().read().unwrap(), 1);
-        end.fail("late".into());
+        end.fail(EndError::Vcpu("late".into()));
         assert_eq!(end.outcome(), Some(Ok(GuestEnd::ExitCode(7))));
     }
 
     #[test]
     fn failures_end_the_run_too() {
         let end = VmEnd::new().unwrap();
-        end.fail("KVM internal error".into());
+        end.fail(EndError::Vcpu("KVM internal error".into()));
         end.report(GuestEnd::PowerOff);
         assert!(end.is_over());
         assert_eq!(end.get(), None);
-        assert_eq!(end.outcome(), Some(Err("KVM internal error".into())));
+        assert_eq!(
+            end.outcome(),
+            Some(Err(EndError::Vcpu("KVM internal error".into())))
+        );
     }
 }

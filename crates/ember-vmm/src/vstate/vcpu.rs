@@ -3,7 +3,7 @@
 
 use crate::arch::x86_64::regs;
 use crate::vstate::bus::Bus;
-use crate::vstate::control::{self, VcpuControl};
+use crate::vstate::control::{self, ControlError, VcpuControl};
 use crate::vstate::end::{GuestEnd, VmEnd};
 use crate::vstate::vm::Vm;
 use kvm_bindings::{CpuId, Msrs, kvm_msr_entry};
@@ -374,7 +374,10 @@ impl Vcpu {
         self.fd.set_kvm_immediate_exit(0);
         let id = self.id;
         control.park(id, end, || {
-            crate::vstate::vcpu_state::save(&self.fd, id).map_err(|e| crate::error_chain(&e))
+            crate::vstate::vcpu_state::save(&self.fd, id).map_err(|e| ControlError::Save {
+                id,
+                why: crate::error_chain(&e),
+            })
         });
     }
 

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// Errors saving or restoring a vCPU.
-#[derive(Debug, Error)]
+#[derive(Debug, Clone, Error)]
 pub(crate) enum VcpuStateError {
     /// An ioctl failed.
     #[error("cannot {op} vCPU {id} {what}")]
@@ -85,15 +85,15 @@ pub(crate) struct VcpuState {
 /// process. Read it before asking vCPU threads to save their state: finding
 /// it opens /dev/kvm, which a vCPU's seccomp list does not allow.
 pub(crate) fn msr_list() -> Result<&'static [u32], VcpuStateError> {
-    static LIST: OnceLock<Result<Vec<u32>, String>> = OnceLock::new();
+    static LIST: OnceLock<Result<Vec<u32>, VcpuStateError>> = OnceLock::new();
     LIST.get_or_init(|| {
-        let kvm = crate::vstate::kvm::open().map_err(|e| e.to_string())?;
+        let kvm = crate::vstate::kvm::open().map_err(|e| VcpuStateError::MsrList(e.to_string()))?;
         kvm.get_msr_index_list()
             .map(|l| l.as_slice().to_vec())
-            .map_err(|e| e.to_string())
+            .map_err(|e| VcpuStateError::MsrList(e.to_string()))
     })
     .as_deref()
-    .map_err(|e| VcpuStateError::MsrList(e.clone()))
+    .map_err(Clone::clone)
 }
 
 /// Reads every listed MSR that reads back. KVM_GET_MSRS stops at the first

@@ -55,9 +55,9 @@ pub(crate) const QUEUE_SIZE: u16 = 256;
 /// Balloon page frame numbers are in 4 KiB units, whatever the guest's page size.
 pub(crate) const BALLOON_PAGE_SHIFT: u32 = 12;
 const BALLOON_PAGE_SIZE: u64 = 1 << BALLOON_PAGE_SHIFT;
-/// A balloon target that cannot be set.
+/// A balloon target that cannot be set, or a saved balloon state that cannot be restored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum TargetError {
+pub enum BalloonError {
     /// More than the guest has: the driver would inflate until the guest runs out.
     #[error("a balloon of {} is larger than the guest's memory ({})", size(*.target), size(*.mem))]
     LargerThanMemory {
@@ -69,6 +69,23 @@ pub enum TargetError {
     /// More pages than the 32-bit `num_pages` field can say (16 TiB).
     #[error("a balloon of {} is more than the device can hold (16 TiB)", size(*.0))]
     BeyondDevice(u64),
+    /// A saved state lists more held ranges than the device could have made.
+    #[error("{0} held ranges")]
+    TooManyRanges(usize),
+    /// A saved state lists more statistics than the device could have read.
+    #[error("too many statistics")]
+    TooManyStats,
+    /// A saved held range that is not whole pages of guest RAM, in order.
+    #[error("held range {start:#x}..{end:#x} is not whole pages of guest RAM in order")]
+    HeldRange {
+        /// Guest-physical start.
+        start: u64,
+        /// Guest-physical end.
+        end: u64,
+    },
+    /// A saved statistics buffer head outside the queue.
+    #[error("the held statistics buffer is outside its queue")]
+    HeldStats,
 }
 
 /// `bytes` in MiB when it is whole MiB, else in bytes.
@@ -84,11 +101,11 @@ fn size(bytes: u64) -> String {
 /// `mem` bytes. The one rule for every way a target enters (a boot's
 /// `--balloon-target`, the control socket's `balloon`): never more than the
 /// guest's memory, nor than the device can say.
-pub fn target_pages(bytes: u64, mem: u64) -> Result<u32, TargetError> {
+pub fn target_pages(bytes: u64, mem: u64) -> Result<u32, BalloonError> {
     if bytes > mem {
-        return Err(TargetError::LargerThanMemory { target: bytes, mem });
+        return Err(BalloonError::LargerThanMemory { target: bytes, mem });
     }
-    u32::try_from(bytes.div_ceil(BALLOON_PAGE_SIZE)).map_err(|_| TargetError::BeyondDevice(bytes))
+    u32::try_from(bytes.div_ceil(BALLOON_PAGE_SIZE)).map_err(|_| BalloonError::BeyondDevice(bytes))
 }
 
 /// Most bytes read from one inflate/deflate/stats buffer (the Linux driver sends 1 KiB).
@@ -137,7 +154,7 @@ pub trait MemoryFence: Send + Sync + std::fmt::Debug {
     /// `addr..addr+len` was discarded: it is no longer committed.
     fn discarded(&self, addr: u64, len: u64);
     /// Commits `addr..addr+len` before the guest gets it back (a deflate).
-    fn commit(&self, addr: u64, len: u64) -> Result<(), String>;
+    fn commit(&self, addr: u64, len: u64) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
 }
 
 /// State shared by the device, its thread and the VMM's handles.
@@ -228,16 +245,16 @@ impl BalloonState {
     /// Checks what a state file's checksum cannot: held ranges are whole pages,
     /// ascending, apart, and inside `ram` (guest-physical (start, len) ranges), and
     /// no list is longer than the device could have made.
-    pub(crate) fn check(&self, ram: &[(u64, u64)]) -> Result<(), String> {
+    pub(crate) fn check(&self, ram: &[(u64, u64)]) -> Result<(), BalloonError> {
         if self.held.len() > MAX_STATE_RANGES {
-            return Err(format!("{} held ranges", self.held.len()));
+            return Err(BalloonError::TooManyRanges(self.held.len()));
         }
         if self
             .stats
             .as_ref()
             .is_some_and(|s| s.len() > MAX_STATE_STATS)
         {
-            return Err("too many statistics".into());
+            return Err(BalloonError::TooManyStats);
         }
         let mut last_end = 0;
         for &(start, end) in &self.held {
@@ -248,14 +265,12 @@ impl BalloonState {
                 || start < last_end
                 || !in_ram
             {
-                return Err(format!(
-                    "held range {start:#x}..{end:#x} is not whole pages of guest RAM in order"
-                ));
+                return Err(BalloonError::HeldRange { start, end });
             }
             last_end = end;
         }
         if self.held_stats.is_some_and(|h| h >= QUEUE_SIZE) {
-            return Err("the held statistics buffer is outside its queue".into());
+            return Err(BalloonError::HeldStats);
         }
         Ok(())
     }
@@ -724,7 +739,8 @@ impl BalloonHandler {
                 if let Err(e) = f.commit(start, end - start) {
                     // Host out of memory: the pages fault in lazily instead.
                     crate::guest_error!(
-                        "{DEVICE}: cannot commit deflated pages at {start:#x}: {e}"
+                        "{DEVICE}: cannot commit deflated pages at {start:#x}: {}",
+                        crate::error_chain(&*e)
                     );
                 }
             }
@@ -903,15 +919,15 @@ mod tests {
         assert_eq!(target_pages(1, 64 * M), Ok(1), "rounded up to a page");
         assert_eq!(
             target_pages(64 * M + 1, 64 * M),
-            Err(TargetError::LargerThanMemory {
+            Err(BalloonError::LargerThanMemory {
                 target: 64 * M + 1,
                 mem: 64 * M
             })
         );
         let t = 16u64 << 40;
-        assert_eq!(target_pages(t, t), Err(TargetError::BeyondDevice(t)));
+        assert_eq!(target_pages(t, t), Err(BalloonError::BeyondDevice(t)));
         assert_eq!(
-            TargetError::LargerThanMemory {
+            BalloonError::LargerThanMemory {
                 target: 1 << 40,
                 mem: 64 * M
             }

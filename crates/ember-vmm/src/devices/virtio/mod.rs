@@ -40,7 +40,7 @@ pub use block::{Block, DiskConfig};
 pub use console::{Console, ConsoleInput};
 
 pub(crate) use balloon::BalloonState;
-pub use balloon::{Balloon, BalloonConfig, BalloonHandle, TargetError, target_pages};
+pub use balloon::{Balloon, BalloonConfig, BalloonError, BalloonHandle, target_pages};
 pub use mmio::MmioTransport;
 pub use pmem::PmemConfig;
 pub(crate) use pmem::{Pmem, PmemRegion};
