@@ -14,4 +14,5 @@ pub mod cleanup;
 pub mod exit;
 pub mod initramfs;
 pub mod lab;
+pub mod passt;
 pub mod terminal;

@@ -25,6 +25,7 @@ Environment:
   XDG_CACHE_HOME  where the cache goes when EMBER_CACHE is unset
   EMBER_INIT      the appliance's guest init [default: ember-init next to the ember binary]
   EMBER_QEMU      the qemu backend's binary [default: qemu-system-x86_64 on PATH]
+  EMBER_PASST     `run --net`: the passt binary [default: passt on PATH]
   EMBER_KERNEL_SOURCE  `analyze --advise`: the kernel source (tarball or tree) that maps initcalls to Kconfig symbols [default: the newest /usr/src/linux-source-*]
   EMBER_CTL_TIMEOUT  `ctl`, `snapshot`: seconds to wait for the control socket's connection and its reply's first byte [default: 5]
   EMBER_API_REQUEST_TIMEOUT  `boot --api-socket`: seconds a client has to send a whole request [default: 60]

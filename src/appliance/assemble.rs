@@ -336,6 +336,7 @@ pub(super) fn module_groups(
         (!spec.devices.pmem.is_empty(), "pmem"),
         (spec.devices.rng.is_some(), "rng"),
         (spec.devices.balloon.is_some(), "balloon"),
+        (spec.net_fd.is_some(), "net"),
     ] {
         if wanted {
             groups.push(group);

@@ -98,6 +98,15 @@ pub struct RunArgs {
     /// a cold boot would use); do not boot.
     #[arg(long)]
     pub prepare_only: bool,
+    /// Give the command a network, without privileges: user-mode, through
+    /// passt (the host's addresses, routes and name servers; eth0 is
+    /// configured before CMD starts). Without it the guest has none.
+    #[arg(long)]
+    pub net: bool,
+    /// Forward the host's port HOST (on ADDR only, if given) to the guest's
+    /// port GUEST; implies `--net`. Repeatable.
+    #[arg(long, value_name = "[ADDR:]HOST:GUEST[/tcp|/udp]")]
+    pub publish: Vec<String>,
     /// ember backend: boot the appliance cold instead of restoring (or
     /// making) its snapshot. Runs with disks, pmem, rng, a balloon,
     /// `--rootfs` or `--nested-kvm` always boot cold.
@@ -120,6 +129,20 @@ pub struct SetupArgs {
 /// Parses `256M`, `1G`, `512K` or bytes (the VMM's size syntax) into MiB.
 pub fn parse_mem_mib(s: &str) -> Result<u64, ApplianceError> {
     backend::parse_mem_mib(s).map_err(|e| ApplianceError::BadArg(format!("bad --mem: {e}")))
+}
+
+/// Whether the run has a network (`--net`, or `--publish`, which implies it).
+pub(super) fn wants_net(args: &RunArgs) -> bool {
+    args.net || !args.publish.is_empty()
+}
+
+/// `--publish` parsed.
+pub(super) fn publish(args: &RunArgs) -> Result<Vec<crate::passt::Publish>, ApplianceError> {
+    Ok(args
+        .publish
+        .iter()
+        .map(|p| p.parse())
+        .collect::<Result<_, _>>()?)
 }
 
 /// `--timeout` as a duration.

@@ -47,6 +47,9 @@ pub enum ApplianceError {
     /// The nested rig (`--nested-kvm`, `--file`) cannot be set up.
     #[error(transparent)]
     Rig(#[from] rig::RigError),
+    /// The network (`--net`, `--publish`) cannot be set up.
+    #[error(transparent)]
+    Net(#[from] crate::passt::PasstError),
 }
 
 impl ApplianceError {

@@ -56,6 +56,9 @@ pub struct Job {
     /// The block device holding the command's root (`ROOT`), if not the
     /// initramfs.
     pub root: Option<String>,
+    /// The `NET` frame's payload (see [`super::netconf`]), if the guest has
+    /// a network to configure.
+    pub net: Option<Vec<u8>>,
     /// The guest is a restored appliance: it sent READY before its snapshot,
     /// so the job goes out as soon as the channel connects.
     pub restored: bool,
@@ -447,6 +450,9 @@ fn send_job(stream: &UnixStream, job: &Job) -> io::Result<()> {
     if let Some(root) = &job.root {
         protocol::encode(&mut frames, Kind::Root, root.as_bytes());
     }
+    if let Some(net) = &job.net {
+        protocol::encode(&mut frames, Kind::Net, net);
+    }
     protocol::encode(&mut frames, Kind::Exec, job.exec.as_bytes());
     if !job.forward_stdin {
         protocol::encode(&mut frames, Kind::StdinEof, &[]);
@@ -506,6 +512,7 @@ pub fn fuzz_converse(from_guest: &[u8]) -> Result<Option<Outcome>, HostError> {
         timeout: None,
         verbose: false,
         root: None,
+        net: None,
         restored: false,
         snapshot_at_ready: None,
         inherit_fds: Vec::new(),
@@ -539,6 +546,7 @@ mod tests {
             timeout: None,
             verbose: false,
             root: None,
+            net: None,
             restored: false,
             snapshot_at_ready: None,
             inherit_fds: Vec::new(),

@@ -22,6 +22,7 @@ pub mod host;
 pub mod kernel;
 pub mod module_sig;
 pub mod modules;
+pub mod netconf;
 pub mod protocol;
 pub mod rig;
 mod run;

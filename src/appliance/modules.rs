@@ -32,6 +32,7 @@ pub const MODULE_GROUPS: &[(&str, &[&str])] = &[
     ("rng", &["virtio_rng"]),
     ("pmem", &["virtio_pmem", "nd_pmem"]),
     ("vsock", &["vmw_vsock_virtio_transport"]),
+    ("net", &["virtio_net"]),
 ];
 
 /// Every module of [`MODULE_GROUPS`]: virtio transports, disks, the console
@@ -46,6 +47,7 @@ pub const APPLIANCE_MODULES: &[&str] = &[
     "virtio_pmem",
     "nd_pmem",
     "vmw_vsock_virtio_transport",
+    "virtio_net",
 ];
 
 /// A module file and the group that first needs it.

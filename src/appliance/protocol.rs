@@ -17,7 +17,8 @@
 //!    sends is echoed back);
 //! 2. host → guest `ARG`… (argv, argv[0] first), `ENV`… (`NAME=value`),
 //!    optionally `CWD` and `ROOT` (a block device with the command's root
-//!    file system: init mounts it and runs the command chrooted there), then
+//!    file system: init mounts it and runs the command chrooted there) and
+//!    `NET` (`eth0`'s configuration, `netconf`: init applies it), then
 //!    `EXEC` (the path to execute) which starts it;
 //! 3. both ways concurrently: host → guest `STDIN`… then `STDIN_EOF`;
 //!    guest → host `STDOUT`/`STDERR` as the command writes;
@@ -63,6 +64,8 @@ pub enum Kind {
     Root,
     /// The host has the guest's last frame: it may power off.
     Done,
+    /// The guest network's configuration.
+    Net,
 }
 
 impl Kind {
@@ -83,6 +86,7 @@ impl Kind {
             Kind::StdinEof => t::STDIN_EOF,
             Kind::Root => t::ROOT,
             Kind::Done => t::DONE,
+            Kind::Net => t::NET,
         }
     }
 
@@ -103,6 +107,7 @@ impl Kind {
             t::STDIN_EOF => Kind::StdinEof,
             t::ROOT => Kind::Root,
             t::DONE => Kind::Done,
+            t::NET => Kind::Net,
             _ => return None,
         })
     }

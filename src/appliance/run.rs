@@ -5,10 +5,12 @@
 use super::assemble::{Assembled, Extras, assemble, module_groups, write_appliance};
 use super::cli::{self, RunArgs};
 use super::error::{ApplianceError, EXIT_APPLIANCE, EXIT_BROKEN_PIPE};
+use super::netconf::{self, NetConf};
 use super::{builder, cache, host, kernel, rig, userland, warm};
 use crate::backend::{self, Backend, ChannelKind, GuestSpec};
 use crate::cleanup::{self, TempPath};
 use crate::exit::EXIT_TIMEOUT;
+use crate::passt::{GuestNet, Passt};
 use ember_vmm::error_chain;
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -129,6 +131,16 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
     // anything is built: what it cannot do is refused here, never dropped.
     let asked = with_devices(args, GuestSpec::new("/"))?;
     backend.command(&asked)?;
+    let publish = cli::publish(args)?;
+    // passt starts now, so it sets itself up while the appliance is made.
+    let net = match cli::wants_net(args) && !args.prepare_only {
+        true => {
+            let guest = GuestNet::from_host()?;
+            let (passt, fd) = Passt::start(&guest, &publish)?;
+            Some((guest, passt, fd))
+        }
+        false => None,
+    };
     if args.devices.no_acpi {
         cli::no_acpi_check(args.kernel.as_deref())?;
     }
@@ -162,6 +174,7 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         timeout,
         verbose: args.verbose,
         root: None,
+        net: None,
         restored: false,
         snapshot_at_ready: None,
         inherit_fds: Vec::new(),
@@ -203,6 +216,25 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
                 }
             }
         }
+    };
+    let mut spec = spec;
+    // Held until the run ends: passt goes with it.
+    let _passt = match net {
+        Some((guest, mut passt, fd)) => {
+            spec.net_fd = Some(fd.as_raw_fd());
+            job.inherit_fds.push(fd.as_raw_fd());
+            job.net = Some(net_payload(&guest));
+            passt.wait_ready()?;
+            if args.verbose {
+                eprintln!(
+                    "ember: passt (pid {}) gives the guest {}",
+                    passt.id(),
+                    describe(&guest)
+                );
+            }
+            Some((passt, fd))
+        }
+        None => None,
     };
     let restored_from = spec.restore.clone();
     let outcome = host::run(
@@ -307,9 +339,52 @@ fn choose_backend(args: &RunArgs) -> Result<Box<dyn Backend>, ApplianceError> {
     Ok(backend)
 }
 
-/// `spec` with the devices the command asked for.
+/// The `NET` frame's payload for `net`.
+fn net_payload(net: &GuestNet) -> Vec<u8> {
+    let conf = NetConf {
+        mtu: net.mtu,
+        v4: net.v4.map(|n| netconf::V4 {
+            addr: n.addr.octets(),
+            prefix: n.prefix,
+            gateway: n.gateway.octets(),
+        }),
+        v6: net.v6.map(|n| netconf::V6 {
+            addr: n.addr.octets(),
+            prefix: n.prefix,
+            gateway: n.gateway.octets(),
+        }),
+        resolv_conf: b"",
+    };
+    let mut p = conf.header().to_vec();
+    p.extend_from_slice(net.resolv_conf().as_bytes());
+    p
+}
+
+/// `net` in a few words, for `--verbose`.
+fn describe(net: &GuestNet) -> String {
+    let mut parts = Vec::new();
+    if let Some(n) = &net.v4 {
+        parts.push(format!("{}/{} via {}", n.addr, n.prefix, n.gateway));
+    }
+    if let Some(n) = &net.v6 {
+        parts.push(format!("{}/{} via {}", n.addr, n.prefix, n.gateway));
+    }
+    let dns: Vec<String> = net.dns.iter().map(|a| a.to_string()).collect();
+    format!(
+        "{}, mtu {}, dns [{}]",
+        parts.join(", "),
+        net.mtu,
+        dns.join(" ")
+    )
+}
+
+/// `spec` with the devices the command asked for (and, for `--net`, a
+/// placeholder for passt's socket: the real one comes with passt).
 fn with_devices(args: &RunArgs, mut spec: GuestSpec) -> Result<GuestSpec, backend::BackendError> {
     args.devices.apply(&mut spec);
+    if cli::wants_net(args) {
+        spec.net_fd = Some(-1);
+    }
     if cli::prefault_fenced(args) {
         spec.devices.balloon.get_or_insert_with(Default::default);
     }

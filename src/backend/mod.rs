@@ -166,6 +166,10 @@ pub struct GuestSpec {
     pub restore: Option<PathBuf>,
     /// Serve the control socket here (ember only).
     pub api_socket: Option<PathBuf>,
+    /// A network through passt (`ember run --net`): the VMM's end of a
+    /// stream socket connected to passt, inherited at this number; the
+    /// guest gets a virtio-net device on it.
+    pub net_fd: Option<std::os::fd::RawFd>,
 }
 
 impl GuestSpec {
@@ -185,6 +189,7 @@ impl GuestSpec {
             acpi: true,
             restore: None,
             api_socket: None,
+            net_fd: None,
         }
     }
 }
@@ -264,6 +269,12 @@ impl Backend for EmberBackend {
     }
 
     fn command(&self, spec: &GuestSpec) -> Result<Command, BackendError> {
+        if spec.net_fd.is_some() {
+            return Err(BackendError::Unsupported {
+                backend: "the ember backend".into(),
+                what: "give the guest a network yet (--net: use --backend qemu)".into(),
+            });
+        }
         let mut c = Command::new(&self.binary);
         c.arg("boot");
         if let Some(dir) = &spec.restore {

@@ -350,6 +350,16 @@ impl Backend for QemuBackend {
             }
             c.args(["-device", &pci_or_mmio("virtio-balloon")]);
         }
+        if let Some(fd) = spec.net_fd {
+            // passt's framing (a 4-byte length before each frame) is the
+            // stream netdev's; the socket is already connected.
+            c.arg("-netdev")
+                .arg(format!("stream,id=net0,addr.type=fd,addr.str={fd}"));
+            c.args([
+                "-device",
+                &format!("{},netdev=net0", pci_or_mmio("virtio-net")),
+            ]);
+        }
         let paths = spec.devices.pmem.iter().map(|p| &p.path);
         for (i, (path, size)) in paths.zip(&pmem).enumerate() {
             // share=on: the guest's writes reach the file, as with ember's
@@ -612,6 +622,25 @@ mod tests {
             .to_string();
         assert!(e.contains("missing.img"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `ember run --net`: a virtio-net device on the machine's transport,
+    /// its netdev the already-connected socket to passt, by number.
+    #[test]
+    fn a_network_is_a_stream_netdev_on_passts_socket() {
+        let mut spec = GuestSpec::new("/k");
+        let s = args(&qemu("q35", Accel::Tcg).command(&spec).unwrap()).join(" ");
+        assert!(!s.contains("netdev"), "{s}");
+        spec.net_fd = Some(7);
+        for (machine, device) in [("q35", "virtio-net-pci"), ("microvm", "virtio-net-device")] {
+            let s = args(&qemu(machine, Accel::Tcg).command(&spec).unwrap()).join(" ");
+            assert!(
+                s.contains(&format!(
+                    "-netdev stream,id=net0,addr.type=fd,addr.str=7 -device {device},netdev=net0"
+                )),
+                "{machine}: {s}"
+            );
+        }
     }
 
     #[test]

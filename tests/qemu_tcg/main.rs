@@ -12,4 +12,5 @@ mod common;
 
 mod appliance_e2e;
 mod lab_qemu;
+mod net_e2e;
 mod test_guest_qemu;

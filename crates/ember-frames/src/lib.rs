@@ -44,3 +44,6 @@ pub const ROOT: u8 = 0x16;
 /// the host reads slowly still holds output in its queue, which a VMM that
 /// ends with the guest would drop.
 pub const DONE: u8 = 0x17;
+/// Before EXEC: configure the guest's network (`ember run --net`); the
+/// payload's layout is in `src/appliance/netconf.rs`.
+pub const NET: u8 = 0x18;

@@ -20,6 +20,11 @@
 mod applets;
 #[path = "../../../src/appliance/module_sig.rs"]
 mod module_sig;
+mod net;
+// Shared with ember, which encodes what init decodes.
+#[allow(dead_code)]
+#[path = "../../../src/appliance/netconf.rs"]
+mod netconf;
 mod sys;
 
 use ember_frames as ft;
@@ -125,6 +130,11 @@ fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
             ch.error_with(msg, b"");
             return Ok(());
         }
+    }
+    let root = (!cmd.root.is_null()).then_some(ROOT_DIR);
+    if let Err(msg) = net::configure(root) {
+        ch.error_with(msg, b"");
+        return Ok(());
     }
     match run_command(&mut ch, &cmd) {
         Ok(code) => {
@@ -394,6 +404,11 @@ fn receive_command(ch: &mut Channel, arena: &mut Arena) -> Result<Command, &'sta
     let mut root = None;
     let exec = loop {
         let (kind, payload) = ch.recv().ok_or(&b"channel closed before the command"[..])?;
+        // Binary, not a string: kept by the network's module.
+        if kind == ft::NET {
+            net::keep(payload)?;
+            continue;
+        }
         let at = arena.push(payload)?;
         match kind {
             ft::ARG if nargs < MAX_PTRS => {

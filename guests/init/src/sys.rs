@@ -152,7 +152,7 @@ fn result(r: isize) -> Result<usize, Errno> {
 
 /// Calls `n` with arguments that carry no pointers, or pointers the caller
 /// made valid (each wrapper below documents its own).
-fn call(n: usize, a: [usize; 6]) -> Result<usize, Errno> {
+pub fn call(n: usize, a: [usize; 6]) -> Result<usize, Errno> {
     // SAFETY: every caller passes either plain integers or pointers to live
     // buffers of the size given alongside.
     result(unsafe { syscall(n, a) })
