@@ -5,7 +5,7 @@ use crate::backend::DeviceArgs;
 use crate::exit::{EXIT_GUEST_CRASHED, EXIT_SECCOMP, EXIT_TIMEOUT, guest_end_status};
 use clap::Args;
 use ember_vmm::builder::{self, BeforeGo, VmConfig};
-use ember_vmm::devices::virtio::{BalloonConfig, DiskConfig, PmemConfig, target_pages};
+use ember_vmm::devices::virtio::{BalloonConfig, DiskConfig, NetConfig, PmemConfig, target_pages};
 use ember_vmm::events::{Recorder, kind};
 use ember_vmm::machine::{DeviceSet, Machine};
 use ember_vmm::prefault::MemoryOptions;
@@ -42,6 +42,15 @@ pub struct BootArgs {
     pub console: ConsoleMode,
     #[command(flatten)]
     pub devices: DeviceArgs,
+    /// A virtio-net device (eth0, eth1, … in the guest) on an existing tap
+    /// interface, or on a tap descriptor ember inherited (`fd=N`):
+    /// tap=NAME|fd=N[,mac=MAC][,mtu=N][,rx_bytes=R][,rx_ops=R][,tx_bytes=R][,tx_ops=R],
+    /// a rate R being SIZE[/MS][+BURST] (SIZE bytes or frames per MS
+    /// milliseconds, 1000 by default; a one-time BURST). Repeatable. With
+    /// --restore: the backends of the snapshot's network devices, in order
+    /// (a new tap or MAC shows the guest its link going down and up).
+    #[arg(long, value_name = "tap=NAME|fd=N[,mac=MAC][,mtu=N]")]
+    pub net: Vec<NetConfig>,
     /// The virtio devices as JSON (`ember run` hands its devices over this
     /// way, not as options to parse again).
     #[arg(
@@ -49,7 +58,7 @@ pub struct BootArgs {
         hide = true,
         value_name = "JSON",
         value_parser = parse_device_set,
-        conflicts_with_all = ["disk", "pmem", "rng", "balloon", "balloon_target", "balloon_no_reporting"]
+        conflicts_with_all = ["disk", "pmem", "rng", "balloon", "balloon_target", "balloon_no_reporting", "net"]
     )]
     pub devices_json: Option<DeviceSet>,
     /// The balloon's initial target (memory the guest gives back), e.g. 256M; adds the balloon.
@@ -145,6 +154,7 @@ impl BootArgs {
             return Ok(d.clone());
         }
         let mut d = self.devices.device_set();
+        d.net = self.net.clone();
         let target = match &self.balloon_target {
             Some(t) => {
                 let bytes = memory::parse_size(t)?;
@@ -234,6 +244,7 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
                 console,
                 channel: args.channel.clone(),
                 pmem: devices.pmem,
+                net: devices.net,
                 before_go: Some(before_go),
             };
             restore::restore(cfg, recorder.clone())?

@@ -120,6 +120,7 @@ impl DeviceArgs {
             pmem: self.pmem.clone(),
             rng: self.rng.then(RngConfig::default),
             balloon: self.balloon.then(BalloonConfig::default),
+            net: Vec::new(),
         }
     }
 
@@ -284,6 +285,7 @@ impl Backend for EmberBackend {
                 .arg(if spec.console { "serial" } else { "none" });
             let pmem = DeviceSet {
                 pmem: spec.devices.pmem.clone(),
+                net: spec.devices.net.clone(),
                 ..DeviceSet::default()
             };
             hand_over(&mut c, &pmem);

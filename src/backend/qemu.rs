@@ -360,6 +360,30 @@ impl Backend for QemuBackend {
                 &format!("{},netdev=net0", pci_or_mmio("virtio-net")),
             ]);
         }
+        for (i, n) in spec.devices.net.iter().enumerate() {
+            use ember_vmm::devices::virtio::net::NetBackendConfig;
+            if !n.rx_rate.is_none() || !n.tx_rate.is_none() {
+                return Err(unsupported(
+                    "limit a network device's rate (use --backend ember)",
+                ));
+            }
+            let backend = match &n.backend {
+                NetBackendConfig::Tap(name) => format!("ifname={name}"),
+                NetBackendConfig::Fd(fd) => format!("fd={fd}"),
+            };
+            // Userspace virtio-net as ember's: no vhost, the tap with its header.
+            c.arg("-netdev").arg(format!(
+                "tap,id=n{i},{backend},script=no,downscript=no,vhost=off,vnet_hdr=on"
+            ));
+            let mut dev = format!("{},netdev=n{i}", pci_or_mmio("virtio-net"));
+            if let Some(mac) = n.mac {
+                dev.push_str(&format!(",mac={mac}"));
+            }
+            if let Some(mtu) = n.mtu {
+                dev.push_str(&format!(",host_mtu={mtu}"));
+            }
+            c.args(["-device", &dev]);
+        }
         let paths = spec.devices.pmem.iter().map(|p| &p.path);
         for (i, (path, size)) in paths.zip(&pmem).enumerate() {
             // share=on: the guest's writes reach the file, as with ember's
@@ -563,6 +587,7 @@ mod tests {
             rng: Some(Default::default()),
             balloon: Some(Default::default()),
             pmem: Vec::new(),
+            net: vec!["tap=tap7,mac=02:00:00:00:00:07,mtu=9000".parse().unwrap()],
         };
         spec.console = false;
         let s = args(&qemu("q35", Accel::Kvm).command(&spec).unwrap()).join(" ");
@@ -578,6 +603,13 @@ mod tests {
         assert!(s.contains("file=/e,format=raw,if=none,cache=writeback,aio=io_uring -device"));
         assert!(
             s.contains("-device virtio-rng-pci -device virtio-balloon-pci"),
+            "{s}"
+        );
+        assert!(
+            s.contains(
+                "-netdev tap,id=n0,ifname=tap7,script=no,downscript=no,vhost=off,vnet_hdr=on \
+                 -device virtio-net-pci,netdev=n0,mac=02:00:00:00:00:07,host_mtu=9000"
+            ),
             "{s}"
         );
     }

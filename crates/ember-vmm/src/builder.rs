@@ -26,7 +26,8 @@ use crate::device_manager::{DeviceManager, DeviceManagerError, TransportFactory,
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::pmem::PMEM_ALIGN;
 use crate::devices::virtio::{
-    self, Balloon, BalloonConfig, BalloonHandle, Block, Console, Pmem, PmemConfig, PmemRegion, Rng,
+    self, Balloon, BalloonConfig, BalloonHandle, Block, Console, Net, Pmem, PmemConfig, PmemRegion,
+    Rng,
 };
 use crate::devices::vmgenid;
 use crate::events::{Recorder, kind};
@@ -139,6 +140,9 @@ pub enum BuildError {
     /// A disk could not be opened or is unusable.
     #[error("cannot attach disk {0}")]
     Disk(PathBuf, #[source] virtio::block::Error),
+    /// A network device's backend could not be opened, or its options are wrong.
+    #[error("--net: {0}")]
+    Net(#[source] virtio::net::Error),
     /// The appliance channel socket could not be reached.
     #[error("cannot connect the channel to {0}")]
     Channel(PathBuf, #[source] std::io::Error),
@@ -503,7 +507,7 @@ fn register_memory(
 }
 
 /// Creates the virtio devices `cfg` asks for and attaches them in a fixed
-/// order (disks, channel, rng, pmem, balloon). Returns them as a snapshot
+/// order (disks, channel, rng, pmem, balloon, network devices). Returns them as a snapshot
 /// records them, and the balloon's handle.
 fn attach_virtio_devices(
     devices: &mut DeviceManager,
@@ -587,6 +591,13 @@ fn attach_virtio_devices(
     } else {
         None
     };
+    for net in &cfg.devices.net {
+        // The MAC is fixed here, so that a snapshot records the one the guest saw.
+        let mut net = net.clone();
+        net.mac.get_or_insert_with(virtio::net::MacAddr::random);
+        let dev = Net::new(&net).map_err(BuildError::Net)?;
+        place(DeviceConfig::Net(net), here, transport_for(dev))?;
+    }
     Ok((attached, balloon))
 }
 

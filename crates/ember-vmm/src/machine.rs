@@ -3,7 +3,7 @@
 //! # One configuration type per device
 //!
 //! Each device has exactly one type for what the user configures of it —
-//! [`DiskConfig`], [`PmemConfig`], [`RngConfig`], [`BalloonConfig`], beside
+//! [`DiskConfig`], [`PmemConfig`], [`RngConfig`], [`BalloonConfig`], [`NetConfig`], beside
 //! its device model — and that one type is what the command line parses
 //! (its `FromStr` is the option's only grammar; a relative path becomes
 //! absolute in its constructor), what a machine description ([`DeviceSet`],
@@ -36,7 +36,8 @@ use vm_memory::GuestMemoryMmap;
 
 use crate::devices::legacy::Serial;
 use crate::devices::virtio::{
-    BalloonConfig, BalloonHandle, DiskConfig, MmioTransport, PmemConfig, PmemRegion, RngConfig,
+    BalloonConfig, BalloonHandle, DiskConfig, MmioTransport, NetConfig, PmemConfig, PmemRegion,
+    RngConfig,
 };
 use crate::prefault::Committer;
 use crate::vstate::control::{ControlError, RunState};
@@ -59,6 +60,8 @@ pub enum DeviceConfig {
     Console,
     /// virtio-balloon.
     Balloon(BalloonConfig),
+    /// virtio-net.
+    Net(NetConfig),
 }
 
 impl DeviceConfig {
@@ -90,6 +93,10 @@ pub struct DeviceSet {
     /// A virtio-balloon device.
     #[serde(default)]
     pub balloon: Option<BalloonConfig>,
+    /// virtio-net devices (`eth0`, … in order). With a restore: the backends (and
+    /// MACs) that replace the snapshot's, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub net: Vec<NetConfig>,
 }
 
 /// Where the device manager put a device, beyond its MMIO window and
@@ -289,6 +296,7 @@ mod tests {
             pmem: vec!["/p".parse().unwrap()],
             rng: Some(RngConfig::default()),
             balloon: Some(BalloonConfig::default()),
+            net: vec!["tap=tap0,mac=02:00:00:00:00:01".parse().unwrap()],
         };
         let json = serde_json::to_string(&set).unwrap();
         assert_eq!(serde_json::from_str::<DeviceSet>(&json).unwrap(), set);

@@ -35,6 +35,8 @@ pub enum Thread {
     Console,
     /// The virtio-rng I/O thread.
     Rng,
+    /// A virtio-net I/O thread.
+    Net,
     /// A virtio-pmem I/O thread.
     Pmem,
     /// The virtio-balloon I/O thread.
@@ -53,12 +55,13 @@ pub enum Thread {
 
 impl Thread {
     /// Every kind, in filter-table order.
-    pub const ALL: [Thread; 12] = [
+    pub const ALL: [Thread; 13] = [
         Thread::Main,
         Thread::Vcpu,
         Thread::Block,
         Thread::Console,
         Thread::Rng,
+        Thread::Net,
         Thread::Pmem,
         Thread::Balloon,
         Thread::Spawner,
@@ -76,6 +79,7 @@ impl Thread {
             Thread::Block => "block",
             Thread::Console => "console",
             Thread::Rng => "rng",
+            Thread::Net => "net",
             Thread::Pmem => "pmem",
             Thread::Balloon => "balloon",
             Thread::Spawner => "spawner",
@@ -440,6 +444,18 @@ pub fn rules(thread: Thread) -> Rules {
             allow(&mut r, &[libc::SYS_getrandom]);
             r
         }
+        Thread::Net => {
+            let mut r = device_loop();
+            // Frames are read and written (device_loop); the rate limits' and the
+            // link's timer; the tap's offloads, set from the thread once the
+            // driver has chosen its features.
+            allow(
+                &mut r,
+                &[libc::SYS_timerfd_create, libc::SYS_timerfd_settime],
+            );
+            allow_arg(&mut r, libc::SYS_ioctl, 1, &[request(libc::TUNSETOFFLOAD)]);
+            r
+        }
         Thread::Pmem => {
             let mut r = device_loop();
             // FLUSH: the backing file's data to its disk.
@@ -465,6 +481,7 @@ pub fn rules(thread: Thread) -> Rules {
                 Thread::Block,
                 Thread::Console,
                 Thread::Rng,
+                Thread::Net,
                 Thread::Pmem,
                 Thread::Balloon,
             ] {

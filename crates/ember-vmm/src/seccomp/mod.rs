@@ -619,6 +619,7 @@ mod tests {
             Thread::Block,
             Thread::Console,
             Thread::Rng,
+            Thread::Net,
             Thread::Pmem,
             Thread::Balloon,
         ] {
@@ -664,6 +665,7 @@ mod tests {
             Thread::Block,
             Thread::Console,
             Thread::Rng,
+            Thread::Net,
             Thread::Pmem,
             Thread::Balloon,
         ] {

@@ -38,7 +38,7 @@ use crate::builder::{self, BuildError};
 use crate::device_manager::{DeviceManager, transport_for};
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::{
-    Balloon, BalloonHandle, Block, Console, Pmem, PmemConfig, PmemRegion, Rng,
+    Balloon, BalloonHandle, Block, Console, Net, NetConfig, Pmem, PmemConfig, PmemRegion, Rng,
 };
 use crate::devices::vmgenid::VmGenId;
 use crate::events::{Recorder, kind};
@@ -61,6 +61,11 @@ pub struct RestoreConfig {
     /// the recorded ones (each of the recorded size; see
     /// [`super::load_replacing`]).
     pub pmem: Vec<PmemConfig>,
+    /// Backends for the snapshot's network devices, in order, instead of the
+    /// recorded ones: each one's tap (or descriptor), and its MAC and rate limits
+    /// where given. A device whose backend or MAC changes shows its guest the link
+    /// going down and up.
+    pub net: Vec<NetConfig>,
     /// Run once the VM is complete, before the vCPUs start
     /// ([`builder::BeforeGo`]).
     pub before_go: Option<builder::BeforeGo>,
@@ -240,7 +245,13 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Arc<Machin
     // 5. virtio devices, each in its window.
     let end = Arc::new(VmEnd::new().map_err(step)?);
     let mut devices = DeviceManager::new(vm.clone(), mem.clone());
-    let (attached, balloon) = restore_virtio(&mut devices, &state.devices, &pmem_regions, channel)?;
+    let (attached, balloon) = restore_virtio(
+        &mut devices,
+        &state.devices,
+        &pmem_regions,
+        channel,
+        &cfg.net,
+    )?;
     if let Some(b) = &balloon {
         restore_fence(b, &mem);
     }
@@ -392,11 +403,14 @@ fn restore_virtio(
     states: &[super::DeviceState],
     pmem_regions: &[PmemRegion],
     mut channel: Option<Console>,
+    net: &[NetConfig],
 ) -> Result<(Vec<AttachedDevice>, Option<BalloonHandle>), SnapshotError> {
     let mut attached = Vec::new();
+    let mut net_iter = net.iter();
     let mut pmem_iter = pmem_regions.iter();
     let mut balloon: Option<BalloonHandle> = None;
     for (i, d) in states.iter().enumerate() {
+        let mut config = d.config.clone();
         let make = match &d.config {
             DeviceConfig::Block(disk) => {
                 let block = Block::new(disk)
@@ -428,6 +442,15 @@ fn restore_virtio(
                 balloon = Some(dev.handle());
                 transport_for(dev)
             }
+            DeviceConfig::Net(recorded) => {
+                let now = replace_net(recorded, net_iter.next());
+                let mut dev = Net::new(&now).map_err(|e| build_err(BuildError::Net(e)))?;
+                if now.backend != recorded.backend || now.mac != recorded.mac {
+                    dev.change_link();
+                }
+                config = DeviceConfig::Net(now);
+                transport_for(dev)
+            }
         };
         let transport = devices
             .attach_virtio(make)
@@ -438,12 +461,41 @@ fn restore_virtio(
             .restore(&d.transport)
             .map_err(|e| SnapshotError::Step(format!("virtio device {i}: {e}")))?;
         attached.push(AttachedDevice {
-            config: d.config.clone(),
+            config,
             placement: d.placement,
             transport,
         });
     }
+    if net_iter.next().is_some() {
+        return Err(SnapshotError::Step(format!(
+            "{} --net given, the snapshot has fewer network devices",
+            net.len()
+        )));
+    }
     Ok((attached, balloon))
+}
+
+/// A recorded network device on the backend given for it, if any: its MAC and rate
+/// limits too where given; its MTU stays (the driver read it).
+fn replace_net(recorded: &NetConfig, given: Option<&NetConfig>) -> NetConfig {
+    let Some(g) = given else {
+        return recorded.clone();
+    };
+    NetConfig {
+        backend: g.backend.clone(),
+        mac: g.mac.or(recorded.mac),
+        mtu: recorded.mtu,
+        rx_rate: if g.rx_rate.is_none() {
+            recorded.rx_rate
+        } else {
+            g.rx_rate
+        },
+        tx_rate: if g.tx_rate.is_none() {
+            recorded.tx_rate
+        } else {
+            g.tx_rate
+        },
+    }
 }
 
 /// Step 7: a new VM generation ID, announced on the GED's interrupt.

@@ -29,6 +29,7 @@ pub mod balloon;
 pub mod block;
 pub(crate) mod console;
 pub(crate) mod mmio;
+pub mod net;
 pub(crate) mod pmem;
 pub(crate) mod rng;
 mod worker;
@@ -42,6 +43,7 @@ pub use console::{Console, ConsoleInput};
 pub(crate) use balloon::BalloonState;
 pub use balloon::{Balloon, BalloonConfig, BalloonError, BalloonHandle, target_pages};
 pub use mmio::MmioTransport;
+pub use net::{Net, NetConfig};
 pub use pmem::PmemConfig;
 pub(crate) use pmem::{Pmem, PmemRegion};
 

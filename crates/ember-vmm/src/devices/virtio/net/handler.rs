@@ -1,0 +1,578 @@
+//! The device's queues: frames from the transmit queue to the backend, and from the
+//! backend into the receive queue's buffers. A plain state machine the I/O thread
+//! (`event_loop`) drives, and unit tests and the fuzz target drive directly.
+//!
+//! Frames are copied through one buffer per direction: a frame is at most
+//! [`MAX_BUFFER`] bytes whatever the guest's descriptors say, and every guest
+//! address is checked by the copy. A driver that breaks the protocol (a writable
+//! descriptor to transmit, a readable one to receive into, a frame larger than any
+//! frame can be, a buffer outside its memory, a corrupt ring) gets the device marked
+//! `NEEDS_RESET` and the queues stop until it resets the device.
+
+use std::io;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress};
+
+use super::backend::Backend;
+use super::rate_limiter::Limiter;
+use super::{DEVICE, HDR_LEN, MAX_BUFFER, NetCounters};
+use crate::devices::virtio::{GuestMemory, VirtioInterrupt, needs_interrupt, return_chain};
+
+/// Offset of `num_buffers` in the header.
+const NUM_BUFFERS: usize = 10;
+/// How long the receive side rests after a backend error other than "nothing waiting",
+/// so that a broken backend costs no busy loop.
+const ERROR_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Queue indices.
+pub(crate) const RX: usize = 0;
+pub(crate) const TX: usize = 1;
+
+/// Why a frame could not go into the receive queue.
+enum Deliver {
+    Done,
+    /// The frame fits no buffer (without mergeable buffers) and was dropped.
+    Dropped,
+    /// Not enough buffers: the frame waits for more.
+    NoBuffers,
+    /// The driver broke the protocol.
+    Broken,
+}
+
+/// Both queues of an active device and the backend they move frames through.
+pub(crate) struct NetHandler {
+    pub(crate) mem: GuestMemory,
+    pub(crate) rx: Queue,
+    pub(crate) tx: Queue,
+    pub(crate) irq: VirtioInterrupt,
+    pub(crate) backend: Arc<dyn Backend>,
+    /// `VIRTIO_NET_F_MRG_RXBUF`: a frame may span several receive chains.
+    mrg_rxbuf: bool,
+    rx_buf: Box<[u8]>,
+    /// Length of the frame waiting in `rx_buf` (header included); 0: none.
+    rx_len: usize,
+    /// Whether the waiting frame's tokens are already taken.
+    rx_paid: bool,
+    tx_buf: Box<[u8]>,
+    rx_limit: Limiter,
+    tx_limit: Limiter,
+    /// When the rate limiter (or a backend error) lets each direction go on.
+    rx_wait: Option<Instant>,
+    tx_wait: Option<Instant>,
+    /// The driver broke the protocol: nothing more until a reset.
+    broken: bool,
+    /// Receive chains gathered for the frame being delivered: (head, segments end).
+    chains: Vec<(u16, usize)>,
+    segs: Vec<(GuestAddress, u32)>,
+    counters: Arc<NetCounters>,
+}
+
+impl NetHandler {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        mem: GuestMemory,
+        rx: Queue,
+        tx: Queue,
+        irq: VirtioInterrupt,
+        backend: Arc<dyn Backend>,
+        mrg_rxbuf: bool,
+        rx_limit: Limiter,
+        tx_limit: Limiter,
+        counters: Arc<NetCounters>,
+    ) -> Self {
+        NetHandler {
+            mem,
+            rx,
+            tx,
+            irq,
+            backend,
+            mrg_rxbuf,
+            rx_buf: vec![0; MAX_BUFFER].into_boxed_slice(),
+            rx_len: 0,
+            rx_paid: false,
+            tx_buf: vec![0; MAX_BUFFER].into_boxed_slice(),
+            rx_limit,
+            tx_limit,
+            rx_wait: None,
+            tx_wait: None,
+            broken: false,
+            chains: Vec::new(),
+            segs: Vec::new(),
+            counters,
+        }
+    }
+
+    /// Whether the backend's descriptor should be watched: there is room for a frame
+    /// (none waiting) and the rate limit allows one.
+    pub(crate) fn wants_backend(&self) -> bool {
+        !self.broken && self.rx_len == 0 && self.rx_wait.is_none()
+    }
+
+    /// The earliest moment a rate-limited direction may go on.
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        match (self.rx_wait, self.tx_wait) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Time passed: each direction whose wait is over goes on.
+    pub(crate) fn on_timer(&mut self, now: Instant) {
+        if self.tx_wait.is_some_and(|t| t <= now) {
+            self.tx_wait = None;
+            self.process_tx();
+        }
+        if self.rx_wait.is_some_and(|t| t <= now) {
+            self.rx_wait = None;
+            self.process_rx();
+        }
+    }
+
+    fn fail(&mut self, why: std::fmt::Arguments<'_>) {
+        crate::guest_warn!("{DEVICE}: {why}; device needs reset");
+        self.broken = true;
+        self.irq.set_needs_reset();
+    }
+
+    /// Takes the next available chain of `queue`: `Err` when the ring is corrupt.
+    fn pop<'m>(
+        queue: &mut Queue,
+        mem: &'m GuestMemory,
+    ) -> Result<Option<DescriptorChain<&'m GuestMemory>>, virtio_queue::Error> {
+        Ok(queue.iter(mem)?.next())
+    }
+
+    /// Sends every frame the driver made available, as far as the rate limit allows.
+    pub(crate) fn process_tx(&mut self) {
+        if self.broken || self.tx_wait.is_some() {
+            return;
+        }
+        let mut returned = false;
+        let hdr = self.backend.vnet_hdr();
+        loop {
+            let mem = &self.mem;
+            let chain = match Self::pop(&mut self.tx, mem) {
+                Ok(Some(c)) => c,
+                Ok(None) => break,
+                Err(e) => return self.fail(format_args!("unusable transmit ring ({e})")),
+            };
+            let head = chain.head_index();
+            let mut len = 0usize;
+            let mut bad = None;
+            for d in chain {
+                if d.is_write_only() {
+                    bad = Some("a device-writable descriptor in a transmit chain");
+                    break;
+                }
+                let dl = d.len() as usize;
+                let Some(dst) = self.tx_buf.get_mut(len..len + dl) else {
+                    bad = Some("a transmit chain longer than any frame");
+                    break;
+                };
+                if mem.read_slice(dst, d.addr()).is_err() {
+                    bad = Some("a transmit buffer outside guest memory");
+                    break;
+                }
+                len += dl;
+            }
+            if bad.is_none() && len < HDR_LEN {
+                bad = Some("a transmit chain shorter than the header");
+            }
+            if let Some(why) = bad {
+                return self.fail(format_args!("chain {head}: {why}"));
+            }
+            if let Err(wait) = self.tx_limit.consume(len - HDR_LEN) {
+                self.tx.go_to_previous_position();
+                self.tx_wait = Some(Instant::now() + wait);
+                break;
+            }
+            let frame = if hdr {
+                &self.tx_buf[..len]
+            } else {
+                &self.tx_buf[HDR_LEN..len]
+            };
+            match self.backend.send(frame) {
+                Ok(()) => self.counters.tx(len - HDR_LEN),
+                Err(e) => {
+                    self.counters.tx_dropped();
+                    crate::guest_warn!("{DEVICE}: a {}-byte frame was not sent: {e}", len);
+                }
+            }
+            if !return_chain(&mut self.tx, &self.mem, &self.irq, DEVICE, head, 0) {
+                self.broken = true;
+                return;
+            }
+            returned = true;
+        }
+        if returned && needs_interrupt(&mut self.tx, &self.mem, DEVICE) {
+            self.irq.signal_used_queue();
+        }
+    }
+
+    /// Delivers waiting frames into the receive queue's buffers, reading more from the
+    /// backend while there are buffers and the rate limit allows.
+    pub(crate) fn process_rx(&mut self) {
+        let mut returned = false;
+        while !self.broken && self.rx_wait.is_none() {
+            if self.rx_len == 0 {
+                match self.rx_has_buffers() {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => {
+                        self.fail(format_args!("unusable receive ring ({e})"));
+                        break;
+                    }
+                }
+                if !self.read_frame() {
+                    break;
+                }
+            }
+            if !self.rx_paid {
+                if let Err(wait) = self.rx_limit.consume(self.rx_len - HDR_LEN) {
+                    self.rx_wait = Some(Instant::now() + wait);
+                    break;
+                }
+                self.rx_paid = true;
+            }
+            match self.deliver() {
+                Deliver::Done => {
+                    returned = true;
+                    self.counters.rx(self.rx_len - HDR_LEN);
+                    self.rx_len = 0;
+                    self.rx_paid = false;
+                }
+                Deliver::Dropped => {
+                    self.rx_len = 0;
+                    self.rx_paid = false;
+                }
+                Deliver::NoBuffers | Deliver::Broken => break,
+            }
+        }
+        if returned && needs_interrupt(&mut self.rx, &self.mem, DEVICE) {
+            self.irq.signal_used_queue();
+        }
+    }
+
+    fn rx_has_buffers(&self) -> Result<bool, virtio_queue::Error> {
+        let avail = self
+            .rx
+            .avail_idx(&self.mem, std::sync::atomic::Ordering::Acquire)?;
+        Ok(avail.0 != self.rx.next_avail())
+    }
+
+    /// Reads one frame from the backend into `rx_buf`; whether there was one.
+    fn read_frame(&mut self) -> bool {
+        let off = if self.backend.vnet_hdr() {
+            0
+        } else {
+            // A header-less backend: the guest gets a header saying nothing.
+            self.rx_buf[..HDR_LEN].fill(0);
+            HDR_LEN
+        };
+        match self.backend.recv(&mut self.rx_buf[off..]) {
+            Ok(n) if n + off >= HDR_LEN => {
+                self.rx_len = n + off;
+                true
+            }
+            Ok(_) => {
+                // Nothing a tap sends; skip it.
+                self.counters.rx_dropped();
+                true
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => false,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => true,
+            Err(e) => {
+                crate::guest_warn!("{DEVICE}: reading from the backend failed: {e}");
+                self.rx_wait = Some(Instant::now() + ERROR_BACKOFF);
+                false
+            }
+        }
+    }
+
+    /// Puts the waiting frame into one receive chain, or several with mergeable
+    /// buffers.
+    fn deliver(&mut self) -> Deliver {
+        let start = self.rx.next_avail();
+        self.chains.clear();
+        self.segs.clear();
+        let mut capacity = 0usize;
+        while capacity < self.rx_len {
+            if !self.chains.is_empty() && !self.mrg_rxbuf {
+                // One chain must hold the frame: drop it, keep the buffer.
+                self.rx.set_next_avail(start);
+                self.counters.rx_dropped();
+                crate::guest_warn!(
+                    "{DEVICE}: a {}-byte frame does not fit a receive buffer of {capacity}",
+                    self.rx_len
+                );
+                return Deliver::Dropped;
+            }
+            let mem = &self.mem;
+            let chain = match Self::pop(&mut self.rx, mem) {
+                Ok(Some(c)) => c,
+                Ok(None) => {
+                    self.rx.set_next_avail(start);
+                    return Deliver::NoBuffers;
+                }
+                Err(e) => {
+                    self.fail(format_args!("unusable receive ring ({e})"));
+                    return Deliver::Broken;
+                }
+            };
+            let head = chain.head_index();
+            let before = capacity;
+            let mut readable = false;
+            for d in chain {
+                if !d.is_write_only() {
+                    readable = true;
+                    break;
+                }
+                if capacity >= self.rx_len {
+                    break;
+                }
+                self.segs.push((d.addr(), d.len()));
+                capacity += d.len() as usize;
+            }
+            if readable {
+                self.fail(format_args!(
+                    "chain {head}: a device-readable descriptor in a receive chain"
+                ));
+                return Deliver::Broken;
+            }
+            if capacity == before {
+                self.fail(format_args!("chain {head}: an empty receive chain"));
+                return Deliver::Broken;
+            }
+            self.chains.push((head, self.segs.len()));
+        }
+        let n = self.chains.len() as u16;
+        self.rx_buf[NUM_BUFFERS..NUM_BUFFERS + 2].copy_from_slice(&n.to_le_bytes());
+        let mut off = 0usize;
+        let mut seg = 0usize;
+        for i in 0..self.chains.len() {
+            let (head, end) = self.chains[i];
+            let mut used = 0u32;
+            while seg < end {
+                let (addr, len) = self.segs[seg];
+                let take = (len as usize).min(self.rx_len - off);
+                if self
+                    .mem
+                    .write_slice(&self.rx_buf[off..off + take], addr)
+                    .is_err()
+                {
+                    self.fail(format_args!(
+                        "chain {head}: a receive buffer outside guest memory"
+                    ));
+                    return Deliver::Broken;
+                }
+                off += take;
+                used += take as u32;
+                seg += 1;
+            }
+            if !return_chain(&mut self.rx, &self.mem, &self.irq, DEVICE, head, used) {
+                self.broken = true;
+                return Deliver::Broken;
+            }
+        }
+        Deliver::Done
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::CountingInterrupt;
+    use crate::devices::virtio::net::backend::SocketBackend;
+    use crate::devices::virtio::net::rate_limiter::{BucketConfig, RateLimit};
+    use crate::devices::virtio::test_utils::*;
+    use std::os::unix::net::UnixDatagram;
+
+    struct Rig<'a> {
+        mem: &'a GuestMemory,
+        rxq: TestQueue<'a>,
+        txq: TestQueue<'a>,
+        line: Arc<CountingInterrupt>,
+        h: NetHandler,
+        peer: UnixDatagram,
+    }
+
+    fn rig(mem: &GuestMemory, mrg: bool, vnet_hdr: bool, tx_limit: RateLimit) -> Rig<'_> {
+        let rxq = TestQueue::create(mem, GuestAddress(0), 64);
+        let txq = TestQueue::create(mem, GuestAddress(0x8000), 64);
+        let line = Arc::new(CountingInterrupt::default());
+        let (backend, peer) = SocketBackend::pair(vnet_hdr);
+        peer.set_nonblocking(true).unwrap();
+        let h = NetHandler::new(
+            mem.clone(),
+            rxq.create_queue().unwrap(),
+            txq.create_queue().unwrap(),
+            VirtioInterrupt::new(line.clone()),
+            Arc::new(backend),
+            mrg,
+            Limiter::default(),
+            Limiter::new(&tx_limit),
+            Arc::default(),
+        );
+        Rig {
+            mem,
+            rxq,
+            txq,
+            line,
+            h,
+            peer,
+        }
+    }
+
+    fn frame(len: usize, seed: u8) -> Vec<u8> {
+        (0..len).map(|i| (i as u8).wrapping_mul(7) ^ seed).collect()
+    }
+
+    fn read(mem: &GuestMemory, addr: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0; len];
+        mem.read_slice(&mut v, GuestAddress(addr)).unwrap();
+        v
+    }
+
+    #[test]
+    fn transmit_sends_header_and_frame_as_one_datagram() {
+        let mem = memory();
+        let mut t = rig(&mem, true, true, RateLimit::default());
+        let f = frame(HDR_LEN + 1000, 1);
+        mem.write_slice(&f[..HDR_LEN], GuestAddress(DATA_START))
+            .unwrap();
+        mem.write_slice(&f[HDR_LEN..], GuestAddress(DATA_START + 0x1000))
+            .unwrap();
+        add_chain(
+            &t.txq,
+            0,
+            &[r(DATA_START, HDR_LEN as u32), r(DATA_START + 0x1000, 1000)],
+        );
+        t.h.process_tx();
+        let mut got = vec![0; 70000];
+        let n = t.peer.recv(&mut got).unwrap();
+        assert_eq!(&got[..n], &f[..]);
+        assert_eq!(used(&t.txq), [(0, 0)]);
+        assert_eq!(t.line.count(), 1);
+    }
+
+    #[test]
+    fn a_headerless_backend_gets_the_frame_alone() {
+        let mem = memory();
+        let mut t = rig(&mem, true, false, RateLimit::default());
+        let f = frame(HDR_LEN + 60, 2);
+        mem.write_slice(&f, GuestAddress(DATA_START)).unwrap();
+        add_chain(&t.txq, 0, &[r(DATA_START, f.len() as u32)]);
+        t.h.process_tx();
+        let mut got = vec![0; 100];
+        let n = t.peer.recv(&mut got).unwrap();
+        assert_eq!(&got[..n], &f[HDR_LEN..]);
+        // And receives get a zero header with num_buffers = 1.
+        t.peer.send(&[0xaa; 50]).unwrap();
+        add_chain(&t.rxq, 0, &[w(DATA_START + 0x1000, 2048)]);
+        t.h.process_rx();
+        assert_eq!(used(&t.rxq), [(0, (HDR_LEN + 50) as u32)]);
+        let got = read(&mem, DATA_START + 0x1000, HDR_LEN + 50);
+        assert_eq!(&got[..HDR_LEN], &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0]);
+        assert!(got[HDR_LEN..].iter().all(|&b| b == 0xaa));
+    }
+
+    #[test]
+    fn a_large_frame_spans_mergeable_buffers_and_says_how_many() {
+        let mem = memory();
+        let mut t = rig(&mem, true, true, RateLimit::default());
+        let f = frame(HDR_LEN + 65_000, 3);
+        t.peer.send(&f).unwrap();
+        // 15 chains of 4 KiB cannot hold it: nothing is used, the frame waits.
+        for i in 0..15u16 {
+            add_chain(&t.rxq, i, &[w(DATA_START + u64::from(i) * 0x1000, 4096)]);
+        }
+        t.h.process_rx();
+        assert!(used(&t.rxq).is_empty());
+        assert!(!t.h.wants_backend(), "a frame waits");
+        add_chain(&t.rxq, 15, &[w(DATA_START + 15 * 0x1000, 4096)]);
+        add_chain(&t.rxq, 16, &[w(DATA_START + 16 * 0x1000, 4096)]);
+        t.h.process_rx();
+        let u = used(&t.rxq);
+        assert_eq!(u.len(), 16);
+        assert_eq!(u.iter().map(|&(_, l)| l as usize).sum::<usize>(), f.len());
+        let got = read(&mem, DATA_START, f.len());
+        assert_eq!(&got[NUM_BUFFERS..NUM_BUFFERS + 2], &16u16.to_le_bytes());
+        assert_eq!(&got[HDR_LEN..], &f[HDR_LEN..]);
+        assert!(t.h.wants_backend());
+    }
+
+    #[test]
+    fn without_mergeable_buffers_a_frame_too_big_is_dropped() {
+        let mem = memory();
+        let mut t = rig(&mem, false, true, RateLimit::default());
+        t.peer.send(&frame(HDR_LEN + 3000, 4)).unwrap();
+        t.peer.send(&frame(HDR_LEN + 100, 5)).unwrap();
+        add_chain(&t.rxq, 0, &[w(DATA_START, 1600)]);
+        add_chain(&t.rxq, 1, &[w(DATA_START + 0x1000, 1600)]);
+        t.h.process_rx();
+        assert_eq!(used(&t.rxq), [(0, (HDR_LEN + 100) as u32)]);
+    }
+
+    #[test]
+    fn malformed_chains_are_a_device_error() {
+        let cases: [&[Seg]; 4] = [
+            &[w(DATA_START, 100)],
+            &[r(DATA_START, 70_000)],
+            &[r(1 << 40, 100)],
+            &[r(DATA_START, 4)],
+        ];
+        for segs in cases {
+            let mem = memory();
+            let mut t = rig(&mem, true, true, RateLimit::default());
+            add_chain(&t.txq, 0, segs);
+            t.h.process_tx();
+            assert!(t.h.irq.needs_reset(), "{segs:?}");
+            assert!(t.peer.recv(&mut [0; 100]).is_err(), "nothing sent");
+        }
+        for segs in [&[r(DATA_START, 100)][..], &[w(1 << 40, 100)]] {
+            let mem = memory();
+            let mut t = rig(&mem, true, true, RateLimit::default());
+            t.peer.send(&frame(80, 0)).unwrap();
+            add_chain(&t.rxq, 0, segs);
+            t.h.process_rx();
+            assert!(t.h.irq.needs_reset(), "{segs:?}");
+            assert!(!t.h.wants_backend());
+        }
+        // A ring that claims more chains than it has.
+        let mem = memory();
+        let mut t = rig(&mem, true, true, RateLimit::default());
+        t.txq.set_avail_idx(1000);
+        t.h.process_tx();
+        assert!(t.h.irq.needs_reset());
+    }
+
+    #[test]
+    fn transmit_waits_for_the_rate_limit() {
+        let mem = memory();
+        let limit = RateLimit {
+            bytes: None,
+            ops: Some(BucketConfig {
+                size: 2,
+                refill_ms: 50,
+                one_time_burst: 0,
+            }),
+        };
+        let mut t = rig(&mem, true, true, limit);
+        for i in 0..3u16 {
+            add_chain(&t.txq, i, &[r(DATA_START, 64)]);
+        }
+        t.h.process_tx();
+        assert_eq!(used(&t.txq).len(), 2);
+        let deadline = t.h.deadline().expect("waiting");
+        t.h.on_timer(deadline - Duration::from_millis(1));
+        assert_eq!(used(&t.txq).len(), 2, "not yet");
+        std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
+        t.h.on_timer(Instant::now());
+        assert_eq!(used(&t.txq).len(), 3);
+        assert!(t.h.deadline().is_none());
+        let _ = t.mem;
+    }
+}
