@@ -49,3 +49,16 @@ pub fn pmem(mem: GuestMemory, queue: Queue, irq: VirtioInterrupt, file: std::fs:
 pub fn balloon(mem: GuestMemory, queues: Vec<Queue>, irq: VirtioInterrupt, order: &[u8]) {
     crate::devices::virtio::balloon::fuzz_queues(mem, queues, irq, order);
 }
+
+/// Target `net`: transmit and receive twice (with `input` waiting as frames in
+/// the backend), with or without mergeable buffers, on arbitrary memory.
+pub fn net(
+    mem: GuestMemory,
+    rx: Queue,
+    tx: Queue,
+    irq: VirtioInterrupt,
+    input: &[u8],
+    mrg_rxbuf: bool,
+) {
+    crate::devices::virtio::net::fuzz_queues(mem, rx, tx, irq, input, mrg_rxbuf);
+}

@@ -3,6 +3,7 @@
 //! with our key and a bad value is an error. README.md lists every token.
 
 use crate::virtio_blk::{BlkOpt, Op, Pattern};
+use crate::virtio_net::{BadKind, NetCmd, NetOpt};
 
 /// One of our tokens, parsed.
 pub enum Command<'a> {
@@ -30,6 +31,10 @@ pub enum Command<'a> {
     Blk(BlkOpt),
     /// `blk[=BASE]` (benchmark) or `blkverify[=BASE]` (data check).
     BlkRun { base: Option<u64>, verify: bool },
+    /// A virtio-net option for later `net*` commands.
+    NetOpt(NetOpt),
+    /// A virtio-net command.
+    Net(NetCmd),
 }
 
 /// Splits a command line into tokens.
@@ -90,12 +95,36 @@ pub fn parse(token: &str) -> Result<Option<Command<'_>>, &'static str> {
         ("blkmib", Some(v)) => Command::Blk(BlkOpt::SpanMib(number(v)?)),
         ("secs", Some(v)) => Command::Blk(BlkOpt::Seconds(number(v)?)),
         ("ios", Some(v)) => Command::Blk(BlkOpt::Ios(number(v)?)),
+        ("netoffload", Some(v)) => Command::NetOpt(NetOpt::Offloads(match v {
+            "0" => false,
+            "1" => true,
+            _ => return Err("expected 0 or 1"),
+        })),
+        ("netlen", Some(v)) => Command::NetOpt(NetOpt::Len(number(v)?)),
+        ("netcount", Some(v)) => Command::NetOpt(NetOpt::Count(number(v)?)),
+        ("netbytes", Some(v)) => Command::NetOpt(NetOpt::Bytes(number(v)?)),
+        ("netsecs", Some(v)) => Command::NetOpt(NetOpt::Secs(number(v)?)),
+        ("netinfo", None) => Command::Net(NetCmd::Info),
+        ("nettx", None) => Command::Net(NetCmd::Tx),
+        ("netrx", None) => Command::Net(NetCmd::Rx),
+        ("nettso", Some(v)) => Command::Net(NetCmd::Tso(number(v)?)),
+        ("netwatch", Some(v)) => Command::Net(NetCmd::Watch(number(v)?)),
+        ("netbad", Some(v)) => Command::Net(NetCmd::Bad(match v {
+            "oob" => BadKind::OutOfMemory,
+            "write" => BadKind::Writable,
+            "long" => BadKind::TooLong,
+            _ => return Err("expected oob, write or long"),
+        })),
         (
             "print" | "mark" | "touch" | "spin" | "exit" | "blkop" | "pattern" | "bs" | "qd"
-            | "blkmib" | "secs" | "ios",
+            | "blkmib" | "secs" | "ios" | "netoffload" | "netlen" | "netcount" | "netbytes"
+            | "netsecs" | "nettso" | "netwatch" | "netbad",
             None,
         ) => return Err("needs a value"),
-        ("timer" | "tsc" | "reset" | "shutdown" | "halt", Some(_)) => return Err("takes no value"),
+        (
+            "timer" | "tsc" | "reset" | "shutdown" | "halt" | "netinfo" | "nettx" | "netrx",
+            Some(_),
+        ) => return Err("takes no value"),
         _ => return Ok(None),
     };
     Ok(Some(command))

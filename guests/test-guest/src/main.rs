@@ -10,6 +10,7 @@ mod cmdline;
 mod io;
 mod mem;
 mod virtio_blk;
+mod virtio_net;
 
 use cmdline::{Command, Tokens};
 use io::{Clock, outb};
@@ -114,6 +115,7 @@ fn linux_cmdline(zero_page: u64) -> &'static str {
 struct State {
     clock: Clock,
     blk: virtio_blk::Options,
+    net: virtio_net::Net,
 }
 
 impl State {
@@ -121,6 +123,7 @@ impl State {
         State {
             clock: Clock::new(tsc),
             blk: virtio_blk::Options::default(),
+            net: virtio_net::Net::default(),
         }
     }
 
@@ -146,6 +149,8 @@ impl State {
             Command::BlkRun { base, verify } => {
                 virtio_blk::run(&self.blk, base, verify, &self.clock)?
             }
+            Command::NetOpt(opt) => self.net.set(opt),
+            Command::Net(cmd) => self.net.run(cmd, &self.clock)?,
         }
         Ok(())
     }

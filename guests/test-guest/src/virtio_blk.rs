@@ -93,12 +93,12 @@ impl Options {
 }
 
 /// Our first device window (ember's `layout::VIRTIO_MMIO_START`), 16 of them 4 KiB apart.
-const EMBER_WINDOWS: (u64, u64, u64) = (0xd000_0000, 0x1000, 16);
+pub(crate) const EMBER_WINDOWS: (u64, u64, u64) = (0xd000_0000, 0x1000, 16);
 /// QEMU microvm's transports: 0xfeb00000, 512 bytes apart.
-const QEMU_MICROVM_WINDOWS: (u64, u64, u64) = (0xfeb0_0000, 0x200, 32);
+pub(crate) const QEMU_MICROVM_WINDOWS: (u64, u64, u64) = (0xfeb0_0000, 0x200, 32);
 
 /// virtio-mmio registers (virtio 1.2 §4.2.2).
-mod reg {
+pub(crate) mod reg {
     pub const MAGIC: u64 = 0x000;
     pub const VERSION: u64 = 0x004;
     pub const DEVICE_ID: u64 = 0x008;
@@ -123,26 +123,26 @@ mod reg {
     pub const CONFIG_CAPACITY: u64 = 0x100;
 }
 
-const MAGIC: u32 = 0x7472_6976; // "virt"
-const MODERN_VERSION: u32 = 2;
+pub(crate) const MAGIC: u32 = 0x7472_6976; // "virt"
+pub(crate) const MODERN_VERSION: u32 = 2;
 const DEVICE_ID_BLOCK: u32 = 2;
 
-const STATUS_ACKNOWLEDGE: u32 = 1;
-const STATUS_DRIVER: u32 = 2;
-const STATUS_DRIVER_OK: u32 = 4;
-const STATUS_FEATURES_OK: u32 = 8;
+pub(crate) const STATUS_ACKNOWLEDGE: u32 = 1;
+pub(crate) const STATUS_DRIVER: u32 = 2;
+pub(crate) const STATUS_DRIVER_OK: u32 = 4;
+pub(crate) const STATUS_FEATURES_OK: u32 = 8;
 
 /// VIRTIO_F_VERSION_1 (bit 32): the only feature we require.
-const F_VERSION_1: u64 = 1 << 32;
+pub(crate) const F_VERSION_1: u64 = 1 << 32;
 /// VIRTIO_BLK_F_RO: accepted, so we can refuse to write.
 const F_BLK_RO: u64 = 1 << 5;
 
-const DESC_F_NEXT: u16 = 1;
-const DESC_F_WRITE: u16 = 2;
+pub(crate) const DESC_F_NEXT: u16 = 1;
+pub(crate) const DESC_F_WRITE: u16 = 2;
 /// avail.flags: we poll, don't interrupt us.
-const AVAIL_F_NO_INTERRUPT: u16 = 1;
+pub(crate) const AVAIL_F_NO_INTERRUPT: u16 = 1;
 /// used.flags: the device doesn't need a notification now.
-const USED_F_NO_NOTIFY: u16 = 1;
+pub(crate) const USED_F_NO_NOTIFY: u16 = 1;
 
 const REQ_IN: u32 = 0;
 const REQ_OUT: u32 = 1;
@@ -161,31 +161,31 @@ const REQ_STATUS: u64 = 0x80_4000;
 const DATA_AREA: u64 = 0x90_0000;
 const DATA_AREA_END: u64 = 0x100_0000;
 
-fn rd8(addr: u64) -> u8 {
+pub(crate) fn rd8(addr: u64) -> u8 {
     // SAFETY: `addr` is device-shared RAM we own (see the constants above).
     unsafe { (addr as *const u8).read_volatile() }
 }
-fn wr8(addr: u64, v: u8) {
+pub(crate) fn wr8(addr: u64, v: u8) {
     // SAFETY: as for rd8.
     unsafe { (addr as *mut u8).write_volatile(v) }
 }
-fn rd16(addr: u64) -> u16 {
+pub(crate) fn rd16(addr: u64) -> u16 {
     // SAFETY: as for rd8; ring fields are naturally aligned.
     unsafe { (addr as *const u16).read_volatile() }
 }
-fn wr16(addr: u64, v: u16) {
+pub(crate) fn wr16(addr: u64, v: u16) {
     // SAFETY: as for rd16.
     unsafe { (addr as *mut u16).write_volatile(v) }
 }
-fn rd32(addr: u64) -> u32 {
+pub(crate) fn rd32(addr: u64) -> u32 {
     // SAFETY: as for rd16.
     unsafe { (addr as *const u32).read_volatile() }
 }
-fn wr32(addr: u64, v: u32) {
+pub(crate) fn wr32(addr: u64, v: u32) {
     // SAFETY: as for rd16.
     unsafe { (addr as *mut u32).write_volatile(v) }
 }
-fn wr64(addr: u64, v: u64) {
+pub(crate) fn wr64(addr: u64, v: u64) {
     // SAFETY: as for rd16.
     unsafe { (addr as *mut u64).write_volatile(v) }
 }
@@ -193,14 +193,14 @@ fn wr64(addr: u64, v: u64) {
 /// A virtio-mmio register window. All registers are 32-bit; the pages of the
 /// device hole are mapped uncached (boot.rs).
 #[derive(Clone, Copy)]
-struct Mmio(u64);
+pub(crate) struct Mmio(pub(crate) u64);
 
 impl Mmio {
-    fn read(self, offset: u64) -> u32 {
+    pub(crate) fn read(self, offset: u64) -> u32 {
         // SAFETY: an MMIO register in the device hole; reads have no effect on our memory.
         unsafe { ((self.0 + offset) as *const u32).read_volatile() }
     }
-    fn write(self, offset: u64, value: u32) {
+    pub(crate) fn write(self, offset: u64, value: u32) {
         // SAFETY: as for read; the device only touches memory we handed it.
         unsafe { ((self.0 + offset) as *mut u32).write_volatile(value) }
     }
@@ -283,7 +283,7 @@ impl Drop for Device {
     }
 }
 
-fn features(mmio: Mmio) -> u64 {
+pub(crate) fn features(mmio: Mmio) -> u64 {
     let mut bits = 0;
     for sel in [1, 0] {
         mmio.write(reg::DEVICE_FEATURES_SEL, sel);

@@ -1,0 +1,757 @@
+//! End-to-end: the test guest's virtio-net driver against a tap in a network
+//! namespace each test makes for itself (no traffic leaves it). The host side
+//! is a packet socket on the tap (with the virtio-net header, so offloaded
+//! frames show as the kernel holds them): frames both ways with and without
+//! offloads (a 64 KiB TCP segment crossing whole), the rate limits, malformed
+//! chains, bad options, and a restore onto another tap and MAC.
+
+use crate::common;
+
+use common::{Scratch, output, require_kvm, stderr, stdout};
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const ETHERTYPE_TEST: u16 = 0x88b5;
+const TAP_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0xaa];
+const GUEST_MAC: &str = "02:00:00:00:00:02";
+
+fn guest() -> PathBuf {
+    ember_testing::test_guest().expect("build the test guest")
+}
+
+fn ember_bin() -> OsString {
+    std::env::var_os("EMBER_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_ember").into())
+}
+
+fn run(cmd: &mut Command) {
+    let o = output(cmd);
+    assert!(o.status.success(), "{cmd:?}: {}", stderr(&o));
+}
+
+/// A network namespace of the test's own, deleted at drop.
+struct Netns(String);
+
+impl Netns {
+    fn new(tag: &str) -> Netns {
+        let name = format!("ember-{}-{tag}", std::process::id());
+        let o = output(Command::new("ip").args(["netns", "add", &name]));
+        assert!(
+            o.status.success(),
+            "the network tests make their own namespace (as root): ip netns add: {}",
+            stderr(&o)
+        );
+        let ns = Netns(name);
+        // No IPv6 chatter (router solicitations) on the taps.
+        run(ns
+            .exec("sysctl")
+            .args(["-qw", "net.ipv6.conf.default.disable_ipv6=1"]));
+        ns
+    }
+
+    fn exec(&self, program: impl Into<OsString>) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.0]).arg(program.into());
+        c
+    }
+
+    /// A tap `name` with the host-side MAC, up.
+    fn tap(&self, name: &str) {
+        run(Command::new("ip").args(["-n", &self.0, "tuntap", "add", name, "mode", "tap"]));
+        let mac = mac_text(TAP_MAC);
+        run(Command::new("ip").args(["-n", &self.0, "link", "set", name, "address", &mac, "up"]));
+    }
+
+    /// A packet socket on `ifname` in the namespace, with the virtio-net header.
+    fn packet_socket(&self, ifname: &str) -> PacketSocket {
+        let path = format!("/run/netns/{}", self.0);
+        let ifname = std::ffi::CString::new(ifname).unwrap();
+        // setns on a thread of its own: the socket keeps the namespace it was made in.
+        std::thread::spawn(move || {
+            let ns = std::fs::File::open(&path).unwrap();
+            // SAFETY: plain system calls on descriptors and buffers we own.
+            unsafe {
+                assert_eq!(libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET), 0);
+                let proto = (libc::ETH_P_ALL as u16).to_be();
+                let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(proto));
+                assert!(
+                    fd >= 0,
+                    "packet socket: {}",
+                    std::io::Error::last_os_error()
+                );
+                let fd = OwnedFd::from_raw_fd(fd);
+                let one: libc::c_int = 1;
+                assert_eq!(
+                    libc::setsockopt(
+                        fd.as_raw_fd(),
+                        libc::SOL_PACKET,
+                        libc::PACKET_VNET_HDR,
+                        (&one as *const libc::c_int).cast(),
+                        4
+                    ),
+                    0
+                );
+                let index = libc::if_nametoindex(ifname.as_ptr());
+                assert!(index > 0);
+                let mut sll: libc::sockaddr_ll = std::mem::zeroed();
+                sll.sll_family = libc::AF_PACKET as u16;
+                sll.sll_protocol = proto;
+                sll.sll_ifindex = index as i32;
+                assert_eq!(
+                    libc::bind(
+                        fd.as_raw_fd(),
+                        (&sll as *const libc::sockaddr_ll).cast(),
+                        std::mem::size_of::<libc::sockaddr_ll>() as u32
+                    ),
+                    0
+                );
+                // Room for a burst of frames the test reads only afterwards.
+                let size: libc::c_int = 32 << 20;
+                libc::setsockopt(
+                    fd.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVBUFFORCE,
+                    (&size as *const libc::c_int).cast(),
+                    4,
+                );
+                let tv = libc::timeval {
+                    tv_sec: 0,
+                    tv_usec: 100_000,
+                };
+                libc::setsockopt(
+                    fd.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVTIMEO,
+                    (&tv as *const libc::timeval).cast(),
+                    std::mem::size_of::<libc::timeval>() as u32,
+                );
+                PacketSocket(fd)
+            }
+        })
+        .join()
+        .unwrap()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+fn mac_text(m: [u8; 6]) -> String {
+    m.map(|b| format!("{b:02x}")).join(":")
+}
+
+fn parse_mac(s: &str) -> [u8; 6] {
+    let v: Vec<u8> = s
+        .split(':')
+        .map(|p| u8::from_str_radix(p, 16).unwrap())
+        .collect();
+    v.try_into().unwrap()
+}
+
+/// A frame as the packet socket saw it: its virtio-net header's GSO type and
+/// the frame.
+struct Frame {
+    gso_type: u8,
+    data: Vec<u8>,
+}
+
+struct PacketSocket(OwnedFd);
+
+impl PacketSocket {
+    fn recv(&self) -> Option<Frame> {
+        let mut buf = vec![0u8; 70_000];
+        // SAFETY: `buf` is valid for writes of its length.
+        let n = unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n < 10 {
+            return None;
+        }
+        buf.truncate(n as usize);
+        Some(Frame {
+            gso_type: buf[1],
+            data: buf.split_off(10),
+        })
+    }
+
+    /// Sends a frame with a 10-byte virtio-net header.
+    fn send(&self, hdr: [u8; 10], frame: &[u8]) {
+        let mut b = hdr.to_vec();
+        b.extend_from_slice(frame);
+        // SAFETY: `b` is valid for reads of its length.
+        let n = unsafe { libc::send(self.0.as_raw_fd(), b.as_ptr().cast(), b.len(), 0) };
+        assert_eq!(n, b.len() as isize, "{}", std::io::Error::last_os_error());
+    }
+
+    /// Collects frames until `done` says so or `timeout` passes.
+    fn collect(&self, timeout: Duration, mut done: impl FnMut(&[Frame]) -> bool) -> Vec<Frame> {
+        let start = Instant::now();
+        let mut got = Vec::new();
+        while start.elapsed() < timeout && !done(&got) {
+            if let Some(f) = self.recv() {
+                got.push(f);
+            }
+        }
+        got
+    }
+}
+
+/// The test guest's byte at offset `k` of test frame `seq` (virtio_net.rs).
+fn test_byte(seq: u32, k: usize) -> u8 {
+    (seq as u8).wrapping_mul(31).wrapping_add(k as u8)
+}
+
+fn test_frame(dst: [u8; 6], seq: u32, len: usize) -> Vec<u8> {
+    let mut f = Vec::with_capacity(len);
+    f.extend_from_slice(&dst);
+    f.extend_from_slice(&TAP_MAC);
+    f.extend_from_slice(&ETHERTYPE_TEST.to_be_bytes());
+    f.extend_from_slice(&seq.to_le_bytes());
+    f.extend((18..len).map(|k| test_byte(seq, k)));
+    f
+}
+
+/// Checks a test frame from the guest; the sum of its payload bytes.
+fn check_test_frame(f: &[u8], src: [u8; 6]) -> Option<u64> {
+    if f.len() < 18 || f[12..14] != ETHERTYPE_TEST.to_be_bytes() || f[6..12] != src {
+        return None;
+    }
+    let seq = u32::from_le_bytes(f[14..18].try_into().unwrap());
+    let ok = (18..f.len()).all(|k| f[k] == test_byte(seq, k));
+    assert!(ok, "test frame {seq} from the guest is damaged");
+    Some(f[18..].iter().map(|&b| u64::from(b)).sum())
+}
+
+fn ip_checksum(b: &[u8]) -> u16 {
+    let mut s: u32 = b
+        .chunks(2)
+        .map(|c| u32::from(c[0]) << 8 | u32::from(c[1]))
+        .sum();
+    while s > 0xffff {
+        s = (s & 0xffff) + (s >> 16);
+    }
+    !(s as u16)
+}
+
+/// One TCP/IPv4 segment of `n` payload bytes to the guest, as a GSO frame
+/// (10.0.0.1:5001 → 10.0.0.2:1000, sequence numbers from 1000, the stream
+/// pattern the guest checks: byte o is o % 251); its header and frame.
+fn tcp_gso_frame(dst: [u8; 6], n: usize) -> ([u8; 10], Vec<u8>) {
+    let mut f = Vec::new();
+    f.extend_from_slice(&dst);
+    f.extend_from_slice(&TAP_MAC);
+    f.extend_from_slice(&[0x08, 0x00]);
+    let total = (40 + n) as u16;
+    let mut ip = vec![0x45, 0];
+    ip.extend_from_slice(&total.to_be_bytes());
+    ip.extend_from_slice(&[0, 1, 0x40, 0, 64, 6, 0, 0, 10, 0, 0, 1, 10, 0, 0, 2]);
+    let c = ip_checksum(&ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    f.extend_from_slice(&ip);
+    let mut tcp = Vec::new();
+    tcp.extend_from_slice(&5001u16.to_be_bytes());
+    tcp.extend_from_slice(&1000u16.to_be_bytes());
+    tcp.extend_from_slice(&1000u32.to_be_bytes());
+    tcp.extend_from_slice(&0u32.to_be_bytes());
+    tcp.extend_from_slice(&[5 << 4, 0x18, 0xff, 0xff]);
+    // The pseudo-header sum, not inverted: the stack completes it (NEEDS_CSUM).
+    let pseudo: u32 = 0x0a00 + 0x0001 + 0x0a00 + 0x0002 + 6 + (20 + n) as u32;
+    let folded = ((pseudo & 0xffff) + (pseudo >> 16)) as u16;
+    tcp.extend_from_slice(&folded.to_be_bytes());
+    tcp.extend_from_slice(&[0, 0]);
+    f.extend_from_slice(&tcp);
+    f.extend((0..n).map(|o| (o % 251) as u8));
+    let mut hdr = [0u8; 10];
+    hdr[0] = 1; // NEEDS_CSUM
+    hdr[1] = 1; // GSO_TCPV4
+    hdr[2..4].copy_from_slice(&54u16.to_le_bytes());
+    hdr[4..6].copy_from_slice(&1448u16.to_le_bytes());
+    hdr[6..8].copy_from_slice(&34u16.to_le_bytes());
+    hdr[8..10].copy_from_slice(&16u16.to_le_bytes());
+    (hdr, f)
+}
+
+fn stream_sum(n: usize) -> u64 {
+    (0..n).map(|o| (o % 251) as u64).sum()
+}
+
+/// An ember running in the namespace, its console collected as it arrives.
+struct Vm {
+    child: Child,
+    console: Arc<Mutex<String>>,
+}
+
+impl Vm {
+    fn start(ns: &Netns, args: &[&str]) -> Vm {
+        let mut child = ns
+            .exec(ember_bin())
+            .arg("boot")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start ember");
+        let console = Arc::new(Mutex::new(String::new()));
+        let out = child.stdout.take().unwrap();
+        let c = console.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let mut c = c.lock().unwrap();
+                c.push_str(&line);
+                c.push('\n');
+            }
+        });
+        Vm { child, console }
+    }
+
+    fn console(&self) -> String {
+        self.console.lock().unwrap().clone()
+    }
+
+    fn wait_for(&self, what: &str) -> String {
+        let start = Instant::now();
+        loop {
+            let c = self.console();
+            if c.contains(what) {
+                return c;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "no `{what}` after 60 s; console:\n{c}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn finish(mut self) -> (i32, String, String) {
+        let status = self.child.wait().unwrap();
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut self.child.stderr.take().unwrap(), &mut err).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        (status.code().unwrap_or(-1), self.console(), err)
+    }
+}
+
+fn field<'a>(line: &'a [(String, String)], key: &str) -> &'a str {
+    line.iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+}
+
+fn num(line: &[(String, String)], key: &str) -> u64 {
+    field(line, key).parse().unwrap()
+}
+
+fn guest_status(n: u8) -> i32 {
+    ember::exit::guest_end_status(ember_vmm::vstate::end::GuestEnd::ExitCode(n))
+}
+
+/// Frames both ways, checked byte for byte, with the offloads negotiated
+/// (`offload`) or not: the guest sends 200 test frames and (with offloads)
+/// one 65000-byte TCP segment, which must reach the tap whole; the host
+/// sends 100 test frames and one 65000-byte GSO segment, which the guest
+/// must get whole with offloads and in MSS-sized pieces without.
+fn exchange(offload: bool) {
+    let ns = Netns::new(if offload { "off1" } else { "off0" });
+    ns.tap("tap0");
+    let sock = ns.packet_socket("tap0");
+    let g = guest();
+    let net = format!("tap=tap0,mac={GUEST_MAC}");
+    let tso = if offload { "nettso=65000" } else { "" };
+    let cmdline = format!(
+        "netoffload={} netinfo netcount=200 netlen=1000 nettx {tso} print=send_now netcount=100 netrx \
+         print=send_tso netbytes=65000 netrx exit=0",
+        u8::from(offload)
+    );
+    let vm = Vm::start(
+        &ns,
+        &[
+            "--kernel",
+            g.to_str().unwrap(),
+            "--mem",
+            "128M",
+            "--net",
+            &net,
+            "--cmdline",
+            &cmdline,
+            "--timeout",
+            "60",
+        ],
+    );
+    let guest_mac = parse_mac(GUEST_MAC);
+    // Guest to host.
+    let want = 200 + usize::from(offload);
+    let frames = sock.collect(Duration::from_secs(30), |got| {
+        got.iter().filter(|f| f.data[6..12] == guest_mac).count() >= want
+    });
+    let mine: Vec<&Frame> = frames
+        .iter()
+        .filter(|f| f.data.len() >= 14 && f.data[6..12] == guest_mac)
+        .collect();
+    let test_sum: u64 = mine
+        .iter()
+        .filter_map(|f| check_test_frame(&f.data, guest_mac))
+        .sum();
+    assert_eq!(
+        mine.iter()
+            .filter(|f| f.data[12..14] == ETHERTYPE_TEST.to_be_bytes())
+            .count(),
+        200
+    );
+    if offload {
+        let tcp: Vec<&&Frame> = mine.iter().filter(|f| f.data[12..14] == [8, 0]).collect();
+        assert_eq!(tcp.len(), 1, "the segment crossed the tap whole");
+        assert_eq!(tcp[0].data.len(), 54 + 65_000);
+        assert_eq!(tcp[0].gso_type, 1, "still a TCPv4 GSO frame on the tap");
+        assert!(
+            tcp[0].data[54..]
+                .iter()
+                .enumerate()
+                .all(|(o, &b)| b == (o % 251) as u8)
+        );
+    }
+    let c = vm.wait_for("\nsend now");
+    let tx = ember_testing::guest_results(&c, "nettx");
+    assert_eq!(num(&tx[0], "frames"), 200);
+    assert_eq!(num(&tx[0], "sum"), test_sum, "the payload's checksum");
+    let info = &ember_testing::guest_results(&c, "net")[0];
+    assert_eq!(field(info, "mac"), GUEST_MAC);
+    assert_eq!(field(info, "status"), "1");
+    for k in [
+        "csum",
+        "guest_csum",
+        "tso4",
+        "tso6",
+        "guest_tso4",
+        "guest_tso6",
+    ] {
+        assert_eq!(field(info, k), if offload { "1" } else { "0" }, "{k}");
+    }
+    if offload {
+        let t = &ember_testing::guest_results(&c, "nettso")[0];
+        assert_eq!(num(t, "sum"), stream_sum(65_000));
+    }
+
+    // Host to guest.
+    let mut sum = 0u64;
+    for seq in 0..100 {
+        let f = test_frame(guest_mac, seq, 1000);
+        sum += f[18..].iter().map(|&b| u64::from(b)).sum::<u64>();
+        sock.send([0; 10], &f);
+    }
+    vm.wait_for("\nsend tso");
+    let (hdr, f) = tcp_gso_frame(guest_mac, 65_000);
+    sock.send(hdr, &f);
+    let (code, c, err) = vm.finish();
+    assert_eq!(code, guest_status(0), "stderr: {err}\nconsole:\n{c}");
+    let rx = ember_testing::guest_results(&c, "netrx");
+    assert_eq!(num(&rx[0], "frames"), 100, "{c}");
+    assert_eq!(num(&rx[0], "bad"), 0);
+    assert_eq!(num(&rx[0], "sum"), sum, "the payload's checksum");
+    assert_eq!(num(&rx[1], "payload"), 65_000, "{c}");
+    assert_eq!(num(&rx[1], "bad"), 0);
+    assert_eq!(num(&rx[1], "sum"), stream_sum(65_000));
+    if offload {
+        assert_eq!(num(&rx[1], "frames"), 1, "one frame: {c}");
+        assert_eq!(num(&rx[1], "gso"), 1);
+        assert_eq!(num(&rx[1], "max"), 54 + 65_000);
+    } else {
+        assert_eq!(num(&rx[1], "frames"), 65_000_u64.div_ceil(1448), "{c}");
+        assert_eq!(num(&rx[1], "gso"), 0);
+        assert_eq!(num(&rx[1], "max"), 54 + 1448);
+    }
+}
+
+#[test]
+fn frames_cross_both_ways_with_offloads_and_a_64k_segment_stays_whole() {
+    if require_kvm("net_offloads") {
+        exchange(true);
+    }
+}
+
+#[test]
+fn frames_cross_both_ways_without_offloads_and_big_segments_arrive_cut() {
+    if require_kvm("net_no_offloads") {
+        exchange(false);
+    }
+}
+
+/// The guest sends as fast as it can for 3 s under `tx_bytes` and receives
+/// for 3 s under `rx_ops` while the host floods it: both rates within 10 %.
+#[test]
+fn rate_limits_hold_within_ten_percent_over_three_seconds() {
+    if !require_kvm("net_rate") {
+        return;
+    }
+    let ns = Netns::new("rate");
+    ns.tap("tap0");
+    let sock = Arc::new(ns.packet_socket("tap0"));
+    let g = guest();
+    // 4 MiB/s out in 100 ms buckets, 2000 frames/s in.
+    let net = format!("tap=tap0,mac={GUEST_MAC},tx_bytes=400K/100,rx_ops=200/100");
+    let vm = Vm::start(
+        &ns,
+        &[
+            "--kernel",
+            g.to_str().unwrap(),
+            "--mem",
+            "128M",
+            "--net",
+            &net,
+            "--cmdline",
+            "netinfo netlen=1500 netsecs=3 nettx print=flood_now netsecs=3 netrx exit=0",
+            "--timeout",
+            "60",
+        ],
+    );
+    // Drain what the guest sends, so the tap never backs up.
+    let stop = Arc::new(AtomicBool::new(false));
+    let drain = {
+        let (sock, stop) = (sock.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if sock.recv().is_some() {
+                    n += 1;
+                }
+            }
+            n
+        })
+    };
+    vm.wait_for("\nflood now");
+    stop.store(true, Ordering::Relaxed);
+    let host_got = drain.join().unwrap();
+    let guest_mac = parse_mac(GUEST_MAC);
+    let frame = test_frame(guest_mac, 1, 200);
+    let flood_stop = Arc::new(AtomicBool::new(false));
+    let flood = {
+        let (sock, stop) = (sock.clone(), flood_stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                // About 5000 frames/s offered, more than the limit lets through.
+                for _ in 0..50 {
+                    sock.send([0; 10], &frame);
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        })
+    };
+    let (code, c, err) = vm.finish();
+    flood_stop.store(true, Ordering::Relaxed);
+    flood.join().unwrap();
+    assert_eq!(code, guest_status(0), "stderr: {err}\nconsole:\n{c}");
+    let tx = &ember_testing::guest_results(&c, "nettx")[0];
+    let rate = num(tx, "bytes") as f64 * 1e9 / num(tx, "ns") as f64;
+    let want = 400.0 * 1024.0 * 10.0;
+    eprintln!("tx: {rate:.0} B/s, limit {want:.0}; host saw {host_got} frames");
+    assert!(
+        (rate / want - 1.0).abs() < 0.10,
+        "tx {rate:.0} B/s against {want:.0}"
+    );
+    assert!(
+        host_got + 10 >= num(tx, "frames"),
+        "the host got what was sent"
+    );
+    let rx = &ember_testing::guest_results(&c, "netrx")[0];
+    let fps = num(rx, "frames") as f64 * 1e9 / num(rx, "ns") as f64;
+    eprintln!("rx: {fps:.0} frames/s, limit 2000");
+    assert!(
+        (fps / 2000.0 - 1.0).abs() < 0.10,
+        "rx {fps:.0} frames/s against 2000"
+    );
+}
+
+/// Malformed transmit chains are a device error (`DEVICE_NEEDS_RESET`), the
+/// VMM lives on, and the device works again after a reset.
+#[test]
+fn malformed_chains_are_refused_with_a_device_error() {
+    if !require_kvm("net_malformed") {
+        return;
+    }
+    let ns = Netns::new("bad");
+    ns.tap("tap0");
+    let sock = ns.packet_socket("tap0");
+    let g = guest();
+    let vm = Vm::start(
+        &ns,
+        &[
+            "--kernel",
+            g.to_str().unwrap(),
+            "--mem",
+            "128M",
+            "--net",
+            "tap=tap0",
+            "--cmdline",
+            "netbad=oob netbad=write netbad=long netcount=3 nettx exit=0",
+            "--timeout",
+            "60",
+        ],
+    );
+    let (code, c, err) = vm.finish();
+    assert_eq!(code, guest_status(0), "stderr: {err}\nconsole:\n{c}");
+    let bad = ember_testing::guest_results(&c, "netbad");
+    assert_eq!(bad.len(), 3, "{c}");
+    for b in &bad {
+        assert_eq!(field(b, "needs_reset"), "1", "{b:?}");
+    }
+    assert!(err.contains("device needs reset"), "{err}");
+    let frames = sock.collect(Duration::from_secs(2), |_| false);
+    let test: Vec<_> = frames
+        .iter()
+        .filter(|f| f.data.len() >= 14 && f.data[12..14] == ETHERTYPE_TEST.to_be_bytes())
+        .collect();
+    assert_eq!(test.len(), 3, "after a reset the device sends again");
+}
+
+/// Bad `--net` values end ember with one line naming what is wrong.
+#[test]
+fn bad_net_options_get_one_line_errors() {
+    if !require_kvm("net_bad_options") {
+        return;
+    }
+    let ns = Netns::new("opts");
+    ns.tap("tap0");
+    // A tap of another user's: refused to anyone but its owner and root.
+    run(Command::new("ip").args([
+        "-n", &ns.0, "tuntap", "add", "theirs0", "mode", "tap", "user", "54321",
+    ]));
+    let g = guest();
+    let kvm_gid = std::fs::metadata("/dev/kvm")
+        .map(|m| std::os::unix::fs::MetadataExt::gid(&m))
+        .unwrap();
+    for (net, as_nobody, want) in [
+        ("tap=nosuch0", false, "no network interface `nosuch0`"),
+        ("tap=tap0,mac=01:00:00:00:00:01", false, "bad MAC address"),
+        ("tap=tap0,mac=02:00:00:00:00", false, "bad MAC address"),
+        ("fd=77", false, "fd=77: not an open descriptor"),
+        ("fd=0", false, "fd=0: not a tap interface"),
+        ("tap=lo", false, "`lo` is not a tap interface"),
+        (
+            "tap=theirs0",
+            true,
+            "no permission to attach to tap `theirs0`",
+        ),
+    ] {
+        let mut cmd = if as_nobody {
+            let mut c = ns.exec("setpriv");
+            c.args([
+                "--reuid=65534",
+                &format!("--regid={kvm_gid}"),
+                "--clear-groups",
+            ])
+            .arg(ember_bin());
+            c
+        } else {
+            ns.exec(ember_bin())
+        };
+        let o = output(
+            cmd.args(["boot", "--kernel"])
+                .arg(&g)
+                .args(["--net", net, "--cmdline", "exit=0"])
+                .stdin(Stdio::null()),
+        );
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{net}: {}", stdout(&o));
+        assert!(err.contains(want), "{net}: {err}");
+        let lines: Vec<&str> = err
+            .lines()
+            .filter(|l| !l.trim().is_empty() && !l.contains("For more information"))
+            .collect();
+        assert_eq!(lines.len(), 1, "{net}: one line: {err}");
+    }
+}
+
+/// A guest snapshotted while it watches its link, restored onto another tap
+/// with another MAC: it sees the link go down and up with the new MAC, and
+/// its frames leave by the new tap with the new address.
+#[test]
+fn a_restore_onto_another_tap_and_mac_shows_a_link_change_and_passes_traffic() {
+    if !require_kvm("net_restore") {
+        return;
+    }
+    let ns = Netns::new("snap");
+    ns.tap("tap0");
+    ns.tap("tap1");
+    let dir = Scratch::new("net-snap");
+    let sock = dir.path("api.sock");
+    let snap = dir.path("snap");
+    let g = guest();
+    let vm = Vm::start(
+        &ns,
+        &[
+            "--kernel",
+            g.to_str().unwrap(),
+            "--mem",
+            "128M",
+            "--net",
+            &format!("tap=tap0,mac={GUEST_MAC}"),
+            "--cmdline",
+            "netinfo netwatch=120 netinfo netcount=10 nettx exit=0",
+            "--api-socket",
+            sock.to_str().unwrap(),
+        ],
+    );
+    vm.wait_for("(watching)");
+    let o = output(
+        ns.exec(ember_bin())
+            .args(["snapshot", "--api-socket"])
+            .arg(&sock)
+            .arg("--to")
+            .arg(&snap),
+    );
+    assert!(o.status.success(), "snapshot: {}", stderr(&o));
+    let (code, before, err) = vm.finish();
+    assert_eq!(code, 0, "{err}");
+    assert!(!before.contains("nettx:"), "{before}");
+
+    let new_mac = "02:00:00:00:00:03";
+    let tap1 = ns.packet_socket("tap1");
+    let vm = Vm::start(
+        &ns,
+        &[
+            "--restore",
+            snap.to_str().unwrap(),
+            "--net",
+            &format!("tap=tap1,mac={new_mac}"),
+            "--timeout",
+            "60",
+        ],
+    );
+    let frames = tap1.collect(Duration::from_secs(30), |got| {
+        got.iter()
+            .filter(|f| f.data.len() >= 14 && f.data[12..14] == ETHERTYPE_TEST.to_be_bytes())
+            .count()
+            >= 10
+    });
+    let (code, c, err) = vm.finish();
+    assert_eq!(code, guest_status(0), "stderr: {err}\nconsole:\n{c}");
+    let links = ember_testing::guest_results(&c, "netlink");
+    assert!(links.len() >= 2, "{c}");
+    let down = &links[links.len() - 2];
+    let up = &links[links.len() - 1];
+    assert_eq!(field(down, "status"), "0", "{c}");
+    assert_eq!(field(up, "status"), "1", "{c}");
+    assert_eq!(field(up, "mac"), new_mac);
+    assert!(
+        num(up, "config_irqs") >= 1,
+        "a configuration interrupt: {c}"
+    );
+    let infos = ember_testing::guest_results(&c, "net");
+    assert_eq!(field(infos.last().unwrap(), "mac"), new_mac);
+    let new = parse_mac(new_mac);
+    let test: Vec<_> = frames
+        .iter()
+        .filter(|f| f.data.len() >= 14 && f.data[12..14] == ETHERTYPE_TEST.to_be_bytes())
+        .collect();
+    assert_eq!(test.len(), 10, "the frames left by the new tap");
+    for f in test {
+        assert_eq!(f.data[6..12], new, "from the new MAC");
+    }
+}
