@@ -26,11 +26,12 @@ Environment:
   EMBER_INIT      the appliance's guest init [default: ember-init next to the ember binary]
   EMBER_QEMU      the qemu backend's binary [default: qemu-system-x86_64 on PATH]
   EMBER_PASST     `run --net`: the passt binary [default: passt on PATH]
+  EMBER_VIRTIOFSD `run` on the qemu backend: the virtiofsd that serves the host's root and --share [default: $CARGO_HOME/bin/virtiofsd (CARGO_HOME: ~/.cargo), virtiofsd on PATH, /usr/lib/qemu/virtiofsd]
   EMBER_KERNEL_SOURCE  `analyze --advise`: the kernel source (tarball or tree) that maps initcalls to Kconfig symbols [default: the newest /usr/src/linux-source-*]
   EMBER_CTL_TIMEOUT  `ctl`, `snapshot`: seconds to wait for the control socket's connection and its reply's first byte [default: 5]
   EMBER_API_REQUEST_TIMEOUT  `boot --api-socket`: seconds a client has to send a whole request [default: 60]
   HOME            `bench-range`: its results and worktrees go in $HOME/.cache/ember/bench-range
-  PATH            where `ember run -- CMD` looks for CMD (and the qemu binary)
+  PATH            where `ember run -- CMD` looks for CMD (and the qemu binary); `ember run` passes the caller's environment on
   EMBER_TEST_SECCOMP_VIOLATION  debug builds only, for tests: `block` has the virtio-blk thread make a forbidden call";
 
 #[derive(Debug, Parser)]

@@ -146,6 +146,35 @@ pub fn assemble(
     })
 }
 
+/// The appliance of a run on the host's root ([`super::hostroot`]): init and
+/// the modules of `groups` plus those that mount that root; `exec` is the
+/// host's path of the command, which the guest sees at the same place.
+pub(super) fn assemble_host_root(
+    kernel_arg: Option<&Path>,
+    exec: PathBuf,
+    groups: &[String],
+) -> Result<Assembled, ApplianceError> {
+    let start = Instant::now();
+    let cache = kernel::cache_dir()?;
+    let (k, mut mods) = kernel_and_modules(kernel_arg, &cache)?;
+    carry_only(&mut mods, groups);
+    let fs = super::hostroot::fs_modules(k.modules.as_deref(), &mods)?;
+    mods.extend(fs);
+    let init = read_init()?;
+    let tree = builder::Tree::skeleton(init.clone(), &mods);
+    let version = kernel_version(&k);
+    Ok(Assembled {
+        start,
+        kernel: k,
+        init,
+        mods,
+        tree,
+        exec,
+        version,
+        temporary: false,
+    })
+}
+
 /// Adds the host directory `root` (`--rootfs`) to `tree`; returns the path
 /// of `command` in it.
 fn add_rootfs(

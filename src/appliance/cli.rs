@@ -68,7 +68,21 @@ pub struct RunArgs {
     /// The command's working directory in the guest.
     #[arg(long)]
     pub workdir: Option<String>,
-    /// Run in a copy of this host directory instead of a minimal root.
+    /// Run from the initramfs appliance: the command and its files carried
+    /// in (as `--rootfs`, `--bare`, `--with`, `--file` and `--nested-kvm`
+    /// do), instead of on the host's root. Without it the guest's root is
+    /// the host's, read-only over virtio-fs with a writable layer in guest
+    /// memory: whatever runs on the host runs, and writes outside a
+    /// `--share …,rw` vanish with the guest.
+    #[arg(long)]
+    pub initramfs: bool,
+    /// Share this host directory with the command, at GUEST (default: the
+    /// same path), read-only unless `,rw`: its writes reach the host, owned
+    /// by the caller. Repeatable.
+    #[arg(long, value_name = "DIR[:GUEST][,rw]")]
+    pub share: Vec<String>,
+    /// Run in a copy of this host directory instead of a minimal root (the
+    /// initramfs appliance).
     #[arg(long)]
     pub rootfs: Option<PathBuf>,
     /// Show the guest kernel's console.
@@ -81,16 +95,17 @@ pub struct RunArgs {
     #[arg(long)]
     pub nested_kvm: bool,
     /// Carry this host file or directory into the guest at GUEST (default:
-    /// the same path). Symlinks are followed; a dynamically linked program
+    /// the same path; the initramfs appliance). Symlinks are followed; a dynamically linked program
     /// brings its libraries. Repeatable.
     #[arg(long, value_name = "HOST[:GUEST]")]
     pub file: Vec<String>,
     /// Also carry this host command and its libraries (found on PATH), as CMD
-    /// is. Repeatable.
+    /// is (the initramfs appliance). Repeatable.
     #[arg(long = "with", value_name = "CMD")]
     pub with: Vec<String>,
     /// Carry only CMD (and `--with`) files: no busybox userland (a smaller
-    /// initramfs; the command cannot call `ls`, `cat`, … unless carried).
+    /// initramfs appliance; the command cannot call `ls`, `cat`, … unless
+    /// carried).
     #[arg(long)]
     pub bare: bool,
     /// Only build (or find) the appliance for CMD and print it as JSON (path,

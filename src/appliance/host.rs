@@ -4,7 +4,7 @@
 //! and `PR_SET_PDEATHSIG` kills it even if ember itself is killed).
 
 use super::protocol::{self, Decoder, Kind};
-use crate::backend::{Backend, BackendError, GuestSpec};
+use crate::backend::{Backend, BackendError, GuestSpec, ShareSupport, virtiofsd};
 use crate::cleanup::{self, TempPath};
 use ember_vmm::error_chain;
 use std::io::{self, Read, Write};
@@ -34,6 +34,9 @@ pub enum HostError {
     /// The guest sent bytes that are not frames.
     #[error("the guest broke the channel protocol")]
     Protocol(#[source] protocol::ProtocolError),
+    /// A share's daemon cannot be found or started.
+    #[error(transparent)]
+    Virtiofsd(#[from] virtiofsd::VirtiofsdError),
 }
 
 /// What to run.
@@ -59,6 +62,11 @@ pub struct Job {
     /// The `NET` frame's payload (see [`super::netconf`]), if the guest has
     /// a network to configure.
     pub net: Option<Vec<u8>>,
+    /// The virtio-fs tag of the host's root (`HOSTROOT`): the command runs
+    /// on it, overlaid in guest memory.
+    pub host_root: Option<String>,
+    /// More shares for that root (`SHARE`).
+    pub shares: Vec<GuestShare>,
     /// The guest is a restored appliance: it sent READY before its snapshot,
     /// so the job goes out as soon as the channel connects.
     pub restored: bool,
@@ -68,6 +76,17 @@ pub struct Job {
     /// Descriptors the VMM opens as `/proc/self/fd/N` (the spec names them
     /// so): files with no name, or held so the cache keeps them.
     pub inherit_fds: Vec<std::os::fd::RawFd>,
+}
+
+/// A share as the guest mounts it (a `SHARE` frame).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestShare {
+    /// Its virtio-fs tag.
+    pub tag: String,
+    /// Where it is mounted in the command's root.
+    pub path: String,
+    /// The guest may write to it.
+    pub writable: bool,
 }
 
 /// Where [`Job::snapshot_at_ready`] writes.
@@ -203,6 +222,9 @@ pub fn run(
     let listener = UnixListener::bind(socket.path())
         .map_err(|e| HostError::Io(format!("cannot listen on {}", socket.path().display()), e))?;
     spec.channel = Some(socket.path().to_owned());
+    // Declared before the VMM's guard, so dropped after it: a daemon
+    // outlives the VMM that uses it.
+    let daemons = start_daemons(backend, &mut spec)?;
 
     let mut cmd = backend.command(&spec).map_err(HostError::Backend)?;
     cmd.stdin(Stdio::null())
@@ -250,7 +272,10 @@ pub fn run(
     let stream = match accept(&listener, &mut guard, deadline)? {
         Some(s) => {
             // The path was only the rendezvous: once connected, it goes.
+            // So do the daemons': the VMM connects to them before it
+            // connects the channel (see the qemu backend).
             let _ = std::fs::remove_file(guard.socket.path());
+            daemons.iter().for_each(virtiofsd::Daemon::forget_socket);
             s
         }
         None if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(Outcome::TimedOut),
@@ -266,6 +291,40 @@ pub fn run(
         }
         None => Ok(no_report(&mut guard, true)),
     }
+}
+
+/// Starts a `virtiofsd` for each share of `spec` that has no socket yet,
+/// where `backend` needs one, and names its socket in the share.
+fn start_daemons(
+    backend: &dyn Backend,
+    spec: &mut GuestSpec,
+) -> Result<Vec<virtiofsd::Daemon>, HostError> {
+    if spec.shares.is_empty() || backend.share_support() != ShareSupport::Virtiofsd {
+        return Ok(Vec::new());
+    }
+    let daemon = virtiofsd::Virtiofsd::find()?;
+    let mut daemons = Vec::new();
+    for (i, share) in spec.shares.iter_mut().enumerate() {
+        if share.socket.is_some() {
+            continue;
+        }
+        let path = std::env::temp_dir().join(format!(
+            "ember-{}-fs{i}-{}.sock",
+            std::process::id(),
+            socket_serial()
+        ));
+        let d = virtiofsd::start(&daemon, share, path)?;
+        share.socket = Some(d.socket().to_owned());
+        daemons.push(d);
+    }
+    Ok(daemons)
+}
+
+/// A number no other socket of this process had.
+fn socket_serial() -> u32 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
 }
 
 /// Waits for the VMM to connect; `None` if it exited or time ran out.
@@ -450,6 +509,14 @@ fn send_job(stream: &UnixStream, job: &Job) -> io::Result<()> {
     if let Some(root) = &job.root {
         protocol::encode(&mut frames, Kind::Root, root.as_bytes());
     }
+    if let Some(tag) = &job.host_root {
+        protocol::encode(&mut frames, Kind::HostRoot, tag.as_bytes());
+    }
+    for s in &job.shares {
+        let mode = if s.writable { "rw" } else { "ro" };
+        let share = format!("{mode} {} {}", s.tag, s.path);
+        protocol::encode(&mut frames, Kind::Share, share.as_bytes());
+    }
     if let Some(net) = &job.net {
         protocol::encode(&mut frames, Kind::Net, net);
     }
@@ -513,6 +580,8 @@ pub fn fuzz_converse(from_guest: &[u8]) -> Result<Option<Outcome>, HostError> {
         verbose: false,
         root: None,
         net: None,
+        host_root: None,
+        shares: Vec::new(),
         restored: false,
         snapshot_at_ready: None,
         inherit_fds: Vec::new(),
@@ -547,6 +616,8 @@ mod tests {
             verbose: false,
             root: None,
             net: None,
+            host_root: None,
+            shares: Vec::new(),
             restored: false,
             snapshot_at_ready: None,
             inherit_fds: Vec::new(),

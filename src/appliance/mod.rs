@@ -1,11 +1,14 @@
 //! The appliance: `ember setup` and `ember run -- CMD`.
 //!
 //! `ember run -- CMD` boots a throwaway VM whose initramfs holds our own
-//! static init, the few kernel modules it needs and CMD with its libraries,
-//! runs CMD there and relays its stdin, stdout, stderr and exit status over a
-//! framed channel ([`protocol`]). Like libguestfs' supermin appliance, but
-//! without udev, hwclock, ldconfig or a shell; and cached, so a second run
-//! only stats files.
+//! static init and the few kernel modules it needs, runs CMD there and
+//! relays its stdin, stdout, stderr and exit status over a framed channel
+//! ([`protocol`]). CMD runs on the host's own root, read-only over
+//! virtio-fs under a writable overlay in guest memory ([`hostroot`]); or,
+//! in the initramfs appliance, with CMD and its libraries carried in the
+//! initramfs. Like libguestfs' supermin appliance, but without udev,
+//! hwclock, ldconfig or a shell; and cached, so a second run only stats
+//! files.
 //!
 //! Exit status: the command's own; 124 on `--timeout`; 125 when the
 //! appliance or VMM failed; 126 when CMD cannot be carried into the
@@ -19,6 +22,7 @@ mod cli;
 pub mod closure;
 mod error;
 pub mod host;
+pub mod hostroot;
 pub mod kernel;
 pub mod module_sig;
 pub mod modules;

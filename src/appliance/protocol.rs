@@ -17,8 +17,11 @@
 //!    sends is echoed back);
 //! 2. host → guest `ARG`… (argv, argv[0] first), `ENV`… (`NAME=value`),
 //!    optionally `CWD` and `ROOT` (a block device with the command's root
-//!    file system: init mounts it and runs the command chrooted there) and
-//!    `NET` (`eth0`'s configuration, `netconf`: init applies it), then
+//!    file system: init mounts it and runs the command chrooted there) or
+//!    `HOSTROOT` (the virtio-fs tag of the host's root: init mounts it
+//!    read-only under an overlay in guest memory) and `SHARE`s (`ro|rw TAG
+//!    PATH`: a virtio-fs share mounted at PATH of that root), and `NET`
+//!    (`eth0`'s configuration, `netconf`: init applies it), then
 //!    `EXEC` (the path to execute) which starts it;
 //! 3. both ways concurrently: host → guest `STDIN`… then `STDIN_EOF`;
 //!    guest → host `STDOUT`/`STDERR` as the command writes;
@@ -66,6 +69,10 @@ pub enum Kind {
     Done,
     /// The guest network's configuration.
     Net,
+    /// The virtio-fs tag of the host's root (run on it, overlaid).
+    HostRoot,
+    /// One more share: `ro|rw TAG GUEST-PATH`.
+    Share,
 }
 
 impl Kind {
@@ -87,6 +94,8 @@ impl Kind {
             Kind::Root => t::ROOT,
             Kind::Done => t::DONE,
             Kind::Net => t::NET,
+            Kind::HostRoot => t::HOSTROOT,
+            Kind::Share => t::SHARE,
         }
     }
 
@@ -108,6 +117,8 @@ impl Kind {
             t::ROOT => Kind::Root,
             t::DONE => Kind::Done,
             t::NET => Kind::Net,
+            t::HOSTROOT => Kind::HostRoot,
+            t::SHARE => Kind::Share,
             _ => return None,
         })
     }

@@ -2,11 +2,14 @@
 //! it ready for that, running the command in it and turning how it ended
 //! into an exit status.
 
-use super::assemble::{Assembled, Extras, assemble, module_groups, write_appliance};
+use super::assemble::{
+    Assembled, Extras, assemble, assemble_host_root, module_groups, write_appliance,
+};
 use super::cli::{self, RunArgs};
 use super::error::{ApplianceError, EXIT_APPLIANCE, EXIT_BROKEN_PIPE};
+use super::hostroot::{self, Root};
 use super::netconf::{self, NetConf};
-use super::{builder, cache, host, kernel, rig, userland, warm};
+use super::{builder, cache, closure, host, kernel, rig, userland, warm};
 use crate::backend::{self, Backend, ChannelKind, GuestSpec};
 use crate::cleanup::{self, TempPath};
 use crate::exit::EXIT_TIMEOUT;
@@ -68,6 +71,8 @@ enum Cold {
     /// Disks, pmem, rng or a balloon: a snapshot's devices are fixed when it
     /// is taken.
     Devices,
+    /// The host's root: its shares are not in the appliance's snapshot.
+    HostRoot,
 }
 
 impl std::fmt::Display for Cold {
@@ -81,6 +86,7 @@ impl std::fmt::Display for Cold {
             Cold::Prefault => "--prefault",
             Cold::NoAcpi => "--no-acpi",
             Cold::Devices => "devices of its own",
+            Cold::HostRoot => "the host's root",
         })
     }
 }
@@ -123,7 +129,6 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         return Err(ApplianceError::BadArg("--cpus must be at least 1".into()));
     }
     let timeout = cli::timeout(args)?;
-    let env = cli::environment(&args.env)?;
     let mut extras = extras(args)?;
     // Check the backend before building anything.
     let backend = choose_backend(args)?;
@@ -144,19 +149,46 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
     if args.devices.no_acpi {
         cli::no_acpi_check(args.kernel.as_deref())?;
     }
-    let plan = Plan::of(args, backend.as_ref());
-    let cold_groups = module_groups(&asked, backend.as_ref(), args.nested_kvm);
+    let root = hostroot::choose(args, backend.as_ref())?;
+    let env = match &root {
+        Root::Host(_) => hostroot::environment(&args.env)?,
+        Root::Initramfs => cli::environment(&args.env)?,
+    };
+    let plan = match Plan::of(args, backend.as_ref()) {
+        Plan::Snapshot if root != Root::Initramfs => Plan::ColdBoot {
+            why: Cold::HostRoot,
+        },
+        plan => plan,
+    };
+    let mut cold_groups = module_groups(&asked, backend.as_ref(), args.nested_kvm);
+    if root != Root::Initramfs {
+        cold_groups.push(hostroot::FS_GROUP);
+    }
     let mut carried = cold_groups.clone();
     if plan == Plan::Snapshot {
         carried.extend(warm_groups(backend.as_ref()));
     }
-    extras.module_groups = Some(carried.iter().map(|g| (*g).to_owned()).collect());
-    let a = assemble(
-        args.kernel.as_deref(),
-        args.rootfs.as_deref(),
-        &args.command[0],
-        &extras,
-    )?;
+    let carried: Vec<String> = carried.iter().map(|g| (*g).to_owned()).collect();
+    let (a, shares) = match &root {
+        Root::Host(user) => {
+            // The guest sees the host's root: the command is where the
+            // caller's PATH finds it.
+            let path_var = std::env::var("PATH").unwrap_or_else(|_| closure::GUEST_PATH.into());
+            let exe = closure::find_command(&args.command[0], &path_var, None)?;
+            let a = assemble_host_root(args.kernel.as_deref(), exe, &carried)?;
+            (a, Some(hostroot::shares(user)))
+        }
+        Root::Initramfs => {
+            extras.module_groups = Some(carried);
+            let a = assemble(
+                args.kernel.as_deref(),
+                args.rootfs.as_deref(),
+                &args.command[0],
+                &extras,
+            )?;
+            (a, None)
+        }
+    };
     let channel_dev = match backend.channel_kind() {
         ChannelKind::Serial => "/dev/ttyS1",
         ChannelKind::VirtioConsole => "/dev/hvc0",
@@ -167,7 +199,10 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         argv: args.command.clone(),
         exec: a.exec.to_string_lossy().into_owned(),
         env,
-        cwd: args.workdir.clone(),
+        cwd: match root {
+            Root::Host(_) => hostroot::workdir(args),
+            Root::Initramfs => args.workdir.clone(),
+        },
         // A terminal too: `ember run -- sh` reads commands as they are typed
         // (Ctrl-D ends its input, Ctrl-C ember and the VM).
         forward_stdin: true,
@@ -175,6 +210,11 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         verbose: args.verbose,
         root: None,
         net: None,
+        host_root: shares.as_ref().map(|_| hostroot::ROOT_TAG.to_owned()),
+        shares: shares
+            .as_ref()
+            .map(|(_, guest)| guest.clone())
+            .unwrap_or_default(),
         restored: false,
         snapshot_at_ready: None,
         inherit_fds: Vec::new(),
@@ -202,7 +242,10 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         None => {
             let cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &cold_groups);
             match cold_spec(args, a, backend.as_ref(), cmdline, &mut temps)? {
-                Some((spec, p)) => {
+                Some((mut spec, p)) => {
+                    if let Some((vmm, _)) = &shares {
+                        spec.shares = vmm.clone();
+                    }
                     if let Some(f) = p.held {
                         job.inherit_fds.push(f.as_raw_fd());
                         held.push(f);

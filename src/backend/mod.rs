@@ -4,6 +4,7 @@
 //! Hypervisor means adding one more implementation of [`Backend`].
 
 pub mod qemu;
+pub mod virtiofsd;
 
 use ember_vmm::devices::virtio::{BalloonConfig, DiskConfig, PmemConfig, RngConfig};
 use ember_vmm::machine::DeviceSet;
@@ -171,6 +172,33 @@ pub struct GuestSpec {
     /// stream socket connected to passt, inherited at this number; the
     /// guest gets a virtio-net device on it.
     pub net_fd: Option<std::os::fd::RawFd>,
+    /// Host directories the guest mounts by tag (virtio-fs).
+    pub shares: Vec<Share>,
+}
+
+/// A host directory served to the guest over virtio-fs, mounted there by
+/// its tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Share {
+    /// The tag the guest mounts (`mount -t virtiofs TAG DIR`).
+    pub tag: String,
+    /// The host directory.
+    pub dir: PathBuf,
+    /// The guest may not change it.
+    pub read_only: bool,
+    /// The vhost-user socket of the daemon serving it, where the backend
+    /// needs one ([`ShareSupport::Virtiofsd`]): started by the caller.
+    pub socket: Option<PathBuf>,
+}
+
+/// How a backend serves [`GuestSpec::shares`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShareSupport {
+    /// Through a `virtiofsd` per share, which the caller starts
+    /// ([`virtiofsd`]) and names in [`Share::socket`].
+    Virtiofsd,
+    /// Not at all; why, in a few words.
+    Unsupported(&'static str),
 }
 
 impl GuestSpec {
@@ -191,6 +219,7 @@ impl GuestSpec {
             restore: None,
             api_socket: None,
             net_fd: None,
+            shares: Vec::new(),
         }
     }
 }
@@ -232,6 +261,10 @@ pub trait Backend: Send + Sync {
     fn kernel_options(&self, _cpus: u32) -> &'static str {
         ""
     }
+    /// How this backend serves shared host directories.
+    fn share_support(&self) -> ShareSupport {
+        ShareSupport::Unsupported("this backend has no virtio-fs device")
+    }
 }
 
 /// ember itself, run as a child process (`ember boot --kernel …`).
@@ -269,11 +302,23 @@ impl Backend for EmberBackend {
         ChannelKind::VirtioConsole
     }
 
+    fn share_support(&self) -> ShareSupport {
+        ShareSupport::Unsupported("ember's own virtio-fs device is not there yet")
+    }
+
     fn command(&self, spec: &GuestSpec) -> Result<Command, BackendError> {
         if spec.net_fd.is_some() {
             return Err(BackendError::Unsupported {
                 backend: "the ember backend".into(),
                 what: "give the guest a network yet (--net: use --backend qemu)".into(),
+            });
+        }
+        if let ShareSupport::Unsupported(why) = self.share_support()
+            && !spec.shares.is_empty()
+        {
+            return Err(BackendError::Unsupported {
+                backend: "the ember backend".into(),
+                what: format!("share host directories ({why})"),
             });
         }
         let mut c = Command::new(&self.binary);

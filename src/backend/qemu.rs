@@ -1,7 +1,9 @@
 //! QEMU as a backend: `qemu-system-x86_64` with KVM where KVM runs guest
 //! kernels natively, TCG otherwise.
 
-use super::{Backend, BackendError, ChannelKind, GuestSpec, binary_version, find_binary};
+use super::{
+    Backend, BackendError, ChannelKind, GuestSpec, ShareSupport, binary_version, find_binary,
+};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -196,6 +198,10 @@ impl Backend for QemuBackend {
         }
     }
 
+    fn share_support(&self) -> ShareSupport {
+        ShareSupport::Virtiofsd
+    }
+
     fn command(&self, spec: &GuestSpec) -> Result<Command, BackendError> {
         let mut c = Command::new(&self.binary);
         let unsupported = |what: &str| BackendError::Unsupported {
@@ -222,6 +228,16 @@ impl Backend for QemuBackend {
                 ));
             }
             machine.push_str(",acpi=off");
+        }
+        if !spec.shares.is_empty() {
+            // vhost-user: virtiofsd maps guest memory, which must then be
+            // a shared mapping it can be handed (a memfd), not QEMU's
+            // private anonymous one.
+            machine.push_str(",memory-backend=ram0");
+            c.arg("-object").arg(format!(
+                "memory-backend-memfd,id=ram0,size={}M,share=on",
+                spec.mem_mib
+            ));
         }
         c.args(["-M", &machine]);
         match self.accel {
@@ -281,6 +297,21 @@ impl Backend for QemuBackend {
         } else {
             c.args(["-serial", if spec.console { "stdio" } else { "null" }]);
         }
+        // The shares' chardevs come before the channel's: QEMU connects its
+        // chardevs in this order, and once the channel is connected ember
+        // removes the daemons' socket paths (host::run). Their devices come
+        // after the channel's: the guest names the channel's port after
+        // its virtio device's index (`vport0p1` as the first).
+        for (i, share) in spec.shares.iter().enumerate() {
+            let Some(socket) = &share.socket else {
+                return Err(unsupported(&format!(
+                    "share `{}` without its virtiofsd socket",
+                    share.tag
+                )));
+            };
+            c.arg("-chardev")
+                .arg(format!("socket,id=fs{i},path={}", socket.display()));
+        }
         if let Some(ch) = &spec.channel {
             c.arg("-chardev")
                 .arg(format!("socket,id=ch0,path={}", ch.display()));
@@ -296,6 +327,17 @@ impl Backend for QemuBackend {
                 bus,
                 "-device",
                 "virtserialport,chardev=ch0,name=ember.channel",
+            ]);
+        }
+        for (i, share) in spec.shares.iter().enumerate() {
+            let device = if self.is_microvm() {
+                "vhost-user-fs-device"
+            } else {
+                "vhost-user-fs-pci"
+            };
+            c.args([
+                "-device",
+                &format!("{device},chardev=fs{i},tag={}", share.tag),
             ]);
         }
         // Guest-chosen exit status, the same port ember listens on.
@@ -673,6 +715,54 @@ mod tests {
                 "{machine}: {s}"
             );
         }
+    }
+
+    /// A share is a vhost-user-fs device on the daemon's socket, and guest
+    /// memory a shared memfd the daemon can map; one without its socket is
+    /// refused.
+    #[test]
+    fn a_share_is_a_vhost_user_fs_device_over_shared_memory() {
+        let mut spec = GuestSpec::new("/k");
+        let s = args(&qemu("q35", Accel::Tcg).command(&spec).unwrap()).join(" ");
+        assert!(!s.contains("memory-backend"), "{s}");
+        spec.mem_mib = 512;
+        spec.shares.push(super::super::Share {
+            tag: "root".into(),
+            dir: "/".into(),
+            read_only: true,
+            socket: Some("/tmp/fs.sock".into()),
+        });
+        let s = args(&qemu("q35", Accel::Tcg).command(&spec).unwrap()).join(" ");
+        assert!(
+            s.starts_with(
+                "-object memory-backend-memfd,id=ram0,size=512M,share=on \
+                 -M q35,memory-backend=ram0 "
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains("-chardev socket,id=fs0,path=/tmp/fs.sock ")
+                && s.contains("-device vhost-user-fs-pci,chardev=fs0,tag=root"),
+            "{s}"
+        );
+        spec.channel = Some("/tmp/ch.sock".into());
+        let s = args(&qemu("microvm", Accel::Tcg).command(&spec).unwrap()).join(" ");
+        assert!(
+            s.contains("-device vhost-user-fs-device,chardev=fs0"),
+            "{s}"
+        );
+        // The share's chardev is connected before the channel's (whose
+        // connection tells ember it may remove the daemon's socket); its
+        // device comes after the channel's, which the guest names by its
+        // virtio index (`vport0p1`).
+        assert!(s.find("id=fs0").unwrap() < s.find("id=ch0").unwrap(), "{s}");
+        assert!(
+            s.find("virtserialport").unwrap() < s.find("vhost-user-fs").unwrap(),
+            "{s}"
+        );
+        spec.shares[0].socket = None;
+        let e = qemu("q35", Accel::Tcg).command(&spec).unwrap_err();
+        assert!(e.to_string().contains("virtiofsd socket"), "{e}");
     }
 
     #[test]

@@ -40,6 +40,7 @@ impl Env {
                 "run",
                 "--backend",
                 "ember",
+                "--initramfs",
                 "--mem",
                 "128M",
                 "--kernel",

@@ -105,7 +105,8 @@ impl Pvm {
     fn run(&self, cache: &Path, timeout: u32) -> Command {
         let mut c = ember();
         c.env("EMBER_CACHE", cache)
-            .args(["run", "--backend", "ember", "--mem", "128M", "--kernel"])
+            .args(["run", "--backend", "ember", "--initramfs", "--mem", "128M"])
+            .arg("--kernel")
             .arg(&self.kernel)
             .args(["--cmdline", PVM_CMDLINE, "--timeout", &timeout.to_string()]);
         c

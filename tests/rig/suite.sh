@@ -294,13 +294,13 @@ run_case prefault-async-events 30 sh -c 'cat /tmp/prefault.json; echo'
 run_case uart 120 uart
 
 # The appliance on the ember backend (ember-init and this cache, in L2).
-run_case appliance 120 ember run --backend ember --timeout "$(inner 120)" -- sh -c 'uname -r; echo err >&2; exit 7'
-run_case console 120 sh -c "echo stdin-$RIG_TOKEN | ember run --backend ember --timeout $(inner 120) -- cat"
+run_case appliance 120 ember run --backend ember --initramfs --timeout "$(inner 120)" -- sh -c 'uname -r; echo err >&2; exit 7'
+run_case console 120 sh -c "echo stdin-$RIG_TOKEN | ember run --backend ember --initramfs --timeout $(inner 120) -- cat"
 
 # The appliance with --prefault async: ember-init loads virtio_balloon before
 # the other device drivers (here virtio_rng), so the fence is up early; the
 # command waits until the balloon is empty again (memory committed).
-run_case appliance-prefault 300 ember run --backend ember --timeout "$(inner 300)" --mem 512M --rng \
+run_case appliance-prefault 300 ember run --backend ember --initramfs --timeout "$(inner 300)" --mem 512M --rng \
   --prefault async,window=128M,chunk=16M,rate=8M,driver-timeout=300 --events /tmp/app-prefault.json -- sh -c '
     vm() { awk -v k="$1" "\$1 == k { print \$2 }" /proc/vmstat; }
     n=0; same=0

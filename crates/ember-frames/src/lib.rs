@@ -47,3 +47,12 @@ pub const DONE: u8 = 0x17;
 /// Before EXEC: configure the guest's network (`ember run --net`); the
 /// payload's layout is in `src/appliance/netconf.rs`.
 pub const NET: u8 = 0x18;
+/// Before EXEC: the tag of a virtio-fs share holding the host's root. Init
+/// mounts it read-only under a writable overlay in guest memory (tmpfs),
+/// with /dev, /proc and /sys of its own, and runs the command chrooted
+/// there.
+pub const HOSTROOT: u8 = 0x19;
+/// Before EXEC, after HOSTROOT: one more share, `ro|rw TAG GUEST-PATH`
+/// (the path is the rest of the payload, spaces and all), mounted at
+/// GUEST-PATH of that root.
+pub const SHARE: u8 = 0x1a;

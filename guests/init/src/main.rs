@@ -18,6 +18,7 @@
 
 #[path = "../../../src/appliance/applets.rs"]
 mod applets;
+mod hostroot;
 #[path = "../../../src/appliance/module_sig.rs"]
 mod module_sig;
 mod net;
@@ -47,6 +48,8 @@ const CMDLINE_LEN: usize = 4096;
 const ARENA_LEN: usize = 128 * 1024;
 /// Most argv or env entries accepted.
 const MAX_PTRS: usize = 1024;
+/// Most `SHARE`s accepted.
+const MAX_SHARES: usize = 16;
 /// Exit status reported when the command cannot be started.
 const EXIT_NOT_FOUND: i32 = 127;
 const EXIT_CANNOT_EXEC: i32 = 126;
@@ -131,7 +134,14 @@ fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
             return Ok(());
         }
     }
-    let root = (!cmd.root.is_null()).then_some(ROOT_DIR);
+    if !cmd.host_root.is_null() {
+        if let Err(msg) = mount_host_root(&cmd) {
+            ch.error_with(msg, b"");
+            return Ok(());
+        }
+    }
+    // After the root is mounted: resolv.conf goes into the command's.
+    let root = cmd.chrooted().then_some(ROOT_DIR);
     if let Err(msg) = net::configure(root) {
         ch.error_with(msg, b"");
         return Ok(());
@@ -357,6 +367,20 @@ fn mount_root(dev: &[u8]) -> Result<(), &'static [u8]> {
     Ok(())
 }
 
+/// Mounts the host's root (`HOSTROOT`) at [`ROOT_DIR`] and the `SHARE`s into it.
+fn mount_host_root(cmd: &Command) -> Result<(), &'static [u8]> {
+    // SAFETY: host_root is a NUL-terminated string in the arena.
+    let tag = unsafe { sys::cstr(cmd.host_root) };
+    // SAFETY: as above; the slice includes the NUL.
+    let tag = unsafe { core::slice::from_raw_parts(tag.as_ptr(), tag.len() + 1) };
+    hostroot::mount(tag, ROOT_DIR)?;
+    for &share in &cmd.shares[..cmd.nshares] {
+        // SAFETY: every share is a NUL-terminated string in the arena.
+        hostroot::mount_share(unsafe { sys::cstr(share) }, ROOT_DIR)?;
+    }
+    Ok(())
+}
+
 /// Strings received from the host, NUL-terminated, in one fixed buffer.
 struct Arena {
     buf: [u8; ARENA_LEN],
@@ -392,7 +416,19 @@ struct Command {
     cwd: *const u8,
     /// The command's root file system's device (`ROOT`), or null.
     root: *const u8,
+    /// The virtio-fs tag of the host's root (`HOSTROOT`), or null.
+    host_root: *const u8,
+    /// `SHARE` payloads, the first `nshares`.
+    shares: [*const u8; MAX_SHARES],
+    nshares: usize,
     exec: *const u8,
+}
+
+impl Command {
+    /// Whether the command runs chrooted in [`ROOT_DIR`].
+    fn chrooted(&self) -> bool {
+        !self.root.is_null() || !self.host_root.is_null()
+    }
 }
 
 /// Reads ARG/ENV/CWD frames up to EXEC.
@@ -402,6 +438,9 @@ fn receive_command(ch: &mut Channel, arena: &mut Arena) -> Result<Command, &'sta
     let (mut nargs, mut nenv) = (0, 0);
     let mut cwd = None;
     let mut root = None;
+    let mut host_root = None;
+    let mut shares = [0usize; MAX_SHARES];
+    let mut nshares = 0;
     let exec = loop {
         let (kind, payload) = ch.recv().ok_or(&b"channel closed before the command"[..])?;
         // Binary, not a string: kept by the network's module.
@@ -421,6 +460,12 @@ fn receive_command(ch: &mut Channel, arena: &mut Arena) -> Result<Command, &'sta
             }
             ft::CWD => cwd = Some(at),
             ft::ROOT => root = Some(at),
+            ft::HOSTROOT => host_root = Some(at),
+            ft::SHARE if nshares < MAX_SHARES => {
+                shares[nshares] = at;
+                nshares += 1;
+            }
+            ft::SHARE => return Err(b"too many shares"),
             ft::EXEC => break at,
             ft::ARG | ft::ENV => return Err(b"too many arguments or environment entries"),
             _ => return Err(b"unexpected frame before the command"),
@@ -432,9 +477,20 @@ fn receive_command(ch: &mut Channel, arena: &mut Arena) -> Result<Command, &'sta
         envp: [core::ptr::null(); MAX_PTRS + 1],
         cwd: core::ptr::null(),
         root: core::ptr::null(),
+        host_root: core::ptr::null(),
+        shares: [core::ptr::null(); MAX_SHARES],
+        nshares,
         // SAFETY: every offset came from Arena::push, so is inside buf.
         exec: unsafe { base.add(exec) },
     };
+    for (dst, &off) in cmd.shares.iter_mut().zip(&shares[..nshares]) {
+        // SAFETY: as above.
+        *dst = unsafe { base.add(off) };
+    }
+    if let Some(off) = host_root {
+        // SAFETY: as above.
+        cmd.host_root = unsafe { base.add(off) };
+    }
     for (dst, &off) in cmd.argv.iter_mut().zip(&argv[..nargs]) {
         // SAFETY: as above.
         *dst = unsafe { base.add(off) };
@@ -477,7 +533,7 @@ fn exec_child(cmd: &Command, stdin: Fd, stdout: Fd, stderr: Fd) -> ! {
     sys::dup2(stdin, 0);
     sys::dup2(stdout, 1);
     sys::dup2(stderr, 2);
-    if !cmd.root.is_null()
+    if cmd.chrooted()
         && (sys::chroot(ROOT_DIR.as_ptr()).is_err() || sys::chdir(c"/".as_ptr().cast()).is_err())
     {
         sys::write_all(2, b"ember: cannot enter the command's root\n");

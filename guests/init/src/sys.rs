@@ -24,6 +24,11 @@ pub const EKEYREJECTED: Errno = 129;
 pub const ENOEXEC: Errno = 8;
 pub const ENOTTY: Errno = 25;
 
+/// `mount` flags.
+pub const MS_RDONLY: usize = 1;
+pub const MS_NOSUID: usize = 2;
+pub const MS_NODEV: usize = 4;
+
 pub const POLLIN: i16 = 0x1;
 pub const POLLOUT: i16 = 0x4;
 
@@ -45,6 +50,7 @@ const SYS_EXIT: usize = 60;
 const SYS_WAIT4: usize = 61;
 const SYS_FCNTL: usize = 72;
 const SYS_CHDIR: usize = 80;
+const SYS_MKDIR: usize = 83;
 const SYS_SYMLINK: usize = 88;
 const SYS_CHROOT: usize = 161;
 const SYS_SYNC: usize = 162;
@@ -276,6 +282,11 @@ pub fn symlink(target: &[u8], link: &[u8]) -> Result<usize, Errno> {
         SYS_SYMLINK,
         [target.as_ptr() as usize, link.as_ptr() as usize, 0, 0, 0, 0],
     )
+}
+
+/// Makes directory `path` (NUL-terminated).
+pub fn mkdir(path: &[u8], mode: usize) -> Result<usize, Errno> {
+    call(SYS_MKDIR, [path.as_ptr() as usize, mode, 0, 0, 0, 0])
 }
 
 pub fn sync() {
