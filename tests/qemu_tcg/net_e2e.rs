@@ -107,8 +107,17 @@ impl Netns {
             "EMBER_INIT",
             common::init_binary().unwrap_or_else(|e| panic!("{e}")),
         );
-        c.args(["run", "--backend", "qemu", "--timeout", "120"])
-            .args(args);
+        // The initramfs appliance: the scripts use busybox's applets
+        // (`wget`, `nslookup`, `httpd`, `nc`), which the host may lack.
+        c.args([
+            "run",
+            "--backend",
+            "qemu",
+            "--initramfs",
+            "--timeout",
+            "120",
+        ])
+        .args(args);
         c
     }
 
