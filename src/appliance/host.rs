@@ -373,9 +373,10 @@ fn converse(
     // The job (and the stdin thread it starts) goes out on the first READY only: a guest
     // repeating READY must not start a host thread per frame.
     let mut job_sent = false;
+    let to_guest = Arc::new(ToGuest::default());
     if job.restored {
         job_sent = true;
-        send_job(&stream, job).map_err(io_err("writing the channel"))?;
+        send_job(&stream, job, &to_guest).map_err(io_err("writing the channel"))?;
     }
     loop {
         if let Some(d) = deadline {
@@ -420,7 +421,7 @@ fn converse(
                             Err(e) => eprintln!("ember: warning: {}", error_chain(&e)),
                         }
                     }
-                    send_job(&stream, job).map_err(io_err("writing the channel"))?;
+                    send_job(&stream, job, &to_guest).map_err(io_err("writing the channel"))?;
                 }
                 Kind::Stdout | Kind::Stderr => {
                     let (w, stream): (&mut dyn Write, _) = if frame.kind == Kind::Stdout {
@@ -443,12 +444,12 @@ fn converse(
                 }
                 Kind::Exit => {
                     let code = protocol::exit_code(&frame.payload).unwrap_or(-1);
-                    release(&stream);
+                    release(&stream, &to_guest);
                     return Ok(Some(Outcome::Exited(code)));
                 }
                 Kind::Error => {
                     let msg = String::from_utf8_lossy(&frame.payload).into_owned();
-                    release(&stream);
+                    release(&stream, &to_guest);
                     return Ok(Some(Outcome::GuestError(msg)));
                 }
                 // Host-bound kinds are never sent by the guest; ignore them.
@@ -458,25 +459,31 @@ fn converse(
     }
 }
 
-/// Held while a frame is written to the guest: the stdin thread and
-/// [`release`] write the same stream, and a frame must not be cut in two.
-static GUEST_FRAMES: Mutex<()> = Mutex::new(());
-/// Set once the guest's last frame is in: the stdin thread sends no more.
-static GUEST_DONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// One run's writers to the guest: the stdin thread and [`release`] write the
+/// same stream.
+#[derive(Debug, Default)]
+struct ToGuest {
+    /// Held while a frame is written: a frame must not be cut in two.
+    frames: Mutex<()>,
+    /// Set once the guest's last frame is in: the stdin thread sends no more.
+    done: std::sync::atomic::AtomicBool,
+}
 
 /// Tells the guest it may power off: its last frame, and so everything it
 /// sent before, is here (protocol step 5). Best effort, and bounded: a
 /// guest that does not hear it is killed with its VMM anyway (only a VMM
 /// given time to write its timeline waits for the guest to power off).
-fn release(stream: &UnixStream) {
+fn release(stream: &UnixStream, to_guest: &ToGuest) {
     let mut frame = Vec::new();
     protocol::encode(&mut frame, Kind::Done, &[]);
-    GUEST_DONE.store(true, std::sync::atomic::Ordering::SeqCst);
+    to_guest
+        .done
+        .store(true, std::sync::atomic::Ordering::SeqCst);
     // The stdin thread may be mid-frame; the guest reads (and drops) stdin
     // until DONE, so it finishes soon, and sends no other.
     let until = Instant::now() + Duration::from_secs(2);
     loop {
-        match GUEST_FRAMES.try_lock() {
+        match to_guest.frames.try_lock() {
             Ok(_held) => {
                 let _ = (&*stream).write_all(&frame);
                 return;
@@ -495,7 +502,7 @@ fn release(stream: &UnixStream) {
 }
 
 /// Sends the command, then starts forwarding stdin (or sends its end).
-fn send_job(stream: &UnixStream, job: &Job) -> io::Result<()> {
+fn send_job(stream: &UnixStream, job: &Job, to_guest: &Arc<ToGuest>) -> io::Result<()> {
     let mut frames = Vec::new();
     for a in &job.argv {
         protocol::encode(&mut frames, Kind::Arg, a.as_bytes());
@@ -525,10 +532,9 @@ fn send_job(stream: &UnixStream, job: &Job) -> io::Result<()> {
         protocol::encode(&mut frames, Kind::StdinEof, &[]);
     }
     (&*stream).write_all(&frames)?;
-    // One run per process: this run's guest has sent nothing final yet.
-    GUEST_DONE.store(false, std::sync::atomic::Ordering::SeqCst);
     if job.forward_stdin {
         let mut w = stream.try_clone()?;
+        let to_guest = to_guest.clone();
         std::thread::spawn(move || {
             let mut stdin = io::stdin().lock();
             let mut buf = vec![0u8; STDIN_CHUNK];
@@ -536,8 +542,8 @@ fn send_job(stream: &UnixStream, job: &Job) -> io::Result<()> {
                 match stdin.read(&mut buf) {
                     Ok(0) | Err(_) => break,
                     Ok(n) => {
-                        let _held = GUEST_FRAMES.lock().unwrap_or_else(|p| p.into_inner());
-                        if GUEST_DONE.load(std::sync::atomic::Ordering::SeqCst)
+                        let _held = to_guest.frames.lock().unwrap_or_else(|p| p.into_inner());
+                        if to_guest.done.load(std::sync::atomic::Ordering::SeqCst)
                             || protocol::write_frame(&mut w, Kind::Stdin, &buf[..n]).is_err()
                         {
                             return;
@@ -545,8 +551,8 @@ fn send_job(stream: &UnixStream, job: &Job) -> io::Result<()> {
                     }
                 }
             }
-            let _held = GUEST_FRAMES.lock().unwrap_or_else(|p| p.into_inner());
-            if !GUEST_DONE.load(std::sync::atomic::Ordering::SeqCst) {
+            let _held = to_guest.frames.lock().unwrap_or_else(|p| p.into_inner());
+            if !to_guest.done.load(std::sync::atomic::Ordering::SeqCst) {
                 let _ = protocol::write_frame(&mut w, Kind::StdinEof, &[]);
             }
         });
