@@ -16,25 +16,9 @@ pub fn ember() -> Command {
     }
 }
 
-/// Whether this host has a usable /dev/kvm. Without one, KVM tests fail —
-/// unless EMBER_ALLOW_NO_KVM=1, in which case they print a loud SKIPPED line.
-pub fn require_kvm(test: &str) -> bool {
-    let ok = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok();
-    if !ok {
-        if std::env::var_os("EMBER_ALLOW_NO_KVM").is_some() {
-            ember_testing::skip(test, "/dev/kvm is not usable on this host");
-            return false;
-        }
-        panic!(
-            "{test}: /dev/kvm is not usable (set EMBER_ALLOW_NO_KVM=1 to skip KVM tests loudly)"
-        );
-    }
-    true
-}
+// Not every test binary that includes this module needs KVM.
+#[allow(unused_imports)]
+pub use ember_testing::require_kvm;
 
 /// A scratch directory removed at drop.
 pub struct Scratch(pub PathBuf);

@@ -529,6 +529,26 @@ pub fn boot_subcommand(ember: &Path) -> &'static str {
     if has_boot { "boot" } else { "run" }
 }
 
+/// Whether this host has a usable /dev/kvm. Without one, a KVM test fails,
+/// unless `EMBER_ALLOW_NO_KVM` is set, when it is skipped loudly ([`skip`]).
+pub fn require_kvm(test: &str) -> bool {
+    let ok = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_ok();
+    if !ok {
+        if std::env::var_os("EMBER_ALLOW_NO_KVM").is_some() {
+            skip(test, "/dev/kvm is not usable on this host");
+            return false;
+        }
+        panic!(
+            "{test}: /dev/kvm is not usable (set EMBER_ALLOW_NO_KVM=1 to skip KVM tests loudly)"
+        );
+    }
+    true
+}
+
 /// Reports a test that could not run here. Written straight to the process's
 /// stderr, not through `eprintln!`, which the test harness captures (and hides
 /// for a passing test): a skipped test must be seen.

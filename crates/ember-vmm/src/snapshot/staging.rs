@@ -193,22 +193,7 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     use super::*;
-
-    struct TempDir(PathBuf);
-    impl TempDir {
-        fn new(name: &str) -> Self {
-            let d =
-                std::env::temp_dir().join(format!("ember-staging-{name}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&d);
-            std::fs::create_dir_all(&d).unwrap();
-            TempDir(d)
-        }
-    }
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    use ember_testing::TempDir;
 
     fn stage(target: &Path, memory: &str) -> Staging {
         let s = Staging::new(target).unwrap();
@@ -231,10 +216,10 @@ mod tests {
 
     #[test]
     fn a_new_target_is_private_and_whole() {
-        let t = TempDir::new("new");
-        let target = t.0.join("snap");
+        let t = TempDir::new("staging-new");
+        let target = t.path().join("snap");
         stage(&target, "one").commit().unwrap();
-        assert_eq!(entries(&t.0), ["snap"]);
+        assert_eq!(entries(t.path()), ["snap"]);
         assert_eq!(entries(&target), ["memory", "state"]);
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&target), 0o700);
@@ -244,36 +229,36 @@ mod tests {
 
     #[test]
     fn an_existing_snapshot_is_replaced_and_kept_when_staging_fails() {
-        let t = TempDir::new("replace");
-        let target = t.0.join("snap");
+        let t = TempDir::new("staging-replace");
+        let target = t.path().join("snap");
         stage(&target, "one").commit().unwrap();
         // A staging dropped before its commit (a failed snapshot): the old
         // one is untouched and nothing is left beside it.
         drop(stage(&target, "two"));
-        assert_eq!(entries(&t.0), ["snap"]);
+        assert_eq!(entries(t.path()), ["snap"]);
         assert_eq!(std::fs::read(target.join(MEMORY_FILE)).unwrap(), b"one");
         stage(&target, "three").commit().unwrap();
-        assert_eq!(entries(&t.0), ["snap"]);
+        assert_eq!(entries(t.path()), ["snap"]);
         assert_eq!(std::fs::read(target.join(MEMORY_FILE)).unwrap(), b"three");
     }
 
     #[test]
     fn planted_symlinks_and_foreign_directories_are_refused() {
-        let t = TempDir::new("refuse");
-        let victim = t.0.join("victim");
+        let t = TempDir::new("staging-refuse");
+        let victim = t.path().join("victim");
         std::fs::write(&victim, b"precious").unwrap();
         // A symlink at the target: not a directory of ours.
-        let link = t.0.join("link");
+        let link = t.path().join("link");
         std::os::unix::fs::symlink(&victim, &link).unwrap();
         assert!(Staging::new(&link).is_err());
         // A directory holding someone's files.
-        let home = t.0.join("home");
+        let home = t.path().join("home");
         std::fs::create_dir(&home).unwrap();
         std::fs::write(home.join("notes.txt"), b"mine").unwrap();
         let e = Staging::new(&home).unwrap_err();
         assert!(e.to_string().contains("notes.txt"), "{e}");
         // create_private never follows a symlink.
-        let planted = t.0.join("planted");
+        let planted = t.path().join("planted");
         std::os::unix::fs::symlink(&victim, &planted).unwrap();
         assert!(create_private(&planted).is_err());
         assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
@@ -281,13 +266,13 @@ mod tests {
 
     #[test]
     fn two_stagings_of_one_target_leave_one_whole_snapshot() {
-        let t = TempDir::new("race");
-        let target = t.0.join("snap");
+        let t = TempDir::new("staging-race");
+        let target = t.path().join("snap");
         let a = stage(&target, "a");
         let b = stage(&target, "b");
         a.commit().unwrap();
         b.commit().unwrap();
-        assert_eq!(entries(&t.0), ["snap"]);
+        assert_eq!(entries(t.path()), ["snap"]);
         assert_eq!(std::fs::read(target.join(MEMORY_FILE)).unwrap(), b"b");
     }
 }
