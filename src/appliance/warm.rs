@@ -115,23 +115,7 @@ pub fn is_complete(dir: &Path) -> bool {
 /// every run: the state is a few KiB and the memory file is only stat'ed
 /// (its checksum is checked by [`check_memory`] when a restore fails).
 pub fn check(dir: &Path) -> Result<(), WarmError> {
-    use ember_vmm::snapshot::{self, MAX_STATE_BYTES, MEMORY_FILE, STATE_FILE, SnapshotError};
-    use std::io::Read;
-    let state_path = dir.join(STATE_FILE);
-    let mut bytes = Vec::new();
-    fs::File::open(&state_path)
-        .and_then(|f| f.take(MAX_STATE_BYTES + 1).read_to_end(&mut bytes))
-        .map_err(io_err(&state_path))?;
-    let state = snapshot::decode(&bytes, &state_path).map_err(WarmError::Unsound)?;
-    let mem_path = dir.join(MEMORY_FILE);
-    let found = fs::metadata(&mem_path).map_err(io_err(&mem_path))?.len();
-    if found != state.mem_size {
-        return Err(WarmError::Unsound(SnapshotError::MemorySize {
-            path: mem_path,
-            found,
-            want: state.mem_size,
-        }));
-    }
+    ember_vmm::snapshot::read(dir).map_err(WarmError::Unsound)?;
     Ok(())
 }
 

@@ -493,21 +493,8 @@ pub fn load_replacing(
     dir: &Path,
     pmem: &[PathBuf],
 ) -> Result<(SnapshotState, PathBuf), SnapshotError> {
-    let state_path = dir.join(STATE_FILE);
-    let bytes = read_bounded(&state_path)?;
-    let mut state = decode(&bytes, &state_path)?;
+    let (mut state, mem_path) = read(dir)?;
     replace_pmem(&mut state, pmem)?;
-    let mem_path = dir.join(MEMORY_FILE);
-    let found = std::fs::metadata(&mem_path)
-        .map_err(io_err(&mem_path))?
-        .len();
-    if found != state.mem_size {
-        return Err(SnapshotError::MemorySize {
-            path: mem_path,
-            found,
-            want: state.mem_size,
-        });
-    }
     for d in &state.devices {
         if let (Some(path), Some(rec)) = (d.config.path(), &d.file) {
             let now = FileIdentity::of(path).map_err(io_err(path))?;
@@ -518,6 +505,28 @@ pub fn load_replacing(
                 });
             }
         }
+    }
+    Ok((state, mem_path))
+}
+
+/// Reads a snapshot directory's state and checks it against its memory
+/// file's size: whether this ember can restore it, short of the host's CPU
+/// and the backing files (which [`load_replacing`] checks). Cheap: the state
+/// is a few KiB and the memory file is only stat'ed. Returns the state and
+/// the memory file's path.
+pub fn read(dir: &Path) -> Result<(SnapshotState, PathBuf), SnapshotError> {
+    let state_path = dir.join(STATE_FILE);
+    let state = decode(&read_bounded(&state_path)?, &state_path)?;
+    let mem_path = dir.join(MEMORY_FILE);
+    let found = std::fs::metadata(&mem_path)
+        .map_err(io_err(&mem_path))?
+        .len();
+    if found != state.mem_size {
+        return Err(SnapshotError::MemorySize {
+            path: mem_path,
+            found,
+            want: state.mem_size,
+        });
     }
     Ok((state, mem_path))
 }
