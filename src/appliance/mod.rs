@@ -14,7 +14,6 @@
 //! appliance or VMM failed; 126 when CMD cannot be carried into the
 //! appliance; 127 when CMD is not found.
 
-pub mod applets;
 mod assemble;
 pub mod builder;
 pub mod cache;
@@ -24,7 +23,6 @@ mod error;
 pub mod host;
 pub mod hostroot;
 pub mod kernel;
-pub mod module_sig;
 pub mod modules;
 pub mod netconf;
 pub mod protocol;

@@ -303,6 +303,7 @@ fn modinfo(data: &[u8]) -> Option<&[u8]> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use ember_frames::module_sig;
     use object::write::{Object as WObject, StandardSection};
 
     /// A minimal relocatable x86_64 ELF with a `.modinfo` section.
@@ -477,5 +478,41 @@ pub(crate) mod tests {
         );
         let unique: BTreeSet<_> = got.iter().collect();
         assert_eq!(unique.len(), got.len());
+    }
+
+    /// Debian's own signed modules, when `ember setup` has fetched them: where
+    /// ember-init cuts their signature.
+    #[test]
+    fn a_real_signed_module_loses_only_its_signature() {
+        let Ok(cache) = crate::appliance::kernel::cache_dir() else {
+            return;
+        };
+        let Some(k) = crate::appliance::kernel::KernelCache::new(&cache).current() else {
+            eprintln!("no cached kernel: no real module to try");
+            return;
+        };
+        let Some(dir) = k.modules else { return };
+        let Ok(tree) = ModuleTree::open(&dir) else {
+            return;
+        };
+        let Ok(mods) = tree.resolve(&["virtio_console"], &[]) else {
+            return;
+        };
+        for m in mods {
+            let Ok(bytes) = std::fs::read(&m) else {
+                continue;
+            };
+            if !bytes.ends_with(module_sig::MARKER) {
+                continue; // compressed or unsigned
+            }
+            let n = module_sig::unsigned_len(&bytes).expect("a signed module's length");
+            assert_eq!(&bytes[..4], b"\x7fELF");
+            // PKCS#7 signatures of Debian's key are several hundred bytes.
+            assert!(
+                bytes.len() - n > 300 && bytes.len() - n < 4096,
+                "{}",
+                m.display()
+            );
+        }
     }
 }

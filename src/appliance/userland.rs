@@ -7,11 +7,11 @@
 //! first, busybox fills in what they lack. The host's busybox is carried with
 //! its closure, so a static one (Debian's `busybox-static`) is one file, ~2 MB.
 //! The applet symlinks are not in the initramfs: ember-init makes them from a
-//! list at boot, which costs the guest half as much (see [`super::applets`]).
+//! list at boot, which costs the guest half as much (see [`applets`]).
 
-use super::applets;
 use super::builder::{Entry, Tree};
 use super::closure;
+use ember_frames::applets;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -110,8 +110,8 @@ fn the_guest_boots_with_the_command_line_prepare_only_reports() {
 }
 
 /// ember-init loads Debian's signed modules without their signatures (the
-/// kernel's check is most of what module loading costs: src/appliance/
-/// module_sig.rs), which taints the kernel `E`; a kernel that enforces
+/// kernel's check is most of what module loading costs: crates/ember-frames/
+/// src/module_sig.rs), which taints the kernel `E`; a kernel that enforces
 /// signatures gets the signed files and loads them untainted.
 #[test]
 fn modules_load_without_their_signature_unless_the_kernel_enforces_them() {

@@ -1,9 +1,20 @@
-//! Frame header and type bytes of the appliance channel protocol, the part
-//! both ends need: ember's host side (`src/appliance/protocol.rs`, which
-//! describes the conversation) and the guest init (`guests/init`), which is
-//! freestanding. Hence `no_std`, no dependencies and plain constants only.
+//! What ember and its appliance's guest init (`guests/init`, freestanding)
+//! both need, written once: here the frame header and type bytes of the
+//! appliance channel protocol (ember's host side, `src/appliance/protocol.rs`,
+//! describes the conversation); the busybox applet list ([`applets`]); where
+//! a kernel module's signature starts ([`module_sig`]). Hence `no_std`, no
+//! allocation and no dependencies. Its functions are `#[inline]`: compiled
+//! in the caller, as they were when ember-init included these files itself,
+//! they give ember-init the same instructions (without, LLVM optimises them
+//! here first, and ember-init grows by 640 bytes).
 
 #![no_std]
+
+#[cfg(test)]
+extern crate std;
+
+pub mod applets;
+pub mod module_sig;
 
 /// Frame header: type byte + little-endian u32 payload length.
 pub const HEADER_LEN: usize = 5;
@@ -23,7 +34,7 @@ pub const EXIT: u8 = 0x04;
 pub const ERROR: u8 = 0x05;
 
 // Host → guest.
-/// One argv element (the first is argv[0]).
+/// One argv element (the first is `argv[0]`).
 pub const ARG: u8 = 0x10;
 /// One environment entry, `NAME=value`.
 pub const ENV: u8 = 0x11;

@@ -11,16 +11,13 @@
 //!
 //! No libc: raw syscalls, a naked `_start`, and fixed buffers on the stack
 //! (no allocator). The frame format is in `src/appliance/protocol.rs`; the type
-//! bytes come from the `ember-frames` crate, shared with ember.
+//! bytes, the applet list's format and the module signature trailer come from
+//! the `ember-frames` crate, shared with ember.
 
 #![no_std]
 #![no_main]
 
-#[path = "../../../src/appliance/applets.rs"]
-mod applets;
 mod hostroot;
-#[path = "../../../src/appliance/module_sig.rs"]
-mod module_sig;
 mod net;
 // Shared with ember, which encodes what init decodes.
 #[allow(dead_code)]
@@ -29,6 +26,7 @@ mod netconf;
 mod sys;
 
 use ember_frames as ft;
+use ember_frames::{applets, module_sig};
 use sys::Fd;
 
 /// The file the appliance builder writes: module paths, one a line, in load order.

@@ -14,14 +14,15 @@
 //! applet name per line, each line ending in `\n`. A line without its `\n`
 //! (a list cut short by init's fixed buffer) is not used.
 //!
-//! This file is shared verbatim with the guest init (`guests/init`), which is
-//! `no_std`: no allocation, no std.
+//! ember writes the list (`src/appliance/userland.rs`); the guest init
+//! (`guests/init`), which is `no_std` (no allocation, no std), reads it.
 
 /// Where the builder writes the list in the guest (NUL-terminated for init).
 pub const LIST: &[u8] = b"/.ember/applets\0";
 
 /// The list's directory, link target and an iterator over its applet names
 /// (complete lines only); `None` when the first two lines are not there.
+#[inline]
 pub fn parse(list: &[u8]) -> Option<(&[u8], &[u8], impl Iterator<Item = &[u8]>)> {
     let mut lines = list.split_inclusive(|&b| b == b'\n');
     let mut line = || -> Option<&[u8]> {
@@ -40,6 +41,7 @@ pub fn parse(list: &[u8]) -> Option<(&[u8], &[u8], impl Iterator<Item = &[u8]>)>
 /// `dir/name` NUL-terminated in `out` (including the NUL), or `None` when
 /// `name` is not a plain file name (empty, `.`, `..`, a `/` or a NUL in it)
 /// or the path does not fit.
+#[inline]
 pub fn link_path<'a>(dir: &[u8], name: &[u8], out: &'a mut [u8]) -> Option<&'a [u8]> {
     let plain = !name.is_empty()
         && name != b"."
@@ -59,6 +61,7 @@ pub fn link_path<'a>(dir: &[u8], name: &[u8], out: &'a mut [u8]) -> Option<&'a [
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::vec::Vec;
 
     #[test]
     fn parses_complete_lines_only() {
