@@ -5,7 +5,9 @@ use crate::backend::DeviceArgs;
 use crate::exit::{EXIT_GUEST_CRASHED, EXIT_SECCOMP, EXIT_TIMEOUT, guest_end_status};
 use clap::Args;
 use ember_vmm::builder::{self, BeforeGo, VmConfig};
-use ember_vmm::devices::virtio::{BalloonConfig, DiskConfig, NetConfig, PmemConfig, target_pages};
+use ember_vmm::devices::virtio::{
+    BalloonConfig, DiskConfig, NetConfig, PmemConfig, VsockConfig, target_pages,
+};
 use ember_vmm::events::{Recorder, kind};
 use ember_vmm::machine::{DeviceSet, Machine};
 use ember_vmm::prefault::MemoryOptions;
@@ -58,9 +60,15 @@ pub struct BootArgs {
         hide = true,
         value_name = "JSON",
         value_parser = parse_device_set,
-        conflicts_with_all = ["disk", "pmem", "rng", "balloon", "balloon_target", "balloon_no_reporting", "net"]
+        conflicts_with_all = ["disk", "pmem", "rng", "balloon", "balloon_target", "balloon_no_reporting", "net", "vsock"]
     )]
     pub devices_json: Option<DeviceSet>,
+    /// A virtio-vsock device (Firecracker's hybrid vsock): the guest's CID and
+    /// a Unix socket. Host programs connect to PATH and write `CONNECT <port>\n`
+    /// (answered `OK <host port>\n`); guest connections to host port P go to
+    /// `PATH_P`. With --restore the snapshot's device binds its PATH again.
+    #[arg(long, value_name = "cid=N,uds=PATH")]
+    pub vsock: Option<VsockConfig>,
     /// The balloon's initial target (memory the guest gives back), e.g. 256M; adds the balloon.
     #[arg(long, value_name = "SIZE")]
     pub balloon_target: Option<String>,
@@ -96,7 +104,7 @@ pub struct BootArgs {
     /// memory size and backing, devices, ACPI) are refused with it.
     #[arg(long, value_name = "DIR", conflicts_with_all = [
         "kernel", "initrd", "cmdline", "disk", "rng", "balloon", "cpus", "mem", "hugepages",
-        "prefault", "no_acpi", "balloon_target", "balloon_no_reporting",
+        "prefault", "no_acpi", "balloon_target", "balloon_no_reporting", "vsock",
     ])]
     pub restore: Option<PathBuf>,
     /// Seccomp filters on every thread (allow-lists in ember-vmm's seccomp/):
@@ -155,6 +163,7 @@ impl BootArgs {
         }
         let mut d = self.devices.device_set();
         d.net = self.net.clone();
+        d.vsock = self.vsock.clone();
         let target = match &self.balloon_target {
             Some(t) => {
                 let bytes = memory::parse_size(t)?;

@@ -122,6 +122,8 @@ impl DeviceArgs {
             rng: self.rng.then(RngConfig::default),
             balloon: self.balloon.then(BalloonConfig::default),
             net: Vec::new(),
+            // `ember boot --vsock` only: the QEMU backend has no vsock here.
+            vsock: None,
         }
     }
 

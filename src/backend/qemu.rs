@@ -630,6 +630,7 @@ mod tests {
             balloon: Some(Default::default()),
             pmem: Vec::new(),
             net: vec!["tap=tap7,mac=02:00:00:00:00:07,mtu=9000".parse().unwrap()],
+            vsock: None,
         };
         spec.console = false;
         let s = args(&qemu("q35", Accel::Kvm).command(&spec).unwrap()).join(" ");

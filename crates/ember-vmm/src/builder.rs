@@ -27,7 +27,7 @@ use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::pmem::PMEM_ALIGN;
 use crate::devices::virtio::{
     self, Balloon, BalloonConfig, BalloonHandle, Block, Console, Net, Pmem, PmemConfig, PmemRegion,
-    Rng,
+    Rng, Vsock,
 };
 use crate::devices::vmgenid;
 use crate::events::{Recorder, kind};
@@ -89,6 +89,9 @@ pub enum BuildError {
     /// Zero vCPUs.
     #[error("a VM needs at least one vCPU")]
     NoVcpus,
+    /// The vsock device's socket.
+    #[error(transparent)]
+    Vsock(virtio::VsockError),
     /// The kernel file cannot be opened.
     #[error("cannot open kernel {0}")]
     KernelOpen(PathBuf, #[source] std::io::Error),
@@ -507,7 +510,7 @@ fn register_memory(
 }
 
 /// Creates the virtio devices `cfg` asks for and attaches them in a fixed
-/// order (disks, channel, rng, pmem, balloon, network devices). Returns them as a snapshot
+/// order (disks, channel, rng, pmem, balloon, network devices, vsock). Returns them as a snapshot
 /// records them, and the balloon's handle.
 fn attach_virtio_devices(
     devices: &mut DeviceManager,
@@ -597,6 +600,10 @@ fn attach_virtio_devices(
         net.mac.get_or_insert_with(virtio::net::MacAddr::random);
         let dev = Net::new(&net).map_err(BuildError::Net)?;
         place(DeviceConfig::Net(net), here, transport_for(dev))?;
+    }
+    if let Some(v) = &cfg.devices.vsock {
+        let dev = Vsock::new(v).map_err(BuildError::Vsock)?;
+        place(DeviceConfig::Vsock(v.clone()), here, transport_for(dev))?;
     }
     Ok((attached, balloon))
 }

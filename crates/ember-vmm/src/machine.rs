@@ -3,7 +3,8 @@
 //! # One configuration type per device
 //!
 //! Each device has exactly one type for what the user configures of it —
-//! [`DiskConfig`], [`PmemConfig`], [`RngConfig`], [`BalloonConfig`], [`NetConfig`], beside
+//! [`DiskConfig`], [`PmemConfig`], [`RngConfig`], [`BalloonConfig`], [`NetConfig`],
+//! [`VsockConfig`], beside
 //! its device model — and that one type is what the command line parses
 //! (its `FromStr` is the option's only grammar; a relative path becomes
 //! absolute in its constructor), what a machine description ([`DeviceSet`],
@@ -37,7 +38,7 @@ use vm_memory::GuestMemoryMmap;
 use crate::devices::legacy::Serial;
 use crate::devices::virtio::{
     BalloonConfig, BalloonHandle, DiskConfig, MmioTransport, NetConfig, PmemConfig, PmemRegion,
-    RngConfig,
+    RngConfig, VsockConfig,
 };
 use crate::prefault::Committer;
 use crate::vstate::control::{ControlError, RunState};
@@ -62,6 +63,9 @@ pub enum DeviceConfig {
     Balloon(BalloonConfig),
     /// virtio-net.
     Net(NetConfig),
+    /// virtio-vsock. Its connections are not state: a restore binds its
+    /// socket again and the guest is told they are gone.
+    Vsock(VsockConfig),
 }
 
 impl DeviceConfig {
@@ -97,6 +101,9 @@ pub struct DeviceSet {
     /// MACs) that replace the snapshot's, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub net: Vec<NetConfig>,
+    /// A virtio-vsock device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock: Option<VsockConfig>,
 }
 
 /// Where the device manager put a device, beyond its MMIO window and
@@ -297,6 +304,7 @@ mod tests {
             rng: Some(RngConfig::default()),
             balloon: Some(BalloonConfig::default()),
             net: vec!["tap=tap0,mac=02:00:00:00:00:01".parse().unwrap()],
+            vsock: Some("cid=3,uds=/v.sock".parse().unwrap()),
         };
         let json = serde_json::to_string(&set).unwrap();
         assert_eq!(serde_json::from_str::<DeviceSet>(&json).unwrap(), set);

@@ -41,6 +41,8 @@ pub enum Thread {
     Pmem,
     /// The virtio-balloon I/O thread.
     Balloon,
+    /// The virtio-vsock I/O thread.
+    Vsock,
     /// The thread that starts device I/O threads.
     Spawner,
     /// `--prefault async`'s background commit.
@@ -55,7 +57,7 @@ pub enum Thread {
 
 impl Thread {
     /// Every kind, in filter-table order.
-    pub const ALL: [Thread; 13] = [
+    pub const ALL: [Thread; 14] = [
         Thread::Main,
         Thread::Vcpu,
         Thread::Block,
@@ -64,6 +66,7 @@ impl Thread {
         Thread::Net,
         Thread::Pmem,
         Thread::Balloon,
+        Thread::Vsock,
         Thread::Spawner,
         Thread::Committer,
         Thread::Api,
@@ -82,6 +85,7 @@ impl Thread {
             Thread::Net => "net",
             Thread::Pmem => "pmem",
             Thread::Balloon => "balloon",
+            Thread::Vsock => "vsock",
             Thread::Spawner => "spawner",
             Thread::Committer => "committer",
             Thread::Api => "api",
@@ -474,6 +478,36 @@ pub fn rules(thread: Thread) -> Rules {
             merge(&mut r, &thread_start());
             r
         }
+        Thread::Vsock => {
+            let mut r = device_loop();
+            allow(
+                &mut r,
+                &[
+                    // Host programs connecting to the device's socket.
+                    libc::SYS_accept4,
+                    // Guest connections to PATH_<port> (on the Unix
+                    // sockets below, the only ones it can make).
+                    libc::SYS_connect,
+                    // Stream data (send/recv, MSG_NOSIGNAL and MSG_PEEK).
+                    libc::SYS_recvfrom,
+                    libc::SYS_sendto,
+                    // A guest's half-close.
+                    libc::SYS_shutdown,
+                ],
+            );
+            // Unix stream sockets only: no network.
+            r.insert(
+                libc::SYS_socket,
+                vec![vec![
+                    Cond::low_eq(0, libc::AF_UNIX as u64),
+                    Cond::low_eq(
+                        1,
+                        (libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC) as u64,
+                    ),
+                ]],
+            );
+            r
+        }
         Thread::Spawner => {
             let mut r = base();
             merge(&mut r, &thread_start());
@@ -484,6 +518,7 @@ pub fn rules(thread: Thread) -> Rules {
                 Thread::Net,
                 Thread::Pmem,
                 Thread::Balloon,
+                Thread::Vsock,
             ] {
                 merge(&mut r, &rules(t));
             }

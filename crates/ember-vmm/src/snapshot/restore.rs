@@ -39,6 +39,7 @@ use crate::device_manager::{DeviceManager, transport_for};
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::{
     Balloon, BalloonHandle, Block, Console, Net, NetConfig, Pmem, PmemConfig, PmemRegion, Rng,
+    Vsock,
 };
 use crate::devices::vmgenid::VmGenId;
 use crate::events::{Recorder, kind};
@@ -418,6 +419,11 @@ fn restore_virtio(
                 transport_for(block)
             }
             DeviceConfig::Rng(_) => transport_for(Rng::new()),
+            DeviceConfig::Vsock(v) => {
+                let mut dev = Vsock::new(v).map_err(|e| build_err(BuildError::Vsock(e)))?;
+                dev.reset_guest_connections();
+                transport_for(dev)
+            }
             DeviceConfig::Pmem(p) => {
                 let (Some(region), Some(guest_addr)) = (pmem_iter.next(), d.placement.region)
                 else {

@@ -32,6 +32,7 @@ pub(crate) mod mmio;
 pub mod net;
 pub(crate) mod pmem;
 pub(crate) mod rng;
+pub(crate) mod vsock;
 mod worker;
 
 #[cfg(test)]
@@ -48,6 +49,7 @@ pub use pmem::PmemConfig;
 pub(crate) use pmem::{Pmem, PmemRegion};
 
 pub use rng::{Rng, RngConfig};
+pub use vsock::{Error as VsockError, Vsock, VsockConfig};
 
 use std::io;
 use std::sync::Arc;
