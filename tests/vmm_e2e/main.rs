@@ -17,3 +17,4 @@ mod seccomp_e2e;
 mod snapshot_e2e;
 mod terminal_pty;
 mod vmm_e2e;
+mod vsock_e2e;

@@ -62,3 +62,9 @@ pub fn net(
 ) {
     crate::devices::virtio::net::fuzz_queues(mem, rx, tx, irq, input, mrg_rxbuf);
 }
+
+/// Target `vsock`: a restored device's TRANSPORT_RESET, then the transmit
+/// queue twice (answers go to the receive queue), on arbitrary memory.
+pub fn vsock(mem: GuestMemory, queues: [Queue; 3], irq: VirtioInterrupt) {
+    crate::devices::virtio::vsock::fuzz_queues(mem, queues, irq);
+}

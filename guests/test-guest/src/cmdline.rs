@@ -4,6 +4,7 @@
 
 use crate::virtio_blk::{BlkOpt, Op, Pattern};
 use crate::virtio_net::{BadKind, NetCmd, NetOpt};
+use crate::virtio_vsock::{Mode as VsockMode, VsockOpt};
 
 /// One of our tokens, parsed.
 pub enum Command<'a> {
@@ -35,6 +36,10 @@ pub enum Command<'a> {
     NetOpt(NetOpt),
     /// A virtio-net command.
     Net(NetCmd),
+    /// A virtio-vsock option for later `vsock=` runs.
+    Vsock(VsockOpt),
+    /// `vsock=serve|connect|malformed|waitreset`.
+    VsockRun(VsockMode),
 }
 
 /// Splits a command line into tokens.
@@ -90,6 +95,18 @@ pub fn parse(token: &str) -> Result<Option<Command<'_>>, &'static str> {
             "rand" => Pattern::Random,
             _ => return Err("expected seq or rand"),
         })),
+        ("vsock", Some(v)) => Command::VsockRun(match v {
+            "serve" => VsockMode::Serve,
+            "connect" => VsockMode::Connect,
+            "malformed" => VsockMode::Malformed,
+            "waitreset" => VsockMode::WaitReset,
+            _ => return Err("expected serve, connect, malformed or waitreset"),
+        }),
+        ("vsockport", Some(v)) => Command::Vsock(VsockOpt::Port(word(v)?)),
+        ("vsockbytes", Some(v)) => Command::Vsock(VsockOpt::Bytes(number(v)?)),
+        ("vsockbuf", Some(v)) => Command::Vsock(VsockOpt::Buf(word(v)?)),
+        ("vsockslow", Some(v)) => Command::Vsock(VsockOpt::SlowUs(number(v)?)),
+        ("vsocksecs", Some(v)) => Command::Vsock(VsockOpt::Secs(number(v)?)),
         ("bs", Some(v)) => Command::Blk(BlkOpt::BlockSize(number(v)?)),
         ("qd", Some(v)) => Command::Blk(BlkOpt::QueueDepth(number(v)?)),
         ("blkmib", Some(v)) => Command::Blk(BlkOpt::SpanMib(number(v)?)),
@@ -118,7 +135,8 @@ pub fn parse(token: &str) -> Result<Option<Command<'_>>, &'static str> {
         (
             "print" | "mark" | "touch" | "spin" | "exit" | "blkop" | "pattern" | "bs" | "qd"
             | "blkmib" | "secs" | "ios" | "netoffload" | "netlen" | "netcount" | "netbytes"
-            | "netsecs" | "nettso" | "netwatch" | "netbad",
+            | "netsecs" | "nettso" | "netwatch" | "netbad" | "vsock" | "vsockport" | "vsockbytes"
+            | "vsockbuf" | "vsockslow" | "vsocksecs",
             None,
         ) => return Err("needs a value"),
         (
@@ -147,6 +165,10 @@ pub fn number(text: &str) -> Result<u64, &'static str> {
     }
     .map_err(|_| "not a number")?;
     value.checked_mul(scale).ok_or("number too large")
+}
+
+fn word(text: &str) -> Result<u32, &'static str> {
+    u32::try_from(number(text)?).map_err(|_| "must fit in 32 bits")
 }
 
 fn byte(text: &str) -> Result<u8, &'static str> {

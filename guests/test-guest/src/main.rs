@@ -11,6 +11,7 @@ mod io;
 mod mem;
 mod virtio_blk;
 mod virtio_net;
+mod virtio_vsock;
 
 use cmdline::{Command, Tokens};
 use io::{Clock, outb};
@@ -116,6 +117,7 @@ struct State {
     clock: Clock,
     blk: virtio_blk::Options,
     net: virtio_net::Net,
+    vsock: virtio_vsock::Options,
 }
 
 impl State {
@@ -124,6 +126,7 @@ impl State {
             clock: Clock::new(tsc),
             blk: virtio_blk::Options::default(),
             net: virtio_net::Net::default(),
+            vsock: virtio_vsock::Options::default(),
         }
     }
 
@@ -151,6 +154,8 @@ impl State {
             }
             Command::NetOpt(opt) => self.net.set(opt),
             Command::Net(cmd) => self.net.run(cmd, &self.clock)?,
+            Command::Vsock(opt) => self.vsock.set(opt),
+            Command::VsockRun(mode) => virtio_vsock::run(&self.vsock, mode, &self.clock)?,
         }
         Ok(())
     }

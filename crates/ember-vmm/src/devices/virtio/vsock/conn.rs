@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::EventSet;
 
+use super::Region;
 use super::packet::{Header, SHUTDOWN_RCV, SHUTDOWN_SEND, op};
 
 /// The receive buffer we advertise to the guest, and the most guest data we
@@ -60,35 +61,53 @@ pub(crate) enum Verdict {
     Remove,
 }
 
-/// Guest data the host socket has not taken yet.
+/// Guest data the host socket has not taken yet, in a mapping of its own
+/// made on first use: the device thread's filter cannot let glibc read
+/// `/proc/sys/vm/overcommit_memory`, which it does the first time freeing a
+/// large block shrinks a thread's heap.
 #[derive(Debug, Default)]
 struct TxBuf {
-    data: Vec<u8>,
+    mem: Option<Region>,
     start: usize,
+    end: usize,
 }
 
 impl TxBuf {
     fn len(&self) -> usize {
-        self.data.len() - self.start
+        self.end - self.start
     }
 
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    fn push(&mut self, bytes: &[u8]) {
-        if self.is_empty() {
-            self.data.clear();
+    /// Appends `bytes`; the caller keeps the total within `BUF_ALLOC`.
+    fn push(&mut self, bytes: &[u8]) -> io::Result<()> {
+        let mem = match &mut self.mem {
+            Some(m) => m,
+            None => self.mem.insert(Region::new(BUF_ALLOC as usize)?),
+        };
+        if self.end + bytes.len() > mem.len() {
+            mem.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
             self.start = 0;
         }
-        self.data.extend_from_slice(bytes);
+        let Some(dst) = mem.get_mut(self.end..self.end + bytes.len()) else {
+            return Err(io::Error::other("vsock transmit buffer overflow"));
+        };
+        dst.copy_from_slice(bytes);
+        self.end += bytes.len();
+        Ok(())
     }
 
     /// Writes what it can; returns how much went.
     fn flush(&mut self, stream: &UnixStream) -> io::Result<usize> {
+        let Some(mem) = &self.mem else {
+            return Ok(0);
+        };
         let mut done = 0;
-        while !self.is_empty() {
-            match send(stream, &self.data[self.start..]) {
+        while self.start < self.end {
+            match send(stream, &mem[self.start..self.end]) {
                 Ok(n) => {
                     self.start += n;
                     done += n;
@@ -97,10 +116,8 @@ impl TxBuf {
                 Err(e) => return Err(e),
             }
         }
-        if self.is_empty() {
-            // Give a burst's memory back rather than hold it for the connection's life.
-            self.data = Vec::new();
-            self.start = 0;
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
         }
         Ok(done)
     }
@@ -354,7 +371,9 @@ impl Conn {
                 );
                 return self.kill();
             }
-            self.tx.push(rest);
+            if self.tx.push(rest).is_err() {
+                return self.kill();
+            }
         }
         self.after_tx();
     }
@@ -417,10 +436,10 @@ impl Conn {
         self.expiry.is_some_and(|t| t <= now)
     }
 
-    /// The next packet for the guest, its payload (at most `room` bytes) read
-    /// into `buf`; `None` when there is nothing after all (the socket had no data).
-    pub(crate) fn next_packet(&mut self, room: usize, buf: &mut Vec<u8>) -> Option<Header> {
-        buf.clear();
+    /// The next packet for the guest, its payload (`len` bytes, at most
+    /// `buf.len()`) read into `buf`; `None` when there is nothing after all
+    /// (the socket had no data).
+    pub(crate) fn next_packet(&mut self, buf: &mut [u8]) -> Option<Header> {
         let mut hdr = Header {
             src_port: self.local_port,
             dst_port: self.peer_port,
@@ -439,7 +458,7 @@ impl Conn {
             hdr.op = op::RESPONSE;
         } else if take(&mut self.pending, pending::REQUEST) {
             hdr.op = op::REQUEST;
-        } else if let Some(h) = self.data_packet(room, buf, hdr) {
+        } else if let Some(h) = self.data_packet(buf, hdr) {
             hdr = h;
         } else if take(&mut self.pending, pending::SHUTDOWN) {
             hdr.op = op::SHUTDOWN;
@@ -455,7 +474,7 @@ impl Conn {
         Some(hdr)
     }
 
-    fn data_packet(&mut self, room: usize, buf: &mut Vec<u8>, mut hdr: Header) -> Option<Header> {
+    fn data_packet(&mut self, buf: &mut [u8], mut hdr: Header) -> Option<Header> {
         if !self.readable || !self.may_read() {
             return None;
         }
@@ -468,14 +487,12 @@ impl Conn {
             hdr.op = op::CREDIT_REQUEST;
             return Some(hdr);
         }
-        let want = room.min(credit);
+        let want = buf.len().min(credit);
         if want == 0 {
             return None;
         }
-        buf.resize(want, 0);
-        match recv(&self.stream, buf, 0) {
+        match recv(&self.stream, &mut buf[..want], 0) {
             Ok(0) => {
-                buf.clear();
                 // The host will send no more; the guest may still send to it.
                 self.local_eof = true;
                 self.readable = false;
@@ -484,19 +501,16 @@ impl Conn {
                 Some(hdr)
             }
             Ok(n) => {
-                buf.truncate(n);
                 self.rx_cnt += Wrapping(n as u32);
                 hdr.op = op::RW;
                 hdr.len = n as u32;
                 Some(hdr)
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                buf.clear();
                 self.readable = false;
                 None
             }
             Err(_) => {
-                buf.clear();
                 self.kill();
                 self.pending = 0;
                 hdr.op = op::RST;
@@ -535,8 +549,8 @@ mod tests {
     fn established() -> (Conn, UnixStream) {
         let (a, b) = pair();
         let mut c = Conn::peer_init(a, &hdr(op::REQUEST, 0));
-        let mut buf = Vec::new();
-        assert_eq!(c.next_packet(4096, &mut buf).unwrap().op, op::RESPONSE);
+        let mut buf = [0u8; 4096];
+        assert_eq!(c.next_packet(&mut buf).unwrap().op, op::RESPONSE);
         assert_eq!(c.state(), State::Established);
         (c, b)
     }
@@ -545,10 +559,10 @@ mod tests {
     fn a_host_connection_sends_request_and_answers_ok_on_response() {
         let (a, mut host) = pair();
         let mut c = Conn::local_init(a, 1 << 30, 52);
-        let mut buf = Vec::new();
-        let h = c.next_packet(4096, &mut buf).unwrap();
+        let mut buf = [0u8; 4096];
+        let h = c.next_packet(&mut buf).unwrap();
         assert_eq!((h.op, h.src_port, h.dst_port), (op::REQUEST, 1 << 30, 52));
-        assert!(c.next_packet(4096, &mut buf).is_none());
+        assert!(c.next_packet(&mut buf).is_none());
         let mut resp = hdr(op::RESPONSE, 0);
         resp.src_port = 52;
         assert_eq!(c.guest_packet(&resp, &[]), Verdict::Keep);
@@ -566,13 +580,13 @@ mod tests {
         assert_eq!(&got, b"hello");
         host.write_all(b"world!").unwrap();
         c.readable = true;
-        let mut buf = Vec::new();
-        let h = c.next_packet(4, &mut buf).unwrap();
-        assert_eq!((h.op, h.len, &buf[..]), (op::RW, 4, &b"worl"[..]));
+        let mut buf = [0u8; 4096];
+        let h = c.next_packet(&mut buf[..4]).unwrap();
+        assert_eq!((h.op, h.len, &buf[..4]), (op::RW, 4, &b"worl"[..]));
         assert_eq!(h.fwd_cnt, 5, "tells the guest what went to the host");
-        let h = c.next_packet(4096, &mut buf).unwrap();
-        assert_eq!((h.op, &buf[..]), (op::RW, &b"d!"[..]));
-        assert!(c.next_packet(4096, &mut buf).is_none());
+        let h = c.next_packet(&mut buf).unwrap();
+        assert_eq!((h.op, &buf[..2]), (op::RW, &b"d!"[..]));
+        assert!(c.next_packet(&mut buf).is_none());
         assert!(!c.readable);
     }
 
@@ -584,20 +598,15 @@ mod tests {
         c.guest_packet(&h, &[]);
         host.write_all(b"abcdef").unwrap();
         c.readable = true;
-        let mut buf = Vec::new();
-        assert_eq!(c.next_packet(4096, &mut buf).unwrap().len, 3);
+        let mut buf = [0u8; 4096];
+        assert_eq!(c.next_packet(&mut buf).unwrap().len, 3);
         assert!(c.interest().is_empty(), "no reading without credit");
-        assert_eq!(
-            c.next_packet(4096, &mut buf).unwrap().op,
-            op::CREDIT_REQUEST
-        );
-        assert!(c.next_packet(4096, &mut buf).is_none());
+        assert_eq!(c.next_packet(&mut buf).unwrap().op, op::CREDIT_REQUEST);
+        assert!(c.next_packet(&mut buf).is_none());
         h.fwd_cnt = 3;
         c.guest_packet(&h, &[]);
-        assert_eq!(
-            &c.next_packet(4096, &mut buf).map(|_| buf.clone()).unwrap(),
-            b"def"
-        );
+        let h = c.next_packet(&mut buf).unwrap();
+        assert_eq!(&buf[..h.len as usize], b"def");
     }
 
     #[test]
@@ -612,8 +621,8 @@ mod tests {
             assert!(c.tx.len() <= BUF_ALLOC as usize);
             assert!(sent < 64 << 20, "never reset");
         }
-        let mut buf = Vec::new();
-        assert_eq!(c.next_packet(4096, &mut buf).unwrap().op, op::RST);
+        let mut buf = [0u8; 4096];
+        assert_eq!(c.next_packet(&mut buf).unwrap().op, op::RST);
         drop(host);
     }
 
@@ -623,14 +632,14 @@ mod tests {
         drop(host.write_all(b"x"));
         host.shutdown(std::net::Shutdown::Write).unwrap();
         c.readable = true;
-        let mut buf = Vec::new();
-        assert_eq!(c.next_packet(4096, &mut buf).unwrap().op, op::RW);
-        let h = c.next_packet(4096, &mut buf).unwrap();
+        let mut buf = [0u8; 4096];
+        assert_eq!(c.next_packet(&mut buf).unwrap().op, op::RW);
+        let h = c.next_packet(&mut buf).unwrap();
         assert_eq!((h.op, h.flags), (op::SHUTDOWN, SHUTDOWN_SEND));
         let mut s = hdr(op::SHUTDOWN, 0);
         s.flags = SHUTDOWN_RCV | SHUTDOWN_SEND;
         c.guest_packet(&s, &[]);
-        assert_eq!(c.next_packet(4096, &mut buf).unwrap().op, op::RST);
+        assert_eq!(c.next_packet(&mut buf).unwrap().op, op::RST);
         let mut rest = Vec::new();
         host.read_to_end(&mut rest).unwrap();
         assert!(rest.is_empty(), "the host saw its end of file");
@@ -640,7 +649,7 @@ mod tests {
     fn an_unknown_op_resets() {
         let (mut c, _host) = established();
         c.guest_packet(&hdr(99, 0), &[]);
-        let mut buf = Vec::new();
-        assert_eq!(c.next_packet(4096, &mut buf).unwrap().op, op::RST);
+        let mut buf = [0u8; 4096];
+        assert_eq!(c.next_packet(&mut buf).unwrap().op, op::RST);
     }
 }

@@ -16,6 +16,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::epoll::{ControlOperation, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
+use super::Region;
 use super::muxer::{FD_TOKEN, LISTENER_TOKEN, Muxer};
 use super::packet::{EVENT_TRANSPORT_RESET, HDR_LEN, Header};
 use crate::devices::virtio::{GuestMemory, VirtioInterrupt, needs_interrupt, return_chain};
@@ -56,8 +57,8 @@ pub(crate) struct Handler {
     pub(crate) reset_event: bool,
     /// A device error happened: nothing is served until reset.
     pub(crate) broken: bool,
-    /// One packet's payload, reused.
-    buf: Vec<u8>,
+    /// One packet's payload, reused (a mapping: see `conn::TxBuf`).
+    buf: Region,
 }
 
 impl Handler {
@@ -67,16 +68,16 @@ impl Handler {
         irq: VirtioInterrupt,
         muxer: Muxer,
         reset_event: bool,
-    ) -> Self {
-        Handler {
+    ) -> io::Result<Self> {
+        Ok(Handler {
             mem,
             queues,
             irq,
             muxer,
             reset_event,
             broken: false,
-            buf: Vec::with_capacity(MAX_PAYLOAD),
-        }
+            buf: Region::new(MAX_PAYLOAD)?,
+        })
     }
 
     fn device_error(&mut self, e: ChainError) {
@@ -133,9 +134,7 @@ impl Handler {
             let head = chain.head_index();
             match read_packet(&mem, chain, &mut self.buf) {
                 Ok(hdr) => {
-                    let data = std::mem::take(&mut self.buf);
-                    self.muxer.send(&hdr, &data);
-                    self.buf = data;
+                    self.muxer.send(&hdr, &self.buf[..hdr.len as usize]);
                     returned |= self.give_back(TX, head, 0);
                 }
                 Err(e) => self.device_error(e),
@@ -163,15 +162,13 @@ impl Handler {
                     break;
                 }
             };
-            let Some(hdr) = self
-                .muxer
-                .recv((room - HDR_LEN).min(MAX_PAYLOAD), &mut self.buf)
-            else {
+            let room = (room - HDR_LEN).min(MAX_PAYLOAD);
+            let Some(hdr) = self.muxer.recv(&mut self.buf[..room]) else {
                 // Nothing after all (a socket had no data): the buffer stays the guest's.
                 self.queues[RX].go_to_previous_position();
                 break;
             };
-            match write_packet(&mem, chain, &hdr, &self.buf) {
+            match write_packet(&mem, chain, &hdr, &self.buf[..hdr.len as usize]) {
                 Ok(len) => returned |= self.give_back(RX, head, len),
                 Err(e) => self.device_error(e),
             }
@@ -298,9 +295,9 @@ fn writable_room(chain: &DescriptorChain<&GuestMemory>) -> Result<usize, ChainEr
 pub(crate) fn read_packet(
     mem: &GuestMemory,
     chain: DescriptorChain<&GuestMemory>,
-    data: &mut Vec<u8>,
+    data: &mut [u8],
 ) -> Result<Header, ChainError> {
-    data.clear();
+    let mut got = 0usize;
     let mut hdr_bytes = [0u8; HDR_LEN];
     let mut have_hdr = 0usize;
     let mut want: Option<usize> = None;
@@ -321,21 +318,20 @@ pub(crate) fn read_packet(
             addr = GuestAddress(addr.0.wrapping_add(n as u64));
             if have_hdr == HDR_LEN {
                 let len = Header::decode(&hdr_bytes).len;
-                if len as usize > MAX_PAYLOAD {
+                if len as usize > MAX_PAYLOAD.min(data.len()) {
                     return Err(ChainError::BadLength { len, room: total });
                 }
                 want = Some(len as usize);
             }
         }
         if let Some(w) = want {
-            let n = left.min(w - data.len());
+            let n = left.min(w - got);
             if n > 0 {
-                let at = data.len();
-                data.resize(at + n, 0);
-                mem.read_slice(&mut data[at..], addr)
+                mem.read_slice(&mut data[got..got + n], addr)
                     .map_err(|_| ChainError::Memory)?;
+                got += n;
             }
-            if data.len() == w {
+            if got == w {
                 break;
             }
         }
@@ -344,7 +340,7 @@ pub(crate) fn read_packet(
     if have_hdr < HDR_LEN {
         return Err(ChainError::NoHeader(total));
     }
-    if data.len() != hdr.len as usize {
+    if got != hdr.len as usize {
         return Err(ChainError::BadLength {
             len: hdr.len,
             room: total.saturating_sub(HDR_LEN),

@@ -165,6 +165,63 @@ fn bind(path: &Path) -> Result<UnixListener, Error> {
     Ok(l)
 }
 
+/// An anonymous private mapping: buffers the device thread fills and empties
+/// without the allocator (see `conn::TxBuf` for why).
+#[derive(Debug)]
+pub(crate) struct Region {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is owned by this value alone and unmapped on drop.
+unsafe impl Send for Region {}
+
+impl Region {
+    /// `len` zeroed bytes (pages are only made resident as they are written).
+    pub(crate) fn new(len: usize) -> io::Result<Self> {
+        // SAFETY: a fresh anonymous mapping; no existing memory is touched.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Region {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+}
+
+impl std::ops::Deref for Region {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` maps `len` readable bytes for as long as `self` lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for Region {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as for deref; `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping `new` made; no slice of it outlives `self`.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
 /// A virtio vsock device.
 #[derive(Debug)]
 pub struct Vsock {
@@ -237,10 +294,10 @@ impl VirtioDevice for Vsock {
             crate::seccomp::Thread::Vsock,
             move |kill| {
                 // The epoll is made here: the activating vCPU's filter has no epoll_create1.
-                match muxer::Muxer::new(cid, uds, listener) {
-                    Ok(m) => {
-                        handler::Handler::new(mem, queues, irq, m, reset_event).run(evts, kill)
-                    }
+                let made = muxer::Muxer::new(cid, uds, listener)
+                    .and_then(|m| handler::Handler::new(mem, queues, irq.clone(), m, reset_event));
+                match made {
+                    Ok(h) => h.run(evts, kill),
                     Err(e) => {
                         crate::guest_warn!("virtio-vsock: cannot start: {e}; device needs reset");
                         irq.set_needs_reset();
@@ -265,28 +322,32 @@ impl VirtioDevice for Vsock {
 }
 
 /// For the fuzz target `vsock` (fuzz/, built by scripts/fuzz with `--cfg fuzzing`):
-/// serves the transmit queue (whose packets may answer on the receive queue) and the
-/// event queue on arbitrary memory, with no host peer listening.
+/// a restored device's TRANSPORT_RESET, then the transmit queue twice (whose packets
+/// may answer on the receive queue), on arbitrary memory. Guest REQUESTs go to
+/// `PATH_<port>` sockets nobody listens on, so each is answered RST.
 #[cfg(fuzzing)]
 pub(crate) fn fuzz_queues(
     mem: GuestMemory,
     queues: [virtio_queue::Queue; 3],
     irq: VirtioInterrupt,
 ) {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    let dir = std::env::temp_dir();
-    let uds = dir.join(format!(
-        "ember-fuzz-vsock-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let Ok(listener) = bind(&uds) else { return };
-    let _ = std::fs::remove_file(&uds);
-    let Ok(m) = muxer::Muxer::new(3, uds, listener) else {
+    use std::sync::OnceLock;
+    // One listener for the whole run (binding is a file-system operation).
+    static LISTENER: OnceLock<Option<(PathBuf, UnixListener)>> = OnceLock::new();
+    let Some((uds, l)) = LISTENER.get_or_init(|| {
+        let uds = std::env::temp_dir().join(format!("ember-fuzz-vsock-{}", std::process::id()));
+        let l = bind(&uds).ok()?;
+        Some((uds, l))
+    }) else {
         return;
     };
-    let mut h = handler::Handler::new(mem, queues, irq, m, true);
+    let Ok(listener) = l.try_clone() else { return };
+    let Ok(m) = muxer::Muxer::new(3, uds.clone(), listener) else {
+        return;
+    };
+    let Ok(mut h) = handler::Handler::new(mem, queues, irq, m, true) else {
+        return;
+    };
     h.process_event();
     h.process_tx();
     h.process_tx();

@@ -76,9 +76,9 @@ pub(crate) struct Muxer {
 }
 
 impl Muxer {
-    /// A muxer for the guest `cid`, serving `listener` (bound at `uds`).
+    /// A muxer for the guest `cid`, serving `listener` (bound at `uds`,
+    /// already non-blocking: the device thread may not ioctl).
     pub(crate) fn new(cid: u64, uds: PathBuf, listener: UnixListener) -> io::Result<Self> {
-        listener.set_nonblocking(true)?;
         let epoll = Epoll::new()?;
         epoll.ctl(
             ControlOperation::Add,
@@ -376,10 +376,9 @@ impl Muxer {
         self.local_ports.remove(&key.local);
     }
 
-    /// The next packet for the guest: its header, its payload (at most `room`
-    /// bytes) in `buf`.
-    pub(crate) fn recv(&mut self, room: usize, buf: &mut Vec<u8>) -> Option<Header> {
-        buf.clear();
+    /// The next packet for the guest: its header, and its payload (`len`
+    /// bytes, at most `buf.len()`) in `buf`.
+    pub(crate) fn recv(&mut self, buf: &mut [u8]) -> Option<Header> {
         let mut hdr = if let Some(key) = self.loose_rsts.pop_front() {
             Header {
                 src_port: key.local,
@@ -388,7 +387,7 @@ impl Muxer {
                 ..Header::default()
             }
         } else {
-            self.conn_packet(room, buf)?
+            self.conn_packet(buf)?
         };
         hdr.src_cid = HOST_CID;
         hdr.dst_cid = self.cid;
@@ -396,7 +395,7 @@ impl Muxer {
         Some(hdr)
     }
 
-    fn conn_packet(&mut self, room: usize, buf: &mut Vec<u8>) -> Option<Header> {
+    fn conn_packet(&mut self, buf: &mut [u8]) -> Option<Header> {
         // Each connection is tried at most once per call, so one whose
         // socket turned out empty cannot keep us here.
         for _ in 0..self.ready.len() {
@@ -405,7 +404,7 @@ impl Muxer {
                 continue;
             };
             c.queued = false;
-            let packet = c.next_packet(room, buf);
+            let packet = c.next_packet(buf);
             match packet {
                 Some(h) if h.op == op::RST => {
                     self.remove(key);
@@ -491,6 +490,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let uds = dir.join("v.sock");
         let l = UnixListener::bind(&uds).unwrap();
+        l.set_nonblocking(true).unwrap();
         Rig {
             dir,
             m: Muxer::new(3, uds, l).unwrap(),
@@ -536,8 +536,8 @@ mod tests {
         host.write_all(b"CONNECT 52\nearly").unwrap();
         pump(&mut r.m);
         pump(&mut r.m);
-        let mut buf = Vec::new();
-        let req = r.m.recv(4096, &mut buf).unwrap();
+        let mut buf = [0u8; 4096];
+        let req = r.m.recv(&mut buf).unwrap();
         assert_eq!((req.op, req.dst_port, req.dst_cid), (op::REQUEST, 52, 3));
         assert_eq!(req.src_port, FIRST_LOCAL_PORT);
         r.m.send(&guest(op::RESPONSE, 52, req.src_port), &[]);
@@ -546,8 +546,8 @@ mod tests {
         assert_eq!(&ok, b"OK 1073741824\n");
         // The bytes written after the line are data, not lost to the handshake.
         pump(&mut r.m);
-        let rw = r.m.recv(4096, &mut buf).unwrap();
-        assert_eq!((rw.op, &buf[..]), (op::RW, &b"early"[..]));
+        let rw = r.m.recv(&mut buf).unwrap();
+        assert_eq!((rw.op, &buf[..rw.len as usize]), (op::RW, &b"early"[..]));
         r.m.send(&guest(op::RW, 52, req.src_port), b"pong");
         let mut got = [0u8; 4];
         host.read_exact(&mut got).unwrap();
@@ -564,13 +564,13 @@ mod tests {
     #[test]
     fn guest_initiated_connection_reaches_path_port_or_is_reset() {
         let mut r = rig("guest");
-        let mut buf = Vec::new();
+        let mut buf = [0u8; 4096];
         r.m.send(&guest(op::REQUEST, 2000, 1234), &[]);
-        let rst = r.m.recv(4096, &mut buf).unwrap();
+        let rst = r.m.recv(&mut buf).unwrap();
         assert_eq!((rst.op, rst.src_port, rst.dst_port), (op::RST, 1234, 2000));
         let l = UnixListener::bind(r.dir.join("v.sock_1234")).unwrap();
         r.m.send(&guest(op::REQUEST, 2000, 1234), &[]);
-        let resp = r.m.recv(4096, &mut buf).unwrap();
+        let resp = r.m.recv(&mut buf).unwrap();
         assert_eq!(resp.op, op::RESPONSE);
         let (mut host, _) = l.accept().unwrap();
         r.m.send(&guest(op::RW, 2000, 1234), b"hi host");
@@ -579,16 +579,16 @@ mod tests {
         assert_eq!(&got, b"hi host");
         drop(host);
         pump(&mut r.m);
-        let end = r.m.recv(4096, &mut buf).unwrap();
+        let end = r.m.recv(&mut buf).unwrap();
         assert_eq!(end.op, op::SHUTDOWN);
     }
 
     #[test]
     fn packets_for_no_connection_get_an_rst_and_bad_lines_are_dropped() {
         let mut r = rig("loose");
-        let mut buf = Vec::new();
+        let mut buf = [0u8; 4096];
         r.m.send(&guest(op::RW, 5, 6), b"x");
-        assert_eq!(r.m.recv(4096, &mut buf).unwrap().op, op::RST);
+        assert_eq!(r.m.recv(&mut buf).unwrap().op, op::RST);
         r.m.send(&guest(op::RST, 5, 6), &[]);
         assert!(!r.m.has_rx(), "an RST is never answered");
         let mut host = UnixStream::connect(&r.m.uds).unwrap();

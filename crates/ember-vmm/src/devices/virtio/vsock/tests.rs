@@ -114,7 +114,8 @@ fn rig<'m>(mem: &'m GuestMemory, name: &str, reset_event: bool) -> Rig<'m> {
         VirtioInterrupt::new(irq.clone()),
         m,
         reset_event,
-    );
+    )
+    .unwrap();
     Rig {
         mem,
         rx,
