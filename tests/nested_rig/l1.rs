@@ -71,6 +71,8 @@ pub fn command(
         "2",
     ]);
     c.args(["--timeout", &timeout_s.to_string()]);
+    // The vsock case's host side.
+    c.args(["--with", "socat"]);
     for (k, v) in [
         ("EMBER_INIT", "/rig/ember-init".to_owned()),
         ("RIG_VERSION", staged.version.clone()),

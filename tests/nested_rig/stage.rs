@@ -14,6 +14,7 @@ const L2_GROUPS: &[(&str, &[&str])] = &[
     ("rng", &["virtio_rng"]),
     ("pmem", &["virtio_pmem", "nd_pmem"]),
     ("balloon", &["virtio_balloon"]),
+    ("vsock", &["vmw_vsock_virtio_transport"]),
 ];
 
 /// What the L1 gets, staged.
@@ -56,6 +57,7 @@ pub fn stage() -> Result<Staged, String> {
     std::fs::write(rigdir.join("suite.sh"), include_bytes!("../rig/suite.sh"))
         .map_err(|e| e.to_string())?;
     l2_initramfs(&rigdir.join("l2.cpio"), &k.tree)?;
+    socat_initramfs(&rigdir.join("socat.cpio"))?;
     symlink(&k.vmlinuz, &rigdir.join("vmlinuz"))?;
     symlink(&common::init_binary()?, &rigdir.join("ember-init"))?;
     let generic = match generic_kernel(&k.cache, &k.version) {
@@ -241,6 +243,41 @@ fn l2_initramfs(out: &Path, tree: &modules::ModuleTree) -> Result<(), String> {
         have = all.len();
         w.file(&format!("lib/ko/{group}.list"), 0o644, list.as_bytes())
             .map_err(e)?;
+    }
+    w.finish().map_err(e)?;
+    Ok(())
+}
+
+/// The host's socat and every library it needs, at their host paths: the
+/// vsock case appends it to the L2's initramfs (the kernel unpacks both), so
+/// the other L2 boots do not carry its ~8 MB.
+fn socat_initramfs(out: &Path) -> Result<(), String> {
+    let exe = ember::appliance::closure::find_command(
+        "socat",
+        &std::env::var("PATH").unwrap_or_default(),
+        None,
+    )
+    .map_err(|e| format!("socat (scripts/install-deps --test): {e}"))?;
+    let files = ember::appliance::closure::closure(&exe).map_err(|e| format!("socat: {e}"))?;
+    let f = std::fs::File::create(out).map_err(|e| e.to_string())?;
+    let mut w = ember::initramfs::NewcWriter::new(std::io::BufWriter::new(f));
+    let e = |e: ember::initramfs::InitramfsError| e.to_string();
+    let mut dirs = std::collections::BTreeSet::new();
+    for path in &files {
+        let rel = path.strip_prefix("/").unwrap_or(path);
+        for d in rel.ancestors().skip(1) {
+            if !d.as_os_str().is_empty() && dirs.insert(d.to_path_buf()) {
+                // Parents before children: ancestors() goes upwards, so collect first.
+            }
+        }
+    }
+    for d in &dirs {
+        w.dir(&d.to_string_lossy(), 0o755).map_err(e)?;
+    }
+    for path in &files {
+        let rel = path.strip_prefix("/").unwrap_or(path);
+        let data = std::fs::read(path).map_err(|err| format!("{}: {err}", path.display()))?;
+        w.file(&rel.to_string_lossy(), 0o755, &data).map_err(e)?;
     }
     w.finish().map_err(e)?;
     Ok(())

@@ -148,6 +148,26 @@ if [ "$RIGCASE" = snapshot ]; then
   echo "@uuid $($b cat /proc/sys/kernel/random/uuid)"
   eval "$cmd"
 fi
+if [ "$RIGCASE" = vsock ]; then
+  # vsock both ways with Debian's own vmw_vsock_virtio_transport and socat
+  # (appended to this initramfs by the suite): 1 MiB to host port 5000
+  # (ember connects it to PATH_5000, where the L1's socat listens), then a
+  # listener on port 1234 for the L1's `CONNECT 1234`. The harness compares
+  # the checksums each side prints.
+  load core
+  load vsock
+  s=/usr/bin/socat
+  $b mkdir -p /tmp
+  $b dd if=/dev/urandom of=/tmp/g2h bs=64k count=16 2>/dev/null
+  echo "@vsock-g2h-md5 $($b md5sum /tmp/g2h | $b cut -d' ' -f1)"
+  $s -u FILE:/tmp/g2h VSOCK-CONNECT:2:5000 && echo "@vsock-g2h sent"
+  $s -u VSOCK-LISTEN:1234 CREATE:/tmp/h2g &
+  sp=$!
+  $b sleep 1
+  echo "@vsock-listening"
+  wait $sp
+  echo "@vsock-h2g-md5 $($b md5sum /tmp/h2g | $b cut -d' ' -f1)"
+fi
 if [ "$RIGCASE" = uart ]; then
   # The console is COM1 (console=ttyS0): read what the host sends through
   # ember's stdin, without the tty echoing it back.

@@ -159,6 +159,43 @@ wait_line() {
     $b sleep 0.2
   done
 }
+# vsock both ways between the L2 (Debian's vsock transport, socat
+# VSOCK-CONNECT/VSOCK-LISTEN) and this L1 (socat on ember's hybrid vsock
+# sockets): the guest's 1 MiB arrives at PATH_5000, and ours goes in through
+# PATH with `CONNECT 1234` (retried until the guest listens; the first line
+# back is `OK <host port>`). Both sides print checksums; the harness compares.
+vsock_case() {
+  d=/tmp/vsock
+  $b rm -rf $d && $b mkdir -p $d
+  $b dd if=/dev/urandom of=$d/h2g bs=64k count=16 2>/dev/null
+  echo "@vsock-h2g-src-md5 $($b md5sum $d/h2g | $b cut -d' ' -f1)"
+  socat -u UNIX-LISTEN:$d/v.sock_5000 CREATE:$d/g2h &
+  lp=$!
+  $b cat /rig/l2.cpio /rig/socat.cpio >$d/l2.cpio
+  # shellcheck disable=SC2086 # RIG_L2_ARGS is a list of arguments
+  ember boot --kernel "$vmlinux" --initrd $d/l2.cpio --mem 256M --cpus 1 --timeout "$((LIMIT - 10))" \
+    --cmdline "$CMDLINE RIGCASE=vsock RIGTOKEN=$RIG_TOKEN" $RIG_L2_ARGS \
+    --vsock cid=3,uds=$d/v.sock </dev/null >$d/con 2>$d/err &
+  pid=$!
+  wait_line $d/con '^@vsock-listening' && vsock_connect
+  wait "$pid"
+  rc=$?
+  $b kill $lp 2>/dev/null
+  echo "@vsock-g2h-recv-md5 $($b md5sum $d/g2h | $b cut -d' ' -f1)"
+  $b cat $d/con
+  $b sed 's/^/@stderr /' $d/err
+  return $rc
+}
+vsock_connect() {
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    { printf 'CONNECT 1234\n'; $b cat $d/h2g; } | socat - UNIX-CONNECT:$d/v.sock >$d/ok 2>>$d/err
+    ok=$($b head -n 1 $d/ok)
+    case $ok in OK\ *) echo "@vsock-ok-line $ok" && return 0 ;; esac
+    $b sleep 1
+  done
+  echo "@vsock-no-ok"
+  return 1
+}
 # wait_actual SOCKET PAGES: until the balloon holds PAGES pages, or the
 # case's time is up (as wait_line).
 wait_actual() {
@@ -292,6 +329,7 @@ run_case prefault-async 240 l2 "$vmlinux" 1 prefault \
   --prefault async,window=64M,chunk=8M,rate=4M,driver-timeout=300 --events /tmp/prefault.json
 run_case prefault-async-events 30 sh -c 'cat /tmp/prefault.json; echo'
 run_case uart 120 uart
+run_case vsock 240 vsock_case
 
 # The appliance on the ember backend (ember-init and this cache, in L2).
 run_case appliance 120 ember run --backend ember --initramfs --timeout "$(inner 120)" -- sh -c 'uname -r; echo err >&2; exit 7'

@@ -7,3 +7,4 @@ mod lab;
 mod memory;
 mod snapshot;
 mod virtio;
+mod vsock;
