@@ -352,6 +352,12 @@ impl Backend for QemuBackend {
         if spec.restore.is_some() || spec.api_socket.is_some() {
             return Err(unsupported("restore a snapshot or serve a control socket"));
         }
+        // QEMU's vsock needs the host's vhost-vsock; ember's is its own.
+        if spec.devices.vsock.is_some() {
+            return Err(unsupported(
+                "attach a hybrid vsock (--vsock; use --backend ember)",
+            ));
+        }
         let pci_or_mmio = |pci: &str| {
             if self.is_microvm() {
                 format!("{pci}-device")
@@ -811,5 +817,9 @@ mod tests {
         });
         let e = q.command(&spec).unwrap_err().to_string();
         assert!(e.contains("balloon inflated"), "{e}");
+        let mut spec = GuestSpec::new("/k");
+        spec.devices.vsock = Some("cid=3,uds=/v.sock".parse().unwrap());
+        let e = q.command(&spec).unwrap_err().to_string();
+        assert!(e.contains("--vsock"), "{e}");
     }
 }
