@@ -3,6 +3,7 @@
 
 use crate::backend::DeviceArgs;
 use crate::exit::{EXIT_GUEST_CRASHED, EXIT_SECCOMP, EXIT_TIMEOUT, guest_end_status};
+use crate::passt;
 use clap::Args;
 use ember_vmm::builder::{self, BeforeGo, VmConfig};
 use ember_vmm::devices::virtio::{
@@ -45,14 +46,21 @@ pub struct BootArgs {
     #[command(flatten)]
     pub devices: DeviceArgs,
     /// A virtio-net device (eth0, eth1, … in the guest) on an existing tap
-    /// interface, or on a tap descriptor ember inherited (`fd=N`):
-    /// tap=NAME|fd=N[,mac=MAC][,mtu=N][,rx_bytes=R][,rx_ops=R][,tx_bytes=R][,tx_ops=R],
+    /// interface, on a tap descriptor ember inherited (`fd=N`), or user-mode
+    /// networking through a passt ember starts and stops (`passt`: the
+    /// host's addresses, offered by passt's DHCP/NDP/DHCPv6; or `socket=N`, a
+    /// passt stream socket ember inherited):
+    /// tap=NAME|fd=N|passt|socket=N[,mac=MAC][,mtu=N][,rx_bytes=R][,rx_ops=R][,tx_bytes=R][,tx_ops=R],
     /// a rate R being SIZE[/MS][+BURST] (SIZE bytes or frames per MS
     /// milliseconds, 1000 by default; a one-time BURST). Repeatable. With
     /// --restore: the backends of the snapshot's network devices, in order
     /// (a new tap or MAC shows the guest its link going down and up).
-    #[arg(long, value_name = "tap=NAME|fd=N[,mac=MAC][,mtu=N]")]
+    #[arg(long, value_name = "tap=NAME|fd=N|passt[,mac=MAC][,mtu=N]")]
     pub net: Vec<NetConfig>,
+    /// With `--net passt`: forward the host's port HOST (on ADDR only, if
+    /// given) to the guest's port GUEST. Repeatable.
+    #[arg(long, value_name = "[ADDR:]HOST:GUEST[/tcp|/udp]")]
+    pub publish: Vec<String>,
     /// The virtio devices as JSON (`ember run` hands its devices over this
     /// way, not as options to parse again).
     #[arg(
@@ -243,7 +251,8 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
             Ok(())
         })
     };
-    let devices = args.device_set()?;
+    let mut devices = args.device_set()?;
+    start_passt(&mut devices.net, &args.publish)?;
     let machine = match &args.restore {
         Some(dir) => {
             // The snapshot's devices are its own: files given replace
@@ -306,6 +315,35 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
     crate::cleanup::run_all();
     // The VM's teardown is left to a process nobody waits for.
     machine.exit(code)
+}
+
+/// Starts a passt for each `--net passt` device and puts its socket in the
+/// device's place (`--publish`'s forwards go to the first). passt is left to
+/// end by itself: when this process (and with it the VMM's end of its
+/// socket) goes.
+fn start_passt(nets: &mut [NetConfig], publish: &[String]) -> anyhow::Result<()> {
+    use ember_vmm::devices::virtio::net::NetBackendConfig;
+    use std::os::fd::IntoRawFd;
+    let is_passt = |n: &&mut NetConfig| n.backend == NetBackendConfig::Passt;
+    if !nets.iter_mut().any(|n| is_passt(&n)) {
+        if !publish.is_empty() {
+            anyhow::bail!("--publish needs --net passt");
+        }
+        return Ok(());
+    }
+    let publish: Vec<passt::Publish> = publish
+        .iter()
+        .map(|p| p.parse())
+        .collect::<Result<_, _>>()?;
+    let guest = passt::GuestNet::from_host()?;
+    for (i, n) in nets.iter_mut().filter(is_passt).enumerate() {
+        let forwards = if i == 0 { &publish[..] } else { &[] };
+        let (mut p, fd) = passt::Passt::start(&guest, forwards)?;
+        p.wait_ready()?;
+        n.backend = NetBackendConfig::Socket(fd.into_raw_fd());
+        p.detach();
+    }
+    Ok(())
 }
 
 /// When a restored guest crashed: the damaged memory file that explains it,

@@ -385,7 +385,8 @@ pub fn binary() -> Result<PathBuf, PasstError> {
 /// A running passt, killed and reaped when dropped.
 #[derive(Debug)]
 pub struct Passt {
-    child: Child,
+    /// `None` once detached.
+    child: Option<Child>,
     /// Kills passt on a fatal signal; dropped before it is reaped.
     kill: Option<cleanup::Entry>,
     /// The last of passt's stderr.
@@ -440,6 +441,7 @@ impl Passt {
                 }
             });
         }
+        let child = Some(child);
         Ok((Passt { child, kill, said }, ours.into()))
     }
 
@@ -448,10 +450,13 @@ impl Passt {
     /// words if it exits first. One that takes longer than [`READY_WAIT`]
     /// is left to get on with it.
     pub fn wait_ready(&mut self) -> Result<(), PasstError> {
-        let status = format!("/proc/{}/status", self.child.id());
+        let Some(child) = self.child.as_mut() else {
+            return Ok(());
+        };
+        let status = format!("/proc/{}/status", child.id());
         let until = Instant::now() + READY_WAIT;
         while Instant::now() < until {
-            if let Ok(Some(st)) = self.child.try_wait() {
+            if let Ok(Some(st)) = child.try_wait() {
                 // Let the stderr thread take its last words.
                 std::thread::sleep(Duration::from_millis(20));
                 return Err(PasstError::Failed(self.last_words(st)));
@@ -468,14 +473,23 @@ impl Passt {
         Ok(())
     }
 
+    /// Leaves passt to end by itself, when the VMM's socket closes (and by
+    /// `PR_SET_PDEATHSIG` with ember): for `ember boot`, whose confined main
+    /// thread may not kill or reap it.
+    pub fn detach(mut self) {
+        self.kill = None;
+        // Dropping a `Child` neither kills nor waits for it.
+        self.child = None;
+    }
+
     /// passt's process id.
     pub fn id(&self) -> u32 {
-        self.child.id()
+        self.child.as_ref().map_or(0, Child::id)
     }
 
     /// If passt has ended: why, in its own words.
     pub fn ended(&mut self) -> Option<String> {
-        let st = self.child.try_wait().ok()??;
+        let st = self.child.as_mut()?.try_wait().ok()??;
         std::thread::sleep(Duration::from_millis(20));
         Some(self.last_words(st))
     }
@@ -498,9 +512,11 @@ impl Passt {
 
 impl Drop for Passt {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        self.kill = None;
-        let _ = self.child.wait();
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            self.kill = None;
+            let _ = child.wait();
+        }
     }
 }
 

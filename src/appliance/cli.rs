@@ -115,7 +115,8 @@ pub struct RunArgs {
     pub prepare_only: bool,
     /// Give the command a network, without privileges: user-mode, through
     /// passt (the host's addresses, routes and name servers; eth0 is
-    /// configured before CMD starts). Without it the guest has none.
+    /// configured before CMD starts). Without it the guest has none. qemu
+    /// backend for now.
     #[arg(long)]
     pub net: bool,
     /// Forward the host's port HOST (on ADDR only, if given) to the guest's

@@ -309,12 +309,6 @@ impl Backend for EmberBackend {
     }
 
     fn command(&self, spec: &GuestSpec) -> Result<Command, BackendError> {
-        if spec.net_fd.is_some() {
-            return Err(BackendError::Unsupported {
-                backend: "the ember backend".into(),
-                what: "give the guest a network yet (--net: use --backend qemu)".into(),
-            });
-        }
         if let ShareSupport::Unsupported(why) = self.share_support()
             && !spec.shares.is_empty()
         {
@@ -325,6 +319,17 @@ impl Backend for EmberBackend {
         }
         let mut c = Command::new(&self.binary);
         c.arg("boot");
+        // passt's socket: the first network device, booted or restored.
+        let mut devices = spec.devices.clone();
+        if let Some(fd) = spec.net_fd {
+            let mut n = ember_vmm::devices::virtio::NetConfig::tap("");
+            n.backend = ember_vmm::devices::virtio::net::NetBackendConfig::Socket(fd);
+            devices.net.insert(0, n);
+        }
+        let spec = &GuestSpec {
+            devices,
+            ..spec.clone()
+        };
         if let Some(dir) = &spec.restore {
             // Everything else is the snapshot's.
             c.arg("--restore").arg(dir);
@@ -555,6 +560,32 @@ mod tests {
                 "async,window=64M"
             ]
         );
+    }
+
+    /// passt's socket becomes the first network device, `socket=N`, booted
+    /// or restored.
+    #[test]
+    fn passts_socket_is_the_first_network_device() {
+        let b = EmberBackend {
+            binary: "/bin/ember".into(),
+        };
+        let mut spec = GuestSpec::new("/k");
+        spec.net_fd = Some(9);
+        for restore in [None, Some("/snap".into())] {
+            spec.restore = restore;
+            let args: Vec<_> = b
+                .command(&spec)
+                .unwrap()
+                .get_args()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect();
+            let at = args.iter().position(|a| a == BOOT_DEVICES_ARG).unwrap();
+            let handed: DeviceSet = serde_json::from_str(&args[at + 1]).unwrap();
+            assert_eq!(
+                handed.net[0].backend,
+                ember_vmm::devices::virtio::net::NetBackendConfig::Socket(9)
+            );
+        }
     }
 
     #[test]

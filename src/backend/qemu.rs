@@ -415,14 +415,23 @@ impl Backend for QemuBackend {
                     "limit a network device's rate (use --backend ember)",
                 ));
             }
-            let backend = match &n.backend {
-                NetBackendConfig::Tap(name) => format!("ifname={name}"),
-                NetBackendConfig::Fd(fd) => format!("fd={fd}"),
+            let netdev = match &n.backend {
+                // Userspace virtio-net as ember's: no vhost, the tap with its header.
+                NetBackendConfig::Tap(name) => format!(
+                    "tap,id=n{i},ifname={name},script=no,downscript=no,vhost=off,vnet_hdr=on"
+                ),
+                NetBackendConfig::Fd(fd) => {
+                    format!("tap,id=n{i},fd={fd},script=no,downscript=no,vhost=off,vnet_hdr=on")
+                }
+                // passt's framing is the stream netdev's.
+                NetBackendConfig::Socket(fd) => {
+                    format!("stream,id=n{i},addr.type=fd,addr.str={fd}")
+                }
+                NetBackendConfig::Passt => {
+                    return Err(unsupported("start passt itself (use ember run --net)"));
+                }
             };
-            // Userspace virtio-net as ember's: no vhost, the tap with its header.
-            c.arg("-netdev").arg(format!(
-                "tap,id=n{i},{backend},script=no,downscript=no,vhost=off,vnet_hdr=on"
-            ));
+            c.arg("-netdev").arg(netdev);
             let mut dev = format!("{},netdev=n{i}", pci_or_mmio("virtio-net"));
             if let Some(mac) = n.mac {
                 dev.push_str(&format!(",mac={mac}"));

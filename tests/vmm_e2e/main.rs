@@ -12,6 +12,7 @@ mod common;
 
 mod lab_ember;
 mod net_e2e;
+mod passt_e2e;
 mod prefault_e2e;
 mod seccomp_e2e;
 mod snapshot_e2e;

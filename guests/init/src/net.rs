@@ -86,8 +86,8 @@ pub fn configure(root: Option<&[u8]>) -> Result<(), &'static [u8]> {
         if let Some(v4) = &conf.v4 {
             ipv4(s4, v4)?;
         }
-        if let Some(v6) = &conf.v6 {
-            let s6 = socket(AF_INET6)?;
+        // A kernel without IPv6 (no AF_INET6 sockets) goes on with IPv4.
+        if let (Some(v6), Ok(s6)) = (&conf.v6, socket(AF_INET6)) {
             let r = ipv6(s6, index, v6);
             sys::close(s6);
             r?;

@@ -457,6 +457,9 @@ pub fn rules(thread: Thread) -> Rules {
                 &mut r,
                 &[libc::SYS_timerfd_create, libc::SYS_timerfd_settime],
             );
+            // passt's stream socket: a frame waits a little for room
+            // (glibc's poll is poll, musl's ppoll where poll is missing).
+            allow(&mut r, &[libc::SYS_poll, libc::SYS_ppoll]);
             allow_arg(&mut r, libc::SYS_ioctl, 1, &[request(libc::TUNSETOFFLOAD)]);
             r
         }

@@ -81,6 +81,13 @@ pub enum NetBackendConfig {
     /// A tap the caller opened and passed down as this descriptor (`fd=N`), as
     /// orchestrators do.
     Fd(i32),
+    /// A connected stream socket the caller passed down (`socket=N`) with QEMU's
+    /// stream-netdev framing, as passt speaks it (`passt --fd`): user-mode
+    /// networking, no offloads.
+    Socket(i32),
+    /// User-mode networking through a passt that ember boot starts (`passt`): it
+    /// becomes a [`Socket`](Self::Socket) before the device is made.
+    Passt,
 }
 
 impl fmt::Display for NetBackendConfig {
@@ -88,6 +95,8 @@ impl fmt::Display for NetBackendConfig {
         match self {
             NetBackendConfig::Tap(n) => write!(f, "tap {n}"),
             NetBackendConfig::Fd(fd) => write!(f, "tap descriptor {fd}"),
+            NetBackendConfig::Socket(fd) => write!(f, "socket descriptor {fd}"),
+            NetBackendConfig::Passt => f.write_str("passt"),
         }
     }
 }
@@ -140,7 +149,9 @@ impl NetConfig {
             NetBackendConfig::Tap(n) if n.is_empty() || n.len() >= libc::IFNAMSIZ => {
                 return Err(Error::BadTapName(n.clone()));
             }
-            NetBackendConfig::Fd(fd) if *fd < 0 => return Err(Error::BadFd(fd.to_string())),
+            NetBackendConfig::Fd(fd) | NetBackendConfig::Socket(fd) if *fd < 0 => {
+                return Err(Error::BadFd(fd.to_string()));
+            }
             _ => {}
         }
         if let Some(m) = self.mtu.filter(|m| !(MIN_MTU..=MAX_MTU).contains(m)) {
@@ -167,6 +178,12 @@ impl FromStr for NetConfig {
         let mut backend = None;
         let mut cfg = NetConfig::tap("");
         for opt in s.split(',') {
+            if opt == "passt" {
+                if backend.replace(NetBackendConfig::Passt).is_some() {
+                    return Err(Error::TwoBackends);
+                }
+                continue;
+            }
             let (key, value) = opt
                 .split_once('=')
                 .ok_or_else(|| Error::UnknownOption(opt.to_owned()))?;
@@ -186,6 +203,14 @@ impl FromStr for NetConfig {
                         .filter(|&fd| fd >= 0)
                         .ok_or_else(|| Error::BadFd(value.to_owned()))?;
                     set_backend(&mut backend, NetBackendConfig::Fd(fd))?
+                }
+                "socket" => {
+                    let fd = value
+                        .parse::<i32>()
+                        .ok()
+                        .filter(|&fd| fd >= 0)
+                        .ok_or_else(|| Error::BadFd(value.to_owned()))?;
+                    set_backend(&mut backend, NetBackendConfig::Socket(fd))?
                 }
                 "mac" => cfg.mac = Some(value.parse()?),
                 "mtu" => {
@@ -259,6 +284,11 @@ mod tests {
             })
         );
         assert!(c.rx_rate.is_none());
+        let c: NetConfig = "socket=5,mac=02:00:00:00:00:02".parse().unwrap();
+        assert_eq!(c.backend, NetBackendConfig::Socket(5));
+        let c: NetConfig = "passt,mtu=65520".parse().unwrap();
+        assert_eq!((c.backend, c.mtu), (NetBackendConfig::Passt, Some(65520)));
+        assert!("passt,tap=t".parse::<NetConfig>().is_err());
         let c: NetConfig = "fd=7,rx_ops=1000".parse().unwrap();
         assert_eq!(c.backend, NetBackendConfig::Fd(7));
         assert_eq!(c.rx_rate.ops.unwrap().size, 1000);

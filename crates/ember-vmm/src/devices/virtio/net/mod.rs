@@ -18,6 +18,7 @@ mod config;
 mod event_loop;
 pub(crate) mod handler;
 pub(crate) mod rate_limiter;
+mod stream;
 pub(crate) mod tap;
 
 pub use config::{MacAddr, NetBackendConfig, NetConfig};
@@ -69,14 +70,14 @@ mod config_offset {
 #[derive(Debug, Error)]
 pub enum Error {
     /// Neither `tap=` nor `fd=`.
-    #[error("--net needs tap=NAME or fd=N")]
+    #[error("--net needs tap=NAME or fd=N (a tap), passt, or socket=N (passt's stream socket)")]
     MissingBackend,
     /// Both.
-    #[error("--net takes only one of tap=NAME and fd=N")]
+    #[error("--net takes only one of tap=NAME, fd=N, passt and socket=N")]
     TwoBackends,
     /// An option we do not know.
     #[error(
-        "unknown --net option `{0}` (expected tap=NAME, fd=N, mac=MAC, mtu=N, rx_bytes=, rx_ops=, tx_bytes=, tx_ops=)"
+        "unknown --net option `{0}` (expected tap=NAME, fd=N, passt, socket=N, mac=MAC, mtu=N, rx_bytes=, rx_ops=, tx_bytes=, tx_ops=)"
     )]
     UnknownOption(String),
     /// Not six hex bytes, or a multicast address.
@@ -121,6 +122,13 @@ pub enum Error {
     /// `fd=N` that is no usable tap.
     #[error("fd={0}: {1}")]
     BadTapFd(RawFd, String),
+    /// `passt` reached the device without a passt behind it (the caller starts
+    /// one and hands its socket over as `socket=N`).
+    #[error("--net passt: no passt was started for this device")]
+    PasstNotStarted,
+    /// `socket=N` that is no connected stream socket.
+    #[error("socket={0}: {1}")]
+    BadSocketFd(RawFd, String),
 }
 
 /// What a device has moved, for tests and the benchmark (read with relaxed ordering:
@@ -221,6 +229,8 @@ impl Net {
         let backend: Arc<dyn Backend> = match &config.backend {
             NetBackendConfig::Tap(name) => Arc::new(tap::Tap::open(name)?),
             NetBackendConfig::Fd(fd) => Arc::new(tap::Tap::from_fd(*fd)?),
+            NetBackendConfig::Socket(fd) => Arc::new(stream::Stream::from_fd(*fd)?),
+            NetBackendConfig::Passt => return Err(Error::PasstNotStarted),
         };
         Self::with_backend(config, backend).map_err(|e| Error::Tap(config.backend.to_string(), e))
     }
