@@ -7,7 +7,7 @@ use crate::passt;
 use clap::Args;
 use ember_vmm::builder::{self, BeforeGo, VmConfig};
 use ember_vmm::devices::virtio::{
-    BalloonConfig, DiskConfig, NetConfig, PmemConfig, VsockConfig, target_pages,
+    BalloonConfig, DiskConfig, MemConfig, NetConfig, PmemConfig, VsockConfig, target_pages,
 };
 use ember_vmm::events::{Recorder, kind};
 use ember_vmm::machine::{DeviceSet, Machine};
@@ -37,6 +37,11 @@ pub struct BootArgs {
     /// Guest memory, with an optional K/M/G suffix (bytes without one).
     #[arg(long, default_value = "256M")]
     pub mem: String,
+    /// Boot with this much RAM and offer the rest of --mem as a virtio-mem
+    /// region the guest plugs as it goes (whole 128 MiB blocks; all of it
+    /// requested at once, or as it is committed with --prefault).
+    #[arg(long, value_name = "SIZE")]
+    pub mem_boot: Option<String>,
     /// Number of vCPUs.
     #[arg(long, default_value_t = 1)]
     pub cpus: u32,
@@ -111,7 +116,7 @@ pub struct BootArgs {
     /// The snapshot fixes the machine: options that would change it (vCPUs,
     /// memory size and backing, devices, ACPI) are refused with it.
     #[arg(long, value_name = "DIR", conflicts_with_all = [
-        "kernel", "initrd", "cmdline", "disk", "rng", "balloon", "cpus", "mem", "hugepages",
+        "kernel", "initrd", "cmdline", "disk", "rng", "balloon", "cpus", "mem", "mem_boot", "hugepages",
         "prefault", "no_acpi", "balloon_target", "balloon_no_reporting", "vsock",
     ])]
     pub restore: Option<PathBuf>,
@@ -187,7 +192,24 @@ impl BootArgs {
                 free_page_reporting: !self.balloon_no_reporting,
             });
         }
+        if let Some(boot) = &self.mem_boot {
+            let (all, boot_bytes) = (memory::parse_size(&self.mem)?, memory::parse_size(boot)?);
+            if boot_bytes >= all {
+                anyhow::bail!("--mem-boot {boot} must be less than --mem {}", self.mem);
+            }
+            d.mem = Some(
+                MemConfig::new(all - boot_bytes)
+                    .map_err(|e| anyhow::anyhow!("--mem {} --mem-boot {boot}: {e}", self.mem))?,
+            );
+        }
         Ok(d)
+    }
+
+    /// The guest's boot RAM: `--mem-boot` when given, else all of `--mem`.
+    fn boot_mem(&self) -> anyhow::Result<u64> {
+        Ok(memory::parse_size(
+            self.mem_boot.as_deref().unwrap_or(&self.mem),
+        )?)
     }
 }
 
@@ -366,7 +388,7 @@ fn boot(
     let Some(kernel) = args.kernel.clone() else {
         anyhow::bail!("give a kernel (--kernel FILE) or a snapshot (--restore DIR)");
     };
-    let mem_size = memory::parse_size(&args.mem)?;
+    let mem_size = args.boot_mem()?;
     check_images_once(&devices.disks, &devices.pmem)?;
     let cfg = VmConfig {
         kernel,

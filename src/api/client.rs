@@ -3,7 +3,7 @@
 //! for the connection and for the reply's first byte (which the server sends
 //! as soon as it has read the request, so a long snapshot is not cut off).
 
-use super::{BalloonReport, Reply, Request, Response, SnapshotWritten, Status, decode};
+use super::{BalloonReport, MemReport, Reply, Request, Response, SnapshotWritten, Status, decode};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -140,6 +140,15 @@ impl Client {
     pub fn balloon_stats(&self) -> Result<BalloonReport, ClientError> {
         match self.send(&Request::BalloonStats {})? {
             Response::Balloon(b) => Ok(b),
+            _ => Err(self.mismatch()),
+        }
+    }
+
+    /// Resizes the virtio-mem region so the guest has `size_mib` in all
+    /// (none: only asks), and reports it.
+    pub fn mem(&self, size_mib: Option<u64>) -> Result<MemReport, ClientError> {
+        match self.send(&Request::Mem { size_mib })? {
+            Response::Mem(m) => Ok(m),
             _ => Err(self.mismatch()),
         }
     }

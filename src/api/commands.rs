@@ -17,6 +17,10 @@ pub struct CtlArgs {
     /// For `balloon`: the balloon's target size in MiB.
     #[arg(long, required_if_eq("op", "balloon"))]
     pub target_mib: Option<u64>,
+    /// For `mem`: the guest's memory, boot RAM and virtio-mem together
+    /// (e.g. 2G); without it, `mem` only reports.
+    #[arg(long, value_name = "SIZE")]
+    pub size: Option<String>,
 }
 
 /// `ember ctl` requests.
@@ -34,6 +38,8 @@ pub enum CtlOp {
     Balloon,
     /// The balloon's size and the guest's memory statistics.
     BalloonStats,
+    /// The virtio-mem region: resize it (--size) and report it.
+    Mem,
 }
 
 /// `ember ctl`: one request, its reply printed as JSON; exit status 1 when
@@ -48,6 +54,12 @@ pub fn ctl(args: CtlArgs) -> anyhow::Result<i32> {
             target_mib: args.target_mib.unwrap_or(0),
         },
         CtlOp::BalloonStats => Request::BalloonStats {},
+        CtlOp::Mem => Request::Mem {
+            size_mib: match &args.size {
+                Some(s) => Some(ember_vmm::vstate::memory::parse_size(s)? >> 20),
+                None => None,
+            },
+        },
     };
     let reply = match Client::new(&args.api_socket).send(&request) {
         Err(ClientError::Refused(why)) => Reply::Refused(why),

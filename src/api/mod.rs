@@ -9,6 +9,7 @@
 //! {"op":"shutdown"}                    {"ok":true,"shutdown":true}
 //! {"op":"balloon","target_mib":64}     {"ok":true}
 //! {"op":"balloon_stats"}               {"ok":true,"target_pages":...,"actual_pages":...,"stats":{...}}
+//! {"op":"mem","size_mib":2048}         {"ok":true,"boot_bytes":...,"requested_bytes":...,"plugged_bytes":...}
 //! anything else                        {"ok":false,"error":"…"}
 //! ```
 //!
@@ -56,6 +57,14 @@ pub enum Request {
     },
     /// The balloon's target, size and the guest's last statistics.
     BalloonStats {},
+    /// The virtio-mem region: resize it (the guest's memory, boot RAM
+    /// included, becomes `size_mib`) and report it.
+    Mem {
+        /// The guest's memory in MiB, boot RAM and plugged memory together;
+        /// none: only report.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        size_mib: Option<u64>,
+    },
 }
 
 /// Whether the VM's vCPUs run.
@@ -111,6 +120,23 @@ pub struct BalloonReport {
     pub stats: Option<BTreeMap<String, u64>>,
 }
 
+/// The answer to [`Request::Mem`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemReport {
+    /// The boot RAM, bytes.
+    pub boot_bytes: u64,
+    /// The virtio-mem region, bytes.
+    pub region_bytes: u64,
+    /// What the user asks of the region.
+    pub user_requested_bytes: u64,
+    /// What the driver is asked for (no more than is committed).
+    pub requested_bytes: u64,
+    /// What the driver has plugged.
+    pub plugged_bytes: u64,
+    /// Unplugged memory given back to the host so far.
+    pub discarded_bytes: u64,
+}
+
 /// A request's answer when the VM did it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Response {
@@ -124,6 +150,8 @@ pub enum Response {
     Snapshot(SnapshotWritten),
     /// See [`BalloonReport`].
     Balloon(BalloonReport),
+    /// See [`MemReport`].
+    Mem(MemReport),
 }
 
 /// A reply line: the answer, or why the VM refused.
@@ -155,6 +183,7 @@ pub fn encode(reply: &Reply) -> String {
         Reply::Answer(Response::Status(s)) => fields(serde_json::to_value(s)),
         Reply::Answer(Response::Snapshot(s)) => fields(serde_json::to_value(s)),
         Reply::Answer(Response::Balloon(b)) => fields(serde_json::to_value(b)),
+        Reply::Answer(Response::Mem(m)) => fields(serde_json::to_value(m)),
         Reply::Refused(why) => Map::from_iter([("error".into(), Value::String(why.clone()))]),
     };
     m.insert("ok".into(), Value::Bool(matches!(reply, Reply::Answer(_))));
@@ -179,6 +208,7 @@ pub fn decode(req: &Request, line: &str) -> Result<Reply, BadReply> {
         Request::Status {} => Response::Status(parse(v)?),
         Request::Snapshot { .. } => Response::Snapshot(parse(v)?),
         Request::BalloonStats {} => Response::Balloon(parse(v)?),
+        Request::Mem { .. } => Response::Mem(parse(v)?),
         Request::Shutdown {} => Response::ShutDown,
         Request::Pause {} | Request::Resume {} | Request::Balloon { .. } => Response::Done,
     }))

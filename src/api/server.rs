@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
-use super::{BalloonReport, Reply, Request, Response, SnapshotWritten, Status, VmState, encode};
+use super::{
+    BalloonReport, MemReport, Reply, Request, Response, SnapshotWritten, Status, VmState, encode,
+};
 
 use crate::cleanup::TempPath;
 use ember_vmm::devices::virtio::target_pages;
@@ -65,6 +67,12 @@ pub enum ApiError {
     /// The snapshot failed.
     #[error(transparent)]
     Snapshot(#[from] ember_vmm::snapshot::SnapshotError),
+    /// A virtio-mem request to a VM without the device.
+    #[error("the VM has no virtio-mem region (--mem-boot)")]
+    NoHotplug,
+    /// A size the region cannot take.
+    #[error("{0} MiB is not between the boot RAM ({1} MiB) and the whole memory ({2} MiB)")]
+    MemSize(u64, u64, u64),
     /// A balloon request to a VM without one.
     #[error("the VM has no balloon (--balloon)")]
     NoBalloon,
@@ -339,6 +347,32 @@ pub fn handle(req: Request, ctx: &ApiContext) -> Result<Response, ApiError> {
             let pages = target_pages(target_mib.saturating_mul(MIB), machine.mem_size())?;
             b.set_target_pages(pages);
             Ok(Response::Done)
+        }
+        Request::Mem { size_mib } => {
+            let m = machine.hotplug().ok_or(ApiError::NoHotplug)?;
+            let boot = machine.mem_size();
+            if let Some(mib) = size_mib {
+                let bytes = mib.saturating_mul(MIB);
+                let region = bytes
+                    .checked_sub(boot)
+                    .filter(|&r| r <= m.region_size())
+                    .ok_or(ApiError::MemSize(
+                        mib,
+                        boot / MIB,
+                        (boot + m.region_size()) / MIB,
+                    ))?;
+                m.set_requested(region).map_err(|_| {
+                    ApiError::MemSize(mib, boot / MIB, (boot + m.region_size()) / MIB)
+                })?;
+            }
+            Ok(Response::Mem(MemReport {
+                boot_bytes: boot,
+                region_bytes: m.region_size(),
+                user_requested_bytes: m.user_requested_bytes(),
+                requested_bytes: m.requested_bytes(),
+                plugged_bytes: m.plugged_bytes(),
+                discarded_bytes: m.discarded_bytes(),
+            }))
         }
         Request::BalloonStats {} => {
             let b = machine.balloon().ok_or(ApiError::NoBalloon)?;

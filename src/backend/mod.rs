@@ -124,6 +124,8 @@ impl DeviceArgs {
             net: Vec::new(),
             // `ember boot --vsock` only: the QEMU backend has no vsock here.
             vsock: None,
+            // `--mem-boot` makes it (`boot`), from the memory sizes.
+            mem: None,
         }
     }
 

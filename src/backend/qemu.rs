@@ -358,6 +358,13 @@ impl Backend for QemuBackend {
                 "attach a hybrid vsock (--vsock; use --backend ember)",
             ));
         }
+        if spec.devices.mem.is_some() {
+            // QEMU's virtio-mem-pci needs a PCI machine with `maxmem`; not
+            // wired up yet.
+            return Err(unsupported(
+                "offer a virtio-mem region (use --backend ember)",
+            ));
+        }
         let pci_or_mmio = |pci: &str| {
             if self.is_microvm() {
                 format!("{pci}-device")
@@ -646,6 +653,7 @@ mod tests {
             pmem: Vec::new(),
             net: vec!["tap=tap7,mac=02:00:00:00:00:07,mtu=9000".parse().unwrap()],
             vsock: None,
+            mem: None,
         };
         spec.console = false;
         let s = args(&qemu("q35", Accel::Kvm).command(&spec).unwrap()).join(" ");
@@ -830,5 +838,9 @@ mod tests {
         spec.devices.vsock = Some("cid=3,uds=/v.sock".parse().unwrap());
         let e = q.command(&spec).unwrap_err().to_string();
         assert!(e.contains("--vsock"), "{e}");
+        let mut spec = GuestSpec::new("/k");
+        spec.devices.mem = Some(ember_vmm::devices::virtio::MemConfig::new(1 << 30).unwrap());
+        let e = q.command(&spec).unwrap_err().to_string();
+        assert!(e.contains("virtio-mem"), "{e}");
     }
 }

@@ -11,6 +11,7 @@
 mod common;
 
 mod lab_ember;
+mod mem_e2e;
 mod net_e2e;
 mod passt_e2e;
 mod prefault_e2e;

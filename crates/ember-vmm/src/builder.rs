@@ -26,12 +26,12 @@ use crate::device_manager::{DeviceManager, DeviceManagerError, TransportFactory,
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::pmem::PMEM_ALIGN;
 use crate::devices::virtio::{
-    self, Balloon, BalloonConfig, BalloonHandle, Block, Console, Net, Pmem, PmemConfig, PmemRegion,
-    Rng, Vsock,
+    self, Balloon, BalloonConfig, Block, Console, MemError, Net, Pmem, PmemConfig, PmemRegion, Rng,
+    VirtioMem, Vsock,
 };
 use crate::devices::vmgenid;
 use crate::events::{Recorder, kind};
-use crate::machine::{AttachedDevice, DeviceConfig, DeviceSet, Machine, Placement};
+use crate::machine::{Attached, AttachedDevice, DeviceConfig, DeviceSet, Machine, Placement};
 use crate::prefault::{self, CommitError, Committer, MemoryOptions, Prefault};
 use crate::vstate::bus::Bus;
 use crate::vstate::end::{EndError, VmEnd};
@@ -137,6 +137,9 @@ pub enum BuildError {
     /// Placing a device failed.
     #[error(transparent)]
     Devices(#[from] DeviceManagerError),
+    /// The virtio-mem region cannot be offered.
+    #[error("virtio-mem")]
+    Hotplug(#[from] MemError),
     /// A pmem backing file could not be mapped.
     #[error("cannot map pmem file {0}: {1}")]
     Pmem(PathBuf, String),
@@ -234,7 +237,24 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Arc<Machine>, Bui
         Some(c) => Some(commit_upfront(c, &cfg.memory, &recorder)?),
         None => None,
     };
-    let pmem = map_pmem(&cfg.devices.pmem, &ram)?;
+    // The virtio-mem region: guest memory KVM and the devices see, but not
+    // the guest's boot map (`ram`); its own committer's.
+    let hotplug_at = layout::hotplug_start(cfg.mem_size);
+    let (mem, hotplug_mem) = match &cfg.devices.mem {
+        Some(c) => {
+            c.check()?;
+            let (all, alone) = memory::add_hotplug(&mem, hotplug_at, c.size)?;
+            (all, Some(alone))
+        }
+        None => (mem, None),
+    };
+    let above = cfg
+        .devices
+        .mem
+        .as_ref()
+        .map_or(0, |c| hotplug_at + c.size)
+        .max(ram.last().map_or(0, |r| r.0 + r.1));
+    let pmem = map_pmem(&cfg.devices.pmem, above)?;
     let kvm_side = register_memory(&vm, &mem, &pmem, vcpus.readies, &recorder)?;
 
     // 4. Kernel and initramfs, read once, straight into guest memory.
@@ -254,7 +274,16 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Arc<Machine>, Bui
 
     // 5. virtio devices, placed by the device manager.
     let mut devices = DeviceManager::new(vm.clone(), mem.clone());
-    let (attached, balloon) = attach_virtio_devices(&mut devices, &cfg, &pmem, committer.as_ref())?;
+    let Attached {
+        devices: attached,
+        balloon,
+        hotplug,
+    } = attach_virtio_devices(&mut devices, &cfg, &pmem, committer.as_ref(), hotplug_at)?;
+    if let (Some(h), Some(region)) = (&hotplug, &hotplug_mem)
+        && cfg.memory.prefault == Prefault::Sync
+    {
+        prefault::commit_hotplug(&Committer::new(region, cfg.memory.threads), h, &cfg.memory)?;
+    }
 
     // 6. Boot structures, announcing the devices (and the absence of PCI).
     let cmdline = boot::with_no_pci(&devices.announce_on_cmdline(&cfg.cmdline));
@@ -288,6 +317,7 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Arc<Machine>, Bui
         anonymous_memory: true,
         vmgenid: cfg.acpi,
         balloon: balloon.clone(),
+        hotplug: hotplug.clone(),
         vm: vm.clone(),
         mem: mem.clone(),
         serial,
@@ -300,7 +330,12 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Arc<Machine>, Bui
         .as_ref()
         .filter(|_| cfg.memory.prefault == Prefault::Async)
     {
-        c.start_background(balloon, &cfg.memory, recorder)?;
+        c.start_background(balloon, &cfg.memory, recorder.clone())?;
+    }
+    if let (Some(h), Some(region)) = (hotplug, hotplug_mem)
+        && cfg.memory.prefault == Prefault::Async
+    {
+        prefault::start_hotplug_background(region, h, &cfg.memory, recorder.clone())?;
     }
     if let Some(f) = cfg.before_go {
         f(&machine).map_err(BuildError::BeforeGo)?;
@@ -451,11 +486,12 @@ struct MappedPmem {
     addr: u64,
 }
 
-/// Maps the pmem files into guest-physical space above RAM, each at a 2 MiB
-/// boundary (what the guest's nd_pmem driver needs for DAX).
-fn map_pmem(pmem: &[PmemConfig], ram: &[(u64, u64)]) -> Result<Vec<MappedPmem>, BuildError> {
+/// Maps the pmem files into guest-physical space above `above` (the end of
+/// RAM and of a virtio-mem region), each at a 2 MiB boundary (what the
+/// guest's nd_pmem driver needs for DAX).
+fn map_pmem(pmem: &[PmemConfig], above: u64) -> Result<Vec<MappedPmem>, BuildError> {
     let mut next = layout::PMEM_START_MIN
-        .max(ram.last().map_or(0, |r| r.0 + r.1))
+        .max(above)
         .next_multiple_of(PMEM_ALIGN);
     let mut out = Vec::new();
     for config in pmem {
@@ -510,14 +546,16 @@ fn register_memory(
 }
 
 /// Creates the virtio devices `cfg` asks for and attaches them in a fixed
-/// order (disks, channel, rng, pmem, balloon, network devices, vsock). Returns them as a snapshot
-/// records them, and the balloon's handle.
+/// order (disks, channel, rng, pmem, balloon, network devices, vsock,
+/// virtio-mem at `hotplug_at`). Returns them as a snapshot records them, the
+/// balloon's handle and the virtio-mem device's.
 fn attach_virtio_devices(
     devices: &mut DeviceManager,
     cfg: &VmConfig,
     pmem: &[MappedPmem],
     committer: Option<&Committer>,
-) -> Result<(Vec<AttachedDevice>, Option<BalloonHandle>), BuildError> {
+    hotplug_at: u64,
+) -> Result<Attached, BuildError> {
     let mut attached = Vec::new();
     let mut place = |config: DeviceConfig,
                      placement: Placement,
@@ -605,7 +643,34 @@ fn attach_virtio_devices(
         let dev = Vsock::new(v).map_err(BuildError::Vsock)?;
         place(DeviceConfig::Vsock(v.clone()), here, transport_for(dev))?;
     }
-    Ok((attached, balloon))
+    let hotplug = match &cfg.devices.mem {
+        Some(config) => {
+            let dev = VirtioMem::new(config, hotplug_at)?;
+            let handle = dev.handle();
+            // All of it requested; with `--prefault` the committer lets the
+            // driver have it as it is committed, without, it is all there
+            // (lazily backed) at once.
+            handle.set_requested(config.size)?;
+            if cfg.memory.prefault == Prefault::Off {
+                handle.set_committed(config.size);
+            }
+            let placement = Placement {
+                region: Some(hotplug_at),
+            };
+            place(
+                DeviceConfig::Mem(config.clone()),
+                placement,
+                transport_for(dev),
+            )?;
+            Some(handle)
+        }
+        None => None,
+    };
+    Ok(Attached {
+        devices: attached,
+        balloon,
+        hotplug,
+    })
 }
 
 /// What loading the kernel and initramfs decided, for the boot structures.

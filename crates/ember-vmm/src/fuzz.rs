@@ -68,3 +68,10 @@ pub fn net(
 pub fn vsock(mem: GuestMemory, queues: [Queue; 3], irq: VirtioInterrupt) {
     crate::devices::virtio::vsock::fuzz_queues(mem, queues, irq);
 }
+
+/// Target `mem`: virtio-mem requests (plug, unplug, state, anything else)
+/// on arbitrary memory, against a region at guest-physical 0 (so the
+/// fuzzer's addresses land in it), with a resize between two passes.
+pub fn mem(mem: GuestMemory, queue: Queue, irq: VirtioInterrupt) {
+    crate::devices::virtio::mem::fuzz_queue(mem, queue, irq, 0);
+}

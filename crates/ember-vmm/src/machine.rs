@@ -37,8 +37,8 @@ use vm_memory::GuestMemoryMmap;
 
 use crate::devices::legacy::Serial;
 use crate::devices::virtio::{
-    BalloonConfig, BalloonHandle, DiskConfig, MmioTransport, NetConfig, PmemConfig, PmemRegion,
-    RngConfig, VsockConfig,
+    BalloonConfig, BalloonHandle, DiskConfig, MemConfig, MemHandle, MmioTransport, NetConfig,
+    PmemConfig, PmemRegion, RngConfig, VsockConfig,
 };
 use crate::prefault::Committer;
 use crate::vstate::control::{ControlError, RunState};
@@ -66,6 +66,8 @@ pub enum DeviceConfig {
     /// virtio-vsock. Its connections are not state: a restore binds its
     /// socket again and the guest is told they are gone.
     Vsock(VsockConfig),
+    /// virtio-mem.
+    Mem(MemConfig),
 }
 
 impl DeviceConfig {
@@ -104,6 +106,9 @@ pub struct DeviceSet {
     /// A virtio-vsock device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vsock: Option<VsockConfig>,
+    /// A virtio-mem region (memory beyond the boot RAM, plugged at run time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem: Option<MemConfig>,
 }
 
 /// Where the device manager put a device, beyond its MMIO window and
@@ -111,7 +116,7 @@ pub struct DeviceSet {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct Placement {
-    /// The guest-physical address of a device's memory region (pmem).
+    /// The guest-physical address of a device's memory region (pmem, virtio-mem).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) region: Option<u64>,
 }
@@ -124,6 +129,17 @@ pub(crate) struct AttachedDevice {
     pub(crate) placement: Placement,
     /// Its register window.
     pub(crate) transport: Arc<Mutex<MmioTransport>>,
+}
+
+/// The virtio devices a build or a restore attached, with the handles the
+/// VMM keeps.
+pub(crate) struct Attached {
+    /// In window order.
+    pub(crate) devices: Vec<AttachedDevice>,
+    /// The balloon's.
+    pub(crate) balloon: Option<BalloonHandle>,
+    /// The virtio-mem device's.
+    pub(crate) hotplug: Option<MemHandle>,
 }
 
 /// A running VM, built by [`crate::builder::build`] or
@@ -146,6 +162,8 @@ pub struct Machine {
     pub(crate) vmgenid: bool,
     /// The balloon's handle, when the VM has one (its state is saved).
     pub(crate) balloon: Option<BalloonHandle>,
+    /// The virtio-mem device's handle, when the VM has one.
+    pub(crate) hotplug: Option<MemHandle>,
     /// The VM (irqchip, PIT, clock); dropping the last reference tears it down.
     pub(crate) vm: Arc<Vm>,
     /// Guest memory (kept alive for KVM and the devices).
@@ -181,6 +199,11 @@ impl Machine {
     /// The balloon's control, when the VM has one.
     pub fn balloon(&self) -> Option<&BalloonHandle> {
         self.balloon.as_ref()
+    }
+
+    /// The virtio-mem device's control, when the VM has one.
+    pub fn hotplug(&self) -> Option<&MemHandle> {
+        self.hotplug.as_ref()
     }
 
     /// Whether the vCPUs run or are paused.
@@ -305,6 +328,7 @@ mod tests {
             balloon: Some(BalloonConfig::default()),
             net: vec!["tap=tap0,mac=02:00:00:00:00:01".parse().unwrap()],
             vsock: Some("cid=3,uds=/v.sock".parse().unwrap()),
+            mem: Some(MemConfig::new(1 << 30).unwrap()),
         };
         let json = serde_json::to_string(&set).unwrap();
         assert_eq!(serde_json::from_str::<DeviceSet>(&json).unwrap(), set);

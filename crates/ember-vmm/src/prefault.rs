@@ -28,8 +28,8 @@
 //!   Only a balloon target (`--balloon-target`, the control socket) gives
 //!   committed memory back.
 
-use crate::devices::virtio::BalloonHandle;
 use crate::devices::virtio::balloon::MemoryFence;
+use crate::devices::virtio::{BalloonHandle, MemHandle};
 use crate::events::Recorder;
 use crate::ranges::RangeSet;
 use crate::vstate::memory::{self, MemoryError};
@@ -622,6 +622,81 @@ impl Committer {
             }
         });
     }
+}
+
+/// Event: all of the virtio-mem region is committed (and requested).
+pub const EVENT_HOTPLUG_COMMITTED: &str = "hotplug_committed";
+
+/// Commits a virtio-mem `region` (its own memory) from its start, a chunk at
+/// a time, raising the part `handle` may hand the driver after each: the
+/// guest is never asked to plug, and may not plug, memory not committed
+/// yet, so no fence is needed. Returns when all of it is committed.
+pub(crate) fn commit_hotplug(
+    c: &Committer,
+    handle: &MemHandle,
+    opts: &MemoryOptions,
+) -> Result<(), CommitError> {
+    let started = Instant::now();
+    let mut done = 0u64;
+    loop {
+        let n = c.step(None, opts.chunk)?;
+        handle.set_committed(c.committed_bytes());
+        if n == 0 {
+            return Ok(());
+        }
+        done += n;
+        if opts.rate > 0 && opts.prefault == Prefault::Async {
+            let due = Duration::from_secs_f64(done as f64 / opts.rate as f64);
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+    }
+}
+
+/// `--prefault async` with a virtio-mem region: [`commit_hotplug`] on a
+/// thread of its own, below the vCPUs' priority. Records
+/// [`EVENT_HOTPLUG_COMMITTED`].
+pub(crate) fn start_hotplug_background(
+    region: GuestMemoryMmap,
+    handle: MemHandle,
+    opts: &MemoryOptions,
+    recorder: Arc<Recorder>,
+) -> std::io::Result<JoinHandle<()>> {
+    let opts = opts.clone();
+    // Made here: counting CPUs reads files, which the thread's list forbids.
+    let c = Committer::new(&region, opts.threads);
+    std::thread::Builder::new()
+        .name("ember-commit-mem".into())
+        .spawn(move || {
+            crate::seccomp::confine_or_exit(crate::seccomp::Thread::Committer);
+            // SAFETY: setpriority on this thread's own id; no memory is involved.
+            unsafe {
+                libc::setpriority(
+                    libc::PRIO_PROCESS,
+                    libc::gettid() as libc::id_t,
+                    BACKGROUND_NICE,
+                )
+            };
+            let started = Instant::now();
+            match commit_hotplug(&c, &handle, &opts) {
+                Ok(()) => {
+                    recorder.mark(EVENT_HOTPLUG_COMMITTED);
+                    eprintln!(
+                        "ember: virtio-mem region committed in the background: {} MiB in {:.1} s",
+                        handle.region_size() >> 20,
+                        started.elapsed().as_secs_f64()
+                    );
+                }
+                Err(e) => {
+                    // What is committed stays offered; the rest is never asked for.
+                    eprintln!(
+                        "ember: background commit of the virtio-mem region failed: {}",
+                        crate::error_chain(&e)
+                    );
+                }
+            }
+        })
 }
 
 impl Inner {

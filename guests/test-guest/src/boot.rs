@@ -74,8 +74,9 @@ const TSS_LIMIT: u64 = 103;
 pub struct BootTables {
     pml4: [u64; 512],
     pdpt: [u64; 512],
-    /// Four page directories: 0–4 GiB in 2 MiB pages.
-    pd: [[u64; 512]; 4],
+    /// Five page directories: 0–5 GiB in 2 MiB pages (the fifth for a
+    /// virtio-mem region at 4 GiB).
+    pd: [[u64; 512]; 5],
     /// 256 interrupt gates, 16 bytes each.
     idt: [u64; 512],
     kernel_stack: [u8; KERNEL_STACK_SIZE],
@@ -99,18 +100,22 @@ const GDTR_ADDR: u64 = field_addr(offset_of!(BootTables, gdtr));
 const IDTR_ADDR: u64 = field_addr(offset_of!(BootTables, idtr));
 const KERNEL_STACK_TOP: u64 = field_addr(offset_of!(BootTables, kernel_stack) + KERNEL_STACK_SIZE);
 
-const fn page_tables() -> ([u64; 512], [u64; 512], [[u64; 512]; 4]) {
+const fn page_tables() -> ([u64; 512], [u64; 512], [[u64; 512]; 5]) {
     let mut pml4 = [0; 512];
     pml4[0] = PDPT_ADDR | TABLE_FLAGS;
     let mut pdpt = [0; 512];
-    let mut pd = [[0; 512]; 4];
+    let mut pd = [[0; 512]; 5];
     let mut g = 0;
-    while g < 4 {
+    while g < 5 {
         pdpt[g] = (PD_ADDR + g as u64 * 4096) | TABLE_FLAGS;
         let mut i = 0;
         while i < 512 {
             let addr = ((g as u64) << 30) | ((i as u64) << 21);
-            let cache = if addr >= MMIO_GAP_START { PTE_PCD } else { 0 };
+            let cache = if addr >= MMIO_GAP_START && addr < 1 << 32 {
+                PTE_PCD
+            } else {
+                0
+            };
             pd[g][i] = addr | TABLE_FLAGS | PTE_DIRTY | PTE_HUGE | cache;
             i += 1;
         }

@@ -40,6 +40,38 @@ pub enum Command<'a> {
     Vsock(VsockOpt),
     /// `vsock=serve|connect|malformed|waitreset`.
     VsockRun(VsockMode),
+    /// A virtio-mem operation.
+    Vmem(VmemOp),
+}
+
+/// virtio-mem operations; blocks count from the region's start.
+pub enum VmemOp {
+    /// `vmem`: print the config space.
+    Info,
+    /// `vmemplug=B,N`.
+    Plug(u64, u64),
+    /// `vmemunplug=B,N`.
+    Unplug(u64, u64),
+    /// `vmemstate=B,N`.
+    State(u64, u64),
+    /// `vmemunplugall`.
+    UnplugAll,
+    /// `vmemfill=B,N`: a pattern into every word of the blocks.
+    Fill(u64, u64),
+    /// `vmemcheck=B,N`: whether the pattern is intact.
+    Check(u64, u64),
+    /// `vmemwait=SIZE`: until the requested size is SIZE.
+    Wait(u64),
+    /// `vmemplugreq`: plug blocks up to the requested size.
+    PlugToRequested,
+    /// `vmemunplugreq`: unplug blocks down to the requested size.
+    UnplugToRequested,
+}
+
+/// `B,N`.
+fn pair(v: &str) -> Result<(u64, u64), &'static str> {
+    let (b, n) = v.split_once(',').ok_or("expected BLOCK,COUNT")?;
+    Ok((number(b)?, number(n)?))
 }
 
 /// Splits a command line into tokens.
@@ -84,6 +116,16 @@ pub fn parse(token: &str) -> Result<Option<Command<'_>>, &'static str> {
             base: v.map(number).transpose()?,
             verify: true,
         },
+        ("vmem", None) => Command::Vmem(VmemOp::Info),
+        ("vmemplug", Some(v)) => Command::Vmem(VmemOp::Plug(pair(v)?.0, pair(v)?.1)),
+        ("vmemunplug", Some(v)) => Command::Vmem(VmemOp::Unplug(pair(v)?.0, pair(v)?.1)),
+        ("vmemstate", Some(v)) => Command::Vmem(VmemOp::State(pair(v)?.0, pair(v)?.1)),
+        ("vmemfill", Some(v)) => Command::Vmem(VmemOp::Fill(pair(v)?.0, pair(v)?.1)),
+        ("vmemcheck", Some(v)) => Command::Vmem(VmemOp::Check(pair(v)?.0, pair(v)?.1)),
+        ("vmemunplugall", None) => Command::Vmem(VmemOp::UnplugAll),
+        ("vmemwait", Some(v)) => Command::Vmem(VmemOp::Wait(number(v)?)),
+        ("vmemplugreq", None) => Command::Vmem(VmemOp::PlugToRequested),
+        ("vmemunplugreq", None) => Command::Vmem(VmemOp::UnplugToRequested),
         ("blkop", Some(v)) => Command::Blk(BlkOpt::Op(match v {
             "read" => Op::Read,
             "write" => Op::Write,

@@ -10,6 +10,7 @@ mod cmdline;
 mod io;
 mod mem;
 mod virtio_blk;
+mod virtio_mem;
 mod virtio_net;
 mod virtio_vsock;
 
@@ -118,6 +119,7 @@ struct State {
     blk: virtio_blk::Options,
     net: virtio_net::Net,
     vsock: virtio_vsock::Options,
+    vmem: Option<virtio_mem::VirtioMem>,
 }
 
 impl State {
@@ -127,6 +129,7 @@ impl State {
             blk: virtio_blk::Options::default(),
             net: virtio_net::Net::default(),
             vsock: virtio_vsock::Options::default(),
+            vmem: None,
         }
     }
 
@@ -156,6 +159,7 @@ impl State {
             Command::Net(cmd) => self.net.run(cmd, &self.clock)?,
             Command::Vsock(opt) => self.vsock.set(opt),
             Command::VsockRun(mode) => virtio_vsock::run(&self.vsock, mode, &self.clock)?,
+            Command::Vmem(op) => self.vmem_op(op)?,
         }
         Ok(())
     }
@@ -178,6 +182,45 @@ impl State {
         let ns = self.clock.ns(io::rdtsc() - start);
         let per_page = ns.checked_div(pages).unwrap_or(0);
         println!("touch: mib={mib} pages={pages} ns={ns} ns_per_page={per_page}");
+        Ok(())
+    }
+
+    fn vmem_op(&mut self, op: cmdline::VmemOp) -> Result<(), &'static str> {
+        use cmdline::VmemOp;
+        use virtio_mem::{PLUG, STATE, UNPLUG, UNPLUG_ALL};
+        if self.vmem.is_none() {
+            self.vmem = Some(virtio_mem::VirtioMem::init()?);
+        }
+        let Some(d) = self.vmem.as_mut() else {
+            return Err("no virtio-mem device");
+        };
+        let (ty, block, n) = match op {
+            VmemOp::Info => {
+                d.info();
+                return Ok(());
+            }
+            VmemOp::Fill(b, n) => return d.fill(b, n),
+            VmemOp::Check(b, n) => return d.check(b, n),
+            VmemOp::Wait(bytes) => return d.wait_requested(bytes, &self.clock),
+            VmemOp::PlugToRequested => {
+                d.plug_to_requested();
+                return Ok(());
+            }
+            VmemOp::UnplugToRequested => {
+                d.unplug_to_requested();
+                return Ok(());
+            }
+            VmemOp::Plug(b, n) => (PLUG, b, n),
+            VmemOp::Unplug(b, n) => (UNPLUG, b, n),
+            VmemOp::State(b, n) => (STATE, b, n),
+            VmemOp::UnplugAll => (UNPLUG_ALL, 0, 0),
+        };
+        let resp = d.request(ty, block, n);
+        let what = ["plug", "unplug", "unplugall", "state"][usize::from(ty)];
+        println!(
+            "vmem: {what} block={block} n={n} -> {}",
+            virtio_mem::name(resp, ty)
+        );
         Ok(())
     }
 

@@ -43,6 +43,8 @@ pub enum Thread {
     Balloon,
     /// The virtio-vsock I/O thread.
     Vsock,
+    /// The virtio-mem I/O thread.
+    Mem,
     /// The thread that starts device I/O threads.
     Spawner,
     /// `--prefault async`'s background commit.
@@ -57,7 +59,7 @@ pub enum Thread {
 
 impl Thread {
     /// Every kind, in filter-table order.
-    pub const ALL: [Thread; 14] = [
+    pub const ALL: [Thread; 15] = [
         Thread::Main,
         Thread::Vcpu,
         Thread::Block,
@@ -67,6 +69,7 @@ impl Thread {
         Thread::Pmem,
         Thread::Balloon,
         Thread::Vsock,
+        Thread::Mem,
         Thread::Spawner,
         Thread::Committer,
         Thread::Api,
@@ -86,6 +89,7 @@ impl Thread {
             Thread::Pmem => "pmem",
             Thread::Balloon => "balloon",
             Thread::Vsock => "vsock",
+            Thread::Mem => "mem",
             Thread::Spawner => "spawner",
             Thread::Committer => "committer",
             Thread::Api => "api",
@@ -511,6 +515,10 @@ pub fn rules(thread: Thread) -> Rules {
             );
             r
         }
+        Thread::Mem => {
+            // Discarding unplugged blocks is madvise (in base).
+            device_loop()
+        }
         Thread::Spawner => {
             let mut r = base();
             merge(&mut r, &thread_start());
@@ -522,6 +530,7 @@ pub fn rules(thread: Thread) -> Rules {
                 Thread::Pmem,
                 Thread::Balloon,
                 Thread::Vsock,
+                Thread::Mem,
             ] {
                 merge(&mut r, &rules(t));
             }

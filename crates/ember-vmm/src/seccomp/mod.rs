@@ -634,6 +634,7 @@ mod tests {
             Thread::Pmem,
             Thread::Balloon,
             Thread::Vsock,
+            Thread::Mem,
         ] {
             let r = rules(t);
             let mut forbidden = vec![libc::SYS_openat, libc::SYS_open, libc::SYS_unlink];
@@ -681,6 +682,7 @@ mod tests {
             Thread::Pmem,
             Thread::Balloon,
             Thread::Vsock,
+            Thread::Mem,
         ] {
             covers(Thread::Spawner, device);
         }

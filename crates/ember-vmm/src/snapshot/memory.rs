@@ -30,8 +30,24 @@ const MAX_RUN: usize = 8 << 20;
 /// pages are the old file's: those are read like any other.
 /// Returns the bytes written (the rest of the file is holes) and the file's
 /// [`checksum`], taken as it is written.
+#[cfg(test)]
 pub(crate) fn write(mem: &GuestMemoryMmap, file: &File, anonymous: bool) -> io::Result<(u64, u32)> {
-    let total: u64 = mem.iter().map(|r| r.len()).sum();
+    write_range(mem, file, anonymous, 0..u64::MAX)
+}
+
+/// [`write`] for the regions of `mem` that start in `range` (guest-physical):
+/// the boot RAM into the memory file, a virtio-mem region into its own.
+pub(crate) fn write_range(
+    mem: &GuestMemoryMmap,
+    file: &File,
+    anonymous: bool,
+    range: std::ops::Range<u64>,
+) -> io::Result<(u64, u32)> {
+    let regions: Vec<_> = mem
+        .iter()
+        .filter(|r| range.contains(&r.start_addr().0))
+        .collect();
+    let total: u64 = regions.iter().map(|r| r.len()).sum();
     file.set_len(total)?;
     let pagemap = if anonymous {
         Some(File::open("/proc/self/pagemap")?)
@@ -41,7 +57,7 @@ pub(crate) fn write(mem: &GuestMemoryMmap, file: &File, anonymous: bool) -> io::
     let mut written = 0u64;
     let mut sum = crc32fast::Hasher::new();
     let mut file_off = 0u64;
-    for region in mem.iter() {
+    for region in regions {
         let len = usize::try_from(region.len()).map_err(|_| io::ErrorKind::InvalidInput)?;
         let host = region
             .get_host_address(MemoryRegionAddress(0))
@@ -151,6 +167,31 @@ fn is_zero(page: &[u8]) -> bool {
     // unaligned ends as bytes.
     let (head, body, tail) = unsafe { page.align_to::<u128>() };
     head.iter().all(|&b| b == 0) && body.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
+}
+
+/// Adds the virtio-mem region saved at `path` to `mem`, at guest-physical
+/// `addr`, mapped as [`map_private`] maps RAM.
+pub(crate) fn add_private_region(
+    mem: &GuestMemoryMmap,
+    path: &Path,
+    addr: u64,
+) -> io::Result<GuestMemoryMmap> {
+    let file = crate::files::open_regular(path)?;
+    let len = usize::try_from(file.metadata()?.len()).map_err(|_| io::ErrorKind::InvalidInput)?;
+    let mapping = MmapRegion::build(
+        Some(FileOffset::new(file, 0)),
+        len,
+        libc::PROT_READ | libc::PROT_WRITE,
+        libc::MAP_PRIVATE | libc::MAP_NORESERVE,
+    )
+    .map_err(|e| io::Error::other(e.to_string()))?;
+    // SAFETY: the mapping was just made and is `len` bytes long;
+    // MADV_DONTFORK only affects future forks.
+    unsafe { libc::madvise(mapping.as_ptr().cast(), len, libc::MADV_DONTFORK) };
+    let region = GuestRegionMmap::new(mapping, GuestAddress(addr))
+        .ok_or_else(|| io::Error::other("guest region overflows"))?;
+    mem.insert_region(std::sync::Arc::new(region))
+        .map_err(|e| io::Error::other(e.to_string()))
 }
 
 /// Maps the memory file at `path` as the RAM of a `size`-byte guest,

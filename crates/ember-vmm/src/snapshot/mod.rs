@@ -40,7 +40,7 @@ pub(crate) use crate::machine::{AttachedDevice, DeviceConfig, Machine, Placement
 
 use crate::arch::x86_64::layout;
 use crate::devices::virtio::mmio::TransportState;
-use crate::devices::virtio::{BalloonHandle, BalloonState};
+use crate::devices::virtio::{BalloonHandle, BalloonState, MemHandle, MemState};
 
 /// The state file's first bytes.
 pub(crate) const MAGIC: &[u8; 8] = b"EMBERSNP";
@@ -54,6 +54,9 @@ const HEADER_LEN: usize = 8 + 4 + 8 + 4;
 pub const STATE_FILE: &str = "state";
 /// The memory file's name in a snapshot directory.
 pub const MEMORY_FILE: &str = "memory";
+/// A virtio-mem region's memory, beside the boot RAM's (mapped at
+/// `layout::hotplug_start` of the memory file's size).
+pub const HOTPLUG_FILE: &str = "hotplug";
 /// How long in-flight device requests may take to finish before a snapshot
 /// gives up.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -218,6 +221,9 @@ pub struct DeviceState {
     /// A balloon's target, size, held ranges and statistics.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) balloon: Option<BalloonState>,
+    /// A virtio-mem device's plugged blocks and sizes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) hotplug: Option<MemState>,
 }
 
 /// COM1 (vm-superio's `SerialState`, which has no serde of its own).
@@ -360,8 +366,8 @@ impl SnapshotState {
             if d.config.path().is_some() != d.file.is_some() {
                 return Err(bad(format!("device {i}'s backing file is not recorded")));
             }
-            let pmem = matches!(d.config, DeviceConfig::Pmem(_));
-            if pmem != d.placement.region.is_some() {
+            let has_region = matches!(d.config, DeviceConfig::Pmem(_) | DeviceConfig::Mem(_));
+            if has_region != d.placement.region.is_some() {
                 return Err(bad(format!(
                     "device {i}'s memory region is not as recorded"
                 )));
@@ -375,6 +381,21 @@ impl SnapshotState {
                     return Err(bad(format!("device {i} is a balloon without its state")));
                 }
                 (_, Some(_)) => return Err(bad(format!("device {i} has a balloon's state"))),
+                (_, None) => {}
+            }
+            match (&d.config, &d.hotplug) {
+                (DeviceConfig::Mem(c), Some(m)) => {
+                    let at = layout::hotplug_start(self.mem_size);
+                    if d.placement.region != Some(at) {
+                        return Err(bad(format!("device {i}'s region is not at {at:#x}")));
+                    }
+                    m.check(c, at)
+                        .map_err(|e| bad(format!("device {i}: {e}")))?;
+                }
+                (DeviceConfig::Mem(_), None) => {
+                    return Err(bad(format!("device {i} is virtio-mem without its state")));
+                }
+                (_, Some(_)) => return Err(bad(format!("device {i} has virtio-mem's state"))),
                 (_, None) => {}
             }
         }
@@ -719,11 +740,16 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
             DeviceConfig::Balloon(_) => machine.balloon.as_ref().map(BalloonHandle::state),
             _ => None,
         };
+        let hotplug = match d.config {
+            DeviceConfig::Mem(_) => machine.hotplug.as_ref().map(MemHandle::state),
+            _ => None,
+        };
         devices.push(DeviceState {
             config: d.config.clone(),
             placement: d.placement,
             file,
             balloon,
+            hotplug,
             transport: d
                 .transport
                 .lock()
@@ -748,15 +774,31 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
     // a VM restored from the old one keeps its mapping of the old memory.
     let staging = staging::Staging::new(dir).map_err(io_err(dir))?;
     let mem_path = staging.path(MEMORY_FILE);
+    // Boot RAM to the memory file, a virtio-mem region to its own.
+    let hotplug_at = layout::hotplug_start(machine.mem_size);
     let (memory_bytes, checksum) = staging
         .create(MEMORY_FILE)
         .and_then(|f| {
-            memory::write(mem, &f, machine.anonymous_memory).and_then(|n| {
+            memory::write_range(mem, &f, machine.anonymous_memory, 0..hotplug_at).and_then(|n| {
                 f.sync_all()?;
                 Ok(n)
             })
         })
         .map_err(io_err(&mem_path))?;
+    let mut memory_bytes = memory_bytes;
+    if machine.hotplug.is_some() {
+        let hp_path = staging.path(HOTPLUG_FILE);
+        let (n, _) = staging
+            .create(HOTPLUG_FILE)
+            .and_then(|f| {
+                let n =
+                    memory::write_range(mem, &f, machine.anonymous_memory, hotplug_at..u64::MAX)?;
+                f.sync_all()?;
+                Ok(n)
+            })
+            .map_err(io_err(&hp_path))?;
+        memory_bytes += n;
+    }
     state.memory_checksum = Some(checksum);
     let bytes = encode(&state);
     let state_path = staging.path(STATE_FILE);

@@ -38,11 +38,12 @@ use crate::builder::{self, BuildError};
 use crate::device_manager::{DeviceManager, transport_for};
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::{
-    Balloon, BalloonHandle, Block, Console, Net, NetConfig, Pmem, PmemConfig, PmemRegion, Rng,
-    Vsock,
+    Balloon, BalloonHandle, Block, Console, MemHandle, Net, NetConfig, Pmem, PmemConfig,
+    PmemRegion, Rng, VirtioMem, Vsock,
 };
 use crate::devices::vmgenid::VmGenId;
 use crate::events::{Recorder, kind};
+use crate::machine::Attached;
 use crate::vstate::bus::Bus;
 use crate::vstate::end::{EndError, VmEnd};
 use crate::vstate::kvm;
@@ -118,7 +119,19 @@ fn spawn_vm(kvm: Arc<kvm_ioctls::Kvm>, mem_path: PathBuf) -> Result<VmThread, Sn
                     });
                 }
                 let vm = Arc::new(Vm::new(&kvm).map_err(step)?);
-                let mem = super::memory::map_private(&mem_path, size).map_err(io)?;
+                let mut mem = super::memory::map_private(&mem_path, size).map_err(io)?;
+                // A virtio-mem region, where the boot RAM's size puts it
+                // (the state file, read meanwhile, must agree: `check_mapped`).
+                let hotplug = mem_path.with_file_name(super::HOTPLUG_FILE);
+                if hotplug.exists() {
+                    let at = layout::hotplug_start(size);
+                    mem = super::memory::add_private_region(&mem, &hotplug, at).map_err(
+                        |source| SnapshotError::Io {
+                            path: hotplug.clone(),
+                            source,
+                        },
+                    )?;
+                }
                 vm.register_memory(&mem).map_err(step)?;
                 vm.create_irqchip().map_err(step)?;
                 Ok(EarlyVm { vm, mem })
@@ -226,7 +239,7 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Arc<Machin
             return Err(SnapshotError::Step("the VM thread ended early".into()));
         }
     };
-    check_mapped(&mem, state.mem_size, mem_path)?;
+    check_mapped(&mem, &state, mem_path)?;
     recorder.mark(kind::MEMORY_READY);
     let pmem_regions = map_pmem(&vm, &state.devices, state.mem_size)?;
 
@@ -246,7 +259,11 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Arc<Machin
     // 5. virtio devices, each in its window.
     let end = Arc::new(VmEnd::new().map_err(step)?);
     let mut devices = DeviceManager::new(vm.clone(), mem.clone());
-    let (attached, balloon) = restore_virtio(
+    let Attached {
+        devices: attached,
+        balloon,
+        hotplug,
+    } = restore_virtio(
         &mut devices,
         &state.devices,
         &pmem_regions,
@@ -290,6 +307,7 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Arc<Machin
         anonymous_memory: false,
         vmgenid: state.vmgenid,
         balloon,
+        hotplug,
         vm,
         mem: mem.clone(),
         serial,
@@ -318,11 +336,36 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Arc<Machin
 }
 
 /// The memory file as mapped must be the size the state says (the file may
-/// have changed size between the two looks).
-fn check_mapped(mem: &GuestMemoryMmap, want: u64, path: PathBuf) -> Result<(), SnapshotError> {
-    let found: u64 = mem.iter().map(|r| r.len()).sum();
+/// have changed size between the two looks), and a virtio-mem region mapped
+/// exactly when the state has the device, of its size.
+fn check_mapped(
+    mem: &GuestMemoryMmap,
+    state: &super::SnapshotState,
+    path: PathBuf,
+) -> Result<(), SnapshotError> {
+    let want = state.mem_size;
+    let at = layout::hotplug_start(want);
+    let found: u64 = mem
+        .iter()
+        .filter(|r| r.start_addr().0 < at)
+        .map(|r| r.len())
+        .sum();
     if found != want {
         return Err(SnapshotError::MemorySize { path, found, want });
+    }
+    let mapped = mem
+        .iter()
+        .find(|r| r.start_addr().0 >= at)
+        .map(|r| (r.start_addr().0, r.len()));
+    let wanted = state.devices.iter().find_map(|d| match &d.config {
+        DeviceConfig::Mem(c) => Some((at, c.size)),
+        _ => None,
+    });
+    if mapped != wanted {
+        return Err(SnapshotError::Invalid {
+            path: path.with_file_name(super::HOTPLUG_FILE),
+            why: format!("a virtio-mem region {mapped:x?} where the state has {wanted:x?}"),
+        });
     }
     Ok(())
 }
@@ -405,11 +448,12 @@ fn restore_virtio(
     pmem_regions: &[PmemRegion],
     mut channel: Option<Console>,
     net: &[NetConfig],
-) -> Result<(Vec<AttachedDevice>, Option<BalloonHandle>), SnapshotError> {
+) -> Result<Attached, SnapshotError> {
     let mut attached = Vec::new();
     let mut net_iter = net.iter();
     let mut pmem_iter = pmem_regions.iter();
     let mut balloon: Option<BalloonHandle> = None;
+    let mut hotplug: Option<MemHandle> = None;
     for (i, d) in states.iter().enumerate() {
         let mut config = d.config.clone();
         let make = match &d.config {
@@ -457,6 +501,21 @@ fn restore_virtio(
                 config = DeviceConfig::Net(now);
                 transport_for(dev)
             }
+            DeviceConfig::Mem(_) => {
+                // `validate` checked its state against its configuration.
+                let (Some(s), None) = (&d.hotplug, &hotplug) else {
+                    return Err(SnapshotError::Step(
+                        "virtio-mem without its state, or two".into(),
+                    ));
+                };
+                let dev = VirtioMem::from_state(s);
+                let h = dev.handle();
+                // Its memory is the snapshot's file now, lazily mapped: all
+                // of it may be handed out (no committer runs here).
+                h.set_committed(h.region_size());
+                hotplug = Some(h);
+                transport_for(dev)
+            }
         };
         let transport = devices
             .attach_virtio(make)
@@ -478,7 +537,11 @@ fn restore_virtio(
             net.len()
         )));
     }
-    Ok((attached, balloon))
+    Ok(Attached {
+        devices: attached,
+        balloon,
+        hotplug,
+    })
 }
 
 /// A recorded network device on the backend given for it, if any: its MAC and rate

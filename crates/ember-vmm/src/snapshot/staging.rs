@@ -18,13 +18,19 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use super::{MEMORY_FILE, STATE_FILE};
+use super::{HOTPLUG_FILE, MEMORY_FILE, STATE_FILE};
 
 /// What a snapshot directory may hold: its two files, and the fixed temp
 /// names earlier versions wrote into it. Anything else means the target is
 /// not a snapshot directory, and swapping it out would delete someone's
 /// files.
-const OWN_FILES: [&str; 4] = [STATE_FILE, MEMORY_FILE, "state.tmp", "memory.tmp"];
+const OWN_FILES: [&str; 5] = [
+    STATE_FILE,
+    MEMORY_FILE,
+    HOTPLUG_FILE,
+    "state.tmp",
+    "memory.tmp",
+];
 
 /// A staging directory for one snapshot of `target`.
 #[derive(Debug)]

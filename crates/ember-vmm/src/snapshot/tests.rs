@@ -107,6 +107,7 @@ fn sample() -> SnapshotState {
                 }],
             },
             balloon: None,
+            hotplug: None,
         }],
         vmgenid: true,
         memory_checksum: None,
@@ -136,6 +137,7 @@ fn with_balloon() -> SnapshotState {
             stats: Some(vec![(4, 1 << 20), (5, 64 << 20)]),
             held_stats: Some(2),
         }),
+        hotplug: None,
     });
     s
 }
@@ -510,6 +512,7 @@ fn pmem_backing_files_are_replaced_only_by_files_of_the_same_size() {
         file: Some(FileIdentity::of(&old).unwrap()),
         transport: s.devices[0].transport.clone(),
         balloon: None,
+        hotplug: None,
     });
     let mut replaced = decode(&encode(&s), path()).unwrap();
     replace_pmem(&mut replaced, std::slice::from_ref(&same)).unwrap();

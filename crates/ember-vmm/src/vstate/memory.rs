@@ -176,6 +176,37 @@ pub(crate) fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
     Ok(mem)
 }
 
+/// Adds a virtio-mem region of `size` bytes at guest-physical `addr` to
+/// `mem`, mapped and advised as RAM is (lazily backed, 2 MiB aligned, huge
+/// pages, not inherited by children). Returns all of guest memory and the
+/// region alone (for its committer).
+pub(crate) fn add_hotplug(
+    mem: &GuestMemoryMmap,
+    addr: u64,
+    size: u64,
+) -> Result<(GuestMemoryMmap, GuestMemoryMmap), MemoryError> {
+    let err = || MemoryError::Map(size);
+    let len = usize::try_from(size).map_err(|_| err())?;
+    let host = map_aligned(len).map_err(|_| err())?;
+    // SAFETY: `host..host + len` is a mapping made just above, readable and
+    // writable, that nothing else uses and that is never unmapped.
+    let mapping = unsafe {
+        MmapRegion::build_raw(host, len, libc::PROT_READ | libc::PROT_WRITE, RAM_MAP_FLAGS)
+    }
+    .map_err(|_| err())?;
+    let region =
+        std::sync::Arc::new(GuestRegionMmap::new(mapping, GuestAddress(addr)).ok_or_else(err)?);
+    // SAFETY: the range is the mapping above, alive as long as the region;
+    // the advice changes how it is backed and forked, never its contents.
+    unsafe {
+        libc::madvise(host.cast(), len, libc::MADV_HUGEPAGE);
+        libc::madvise(host.cast(), len, libc::MADV_DONTFORK);
+    }
+    let all = mem.insert_region(region.clone()).map_err(|_| err())?;
+    let alone = GuestMemoryMmap::from_arc_regions(vec![region]).map_err(|_| err())?;
+    Ok((all, alone))
+}
+
 /// How many bytes of guest memory are resident on the host, from
 /// /proc/self/smaps (cheap even for a 64 GiB guest, unlike mincore).
 pub(crate) fn resident_bytes(mem: &GuestMemoryMmap) -> u64 {

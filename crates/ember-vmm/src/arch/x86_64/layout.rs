@@ -76,6 +76,9 @@ pub(crate) const VIRTIO_MMIO_MAX_DEVICES: usize = 16;
 /// and 40 under QEMU/TCG (the nested rig): 1 TiB, the earlier choice, failed
 /// on both.
 pub(crate) const PMEM_START_MIN: u64 = 0x10_0000_0000;
+/// The virtio-mem region starts on a boundary of this above RAM and the
+/// device hole (a whole number of Linux's 128 MiB memory blocks).
+pub(crate) const HOTPLUG_ALIGN: u64 = 1 << 30;
 /// IOAPIC registers.
 pub(crate) const IOAPIC_START: u64 = 0xfec0_0000;
 /// Local APIC registers.
@@ -134,6 +137,13 @@ pub(crate) fn ram_ranges(mem_size: u64) -> Vec<(u64, u64)> {
     }
 }
 
+/// Where a virtio-mem region goes in a guest of `mem_size` bytes of boot
+/// RAM: above it and above the 4 GiB hole, on a [`HOTPLUG_ALIGN`] boundary.
+pub(crate) fn hotplug_start(mem_size: u64) -> u64 {
+    let ram_end = ram_ranges(mem_size).last().map_or(0, |r| r.0 + r.1);
+    ram_end.max(MMIO_GAP_END).next_multiple_of(HOTPLUG_ALIGN)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,6 +159,13 @@ mod tests {
         assert_eq!(r[0], (0, MMIO_GAP_START));
         assert_eq!(r[1].0, MMIO_GAP_END);
         assert_eq!(r.iter().map(|r| r.1).sum::<u64>(), 8 << 30);
+    }
+
+    #[test]
+    fn the_hotplug_region_sits_above_ram_and_the_hole() {
+        assert_eq!(hotplug_start(512 << 20), MMIO_GAP_END);
+        assert_eq!(hotplug_start(4 << 30), 5 << 30);
+        assert_eq!(hotplug_start((4 << 30) + 4096), 6 << 30);
     }
 
     #[test]

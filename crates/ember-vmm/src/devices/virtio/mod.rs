@@ -28,6 +28,7 @@
 pub mod balloon;
 pub mod block;
 pub(crate) mod console;
+pub mod mem;
 pub(crate) mod mmio;
 pub mod net;
 pub(crate) mod pmem;
@@ -43,6 +44,8 @@ pub use console::{Console, ConsoleInput};
 
 pub(crate) use balloon::BalloonState;
 pub use balloon::{Balloon, BalloonConfig, BalloonError, BalloonHandle, target_pages};
+pub(crate) use mem::MemState;
+pub use mem::{MemConfig, MemError, MemHandle, VirtioMem};
 pub use mmio::MmioTransport;
 pub use net::{Net, NetConfig};
 pub use pmem::PmemConfig;
