@@ -296,8 +296,10 @@ fn interface_v4(ifname: &str) -> Option<(Ipv4Addr, u8)> {
             unsafe { std::ptr::read_unaligned(std::ptr::addr_of!(req.ifr_ifru.ifru_addr).cast()) };
         Some(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)))
     };
-    let addr = ask(libc::SIOCGIFADDR)?;
-    let mask = ask(libc::SIOCGIFNETMASK)?;
+    // The request constants are u64 in libc while ioctl takes `Ioctl`, which
+    // is i32 on musl: the cast is what lets the shipped static build compile.
+    let addr = ask(libc::SIOCGIFADDR as libc::Ioctl)?;
+    let mask = ask(libc::SIOCGIFNETMASK as libc::Ioctl)?;
     Some((addr, u32::from(mask).count_ones() as u8))
 }
 
