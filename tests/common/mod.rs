@@ -3,6 +3,7 @@
 
 pub mod busybox;
 pub mod console_vm;
+pub mod netns;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

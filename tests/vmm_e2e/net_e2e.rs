@@ -7,10 +7,9 @@
 
 use crate::common;
 
+use common::netns::{Frame, Netns, TAP_MAC, ember_bin, parse_mac, run};
 use common::{Scratch, output, require_kvm, stderr, stdout};
-use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,188 +17,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const ETHERTYPE_TEST: u16 = 0x88b5;
-const TAP_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0xaa];
 const GUEST_MAC: &str = "02:00:00:00:00:02";
 
 fn guest() -> PathBuf {
     ember_testing::test_guest().expect("build the test guest")
-}
-
-fn ember_bin() -> OsString {
-    std::env::var_os("EMBER_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_ember").into())
-}
-
-fn run(cmd: &mut Command) {
-    let o = output(cmd);
-    assert!(o.status.success(), "{cmd:?}: {}", stderr(&o));
-}
-
-/// A network namespace of the test's own, deleted at drop.
-struct Netns(String);
-
-impl Netns {
-    fn new(tag: &str) -> Netns {
-        let name = format!("ember-{}-{tag}", std::process::id());
-        let o = output(Command::new("ip").args(["netns", "add", &name]));
-        assert!(
-            o.status.success(),
-            "the network tests make their own namespace (as root): ip netns add: {}",
-            stderr(&o)
-        );
-        let ns = Netns(name);
-        // No IPv6 chatter (router solicitations) on the taps.
-        run(ns
-            .exec("sysctl")
-            .args(["-qw", "net.ipv6.conf.default.disable_ipv6=1"]));
-        ns
-    }
-
-    fn exec(&self, program: impl Into<OsString>) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.0]).arg(program.into());
-        c
-    }
-
-    /// A tap `name` with the host-side MAC, up.
-    fn tap(&self, name: &str) {
-        run(Command::new("ip").args(["-n", &self.0, "tuntap", "add", name, "mode", "tap"]));
-        let mac = mac_text(TAP_MAC);
-        run(Command::new("ip").args(["-n", &self.0, "link", "set", name, "address", &mac, "up"]));
-    }
-
-    /// A packet socket on `ifname` in the namespace, with the virtio-net header.
-    fn packet_socket(&self, ifname: &str) -> PacketSocket {
-        let path = format!("/run/netns/{}", self.0);
-        let ifname = std::ffi::CString::new(ifname).unwrap();
-        // setns on a thread of its own: the socket keeps the namespace it was made in.
-        std::thread::spawn(move || {
-            let ns = std::fs::File::open(&path).unwrap();
-            // SAFETY: plain system calls on descriptors and buffers we own.
-            unsafe {
-                assert_eq!(libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET), 0);
-                let proto = (libc::ETH_P_ALL as u16).to_be();
-                let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(proto));
-                assert!(
-                    fd >= 0,
-                    "packet socket: {}",
-                    std::io::Error::last_os_error()
-                );
-                let fd = OwnedFd::from_raw_fd(fd);
-                let one: libc::c_int = 1;
-                assert_eq!(
-                    libc::setsockopt(
-                        fd.as_raw_fd(),
-                        libc::SOL_PACKET,
-                        libc::PACKET_VNET_HDR,
-                        (&one as *const libc::c_int).cast(),
-                        4
-                    ),
-                    0
-                );
-                let index = libc::if_nametoindex(ifname.as_ptr());
-                assert!(index > 0);
-                let mut sll: libc::sockaddr_ll = std::mem::zeroed();
-                sll.sll_family = libc::AF_PACKET as u16;
-                sll.sll_protocol = proto;
-                sll.sll_ifindex = index as i32;
-                assert_eq!(
-                    libc::bind(
-                        fd.as_raw_fd(),
-                        (&sll as *const libc::sockaddr_ll).cast(),
-                        std::mem::size_of::<libc::sockaddr_ll>() as u32
-                    ),
-                    0
-                );
-                // Room for a burst of frames the test reads only afterwards.
-                let size: libc::c_int = 32 << 20;
-                libc::setsockopt(
-                    fd.as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    libc::SO_RCVBUFFORCE,
-                    (&size as *const libc::c_int).cast(),
-                    4,
-                );
-                let tv = libc::timeval {
-                    tv_sec: 0,
-                    tv_usec: 100_000,
-                };
-                libc::setsockopt(
-                    fd.as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    libc::SO_RCVTIMEO,
-                    (&tv as *const libc::timeval).cast(),
-                    std::mem::size_of::<libc::timeval>() as u32,
-                );
-                PacketSocket(fd)
-            }
-        })
-        .join()
-        .unwrap()
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-fn mac_text(m: [u8; 6]) -> String {
-    m.map(|b| format!("{b:02x}")).join(":")
-}
-
-fn parse_mac(s: &str) -> [u8; 6] {
-    let v: Vec<u8> = s
-        .split(':')
-        .map(|p| u8::from_str_radix(p, 16).unwrap())
-        .collect();
-    v.try_into().unwrap()
-}
-
-/// A frame as the packet socket saw it: its virtio-net header's GSO type and
-/// the frame.
-struct Frame {
-    gso_type: u8,
-    data: Vec<u8>,
-}
-
-struct PacketSocket(OwnedFd);
-
-impl PacketSocket {
-    fn recv(&self) -> Option<Frame> {
-        let mut buf = vec![0u8; 70_000];
-        // SAFETY: `buf` is valid for writes of its length.
-        let n = unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n < 10 {
-            return None;
-        }
-        buf.truncate(n as usize);
-        Some(Frame {
-            gso_type: buf[1],
-            data: buf.split_off(10),
-        })
-    }
-
-    /// Sends a frame with a 10-byte virtio-net header.
-    fn send(&self, hdr: [u8; 10], frame: &[u8]) {
-        let mut b = hdr.to_vec();
-        b.extend_from_slice(frame);
-        // SAFETY: `b` is valid for reads of its length.
-        let n = unsafe { libc::send(self.0.as_raw_fd(), b.as_ptr().cast(), b.len(), 0) };
-        assert_eq!(n, b.len() as isize, "{}", std::io::Error::last_os_error());
-    }
-
-    /// Collects frames until `done` says so or `timeout` passes.
-    fn collect(&self, timeout: Duration, mut done: impl FnMut(&[Frame]) -> bool) -> Vec<Frame> {
-        let start = Instant::now();
-        let mut got = Vec::new();
-        while start.elapsed() < timeout && !done(&got) {
-            if let Some(f) = self.recv() {
-                got.push(f);
-            }
-        }
-        got
-    }
 }
 
 /// The test guest's byte at offset `k` of test frame `seq` (virtio_net.rs).
@@ -364,7 +185,11 @@ fn exchange(offload: bool) {
     let sock = ns.packet_socket("tap0");
     let g = guest();
     let net = format!("tap=tap0,mac={GUEST_MAC}");
-    let tso = if offload { "nettso=65000" } else { "" };
+    let tso = if offload {
+        "netcount=1 nettso=65000"
+    } else {
+        ""
+    };
     let cmdline = format!(
         "netoffload={} netinfo netcount=200 netlen=1000 nettx {tso} print=send_now netcount=100 netrx \
          print=send_tso netbytes=65000 netrx exit=0",

@@ -145,11 +145,35 @@ impl NetHandler {
         Ok(queue.iter(mem)?.next())
     }
 
-    /// Sends every frame the driver made available, as far as the rate limit allows.
+    /// Sends every frame the driver made available, as far as the rate limit
+    /// allows. The driver is asked not to notify while we drain (each
+    /// notification is a VM exit); once the ring looks empty notifications go
+    /// back on and the ring is looked at once more, so a frame added meanwhile
+    /// is not left waiting.
     pub(crate) fn process_tx(&mut self) {
-        if self.broken || self.tx_wait.is_some() {
-            return;
+        let mut returned = false;
+        while !self.broken && self.tx_wait.is_none() {
+            if let Err(e) = self.tx.disable_notification(&self.mem) {
+                return self.fail(format_args!("unusable transmit ring ({e})"));
+            }
+            returned |= self.drain_tx();
+            if self.broken || self.tx_wait.is_some() {
+                // The rate limit's timer comes back; the driver need not notify.
+                break;
+            }
+            match self.tx.enable_notification(&self.mem) {
+                Ok(true) => continue,
+                Ok(false) => break,
+                Err(e) => return self.fail(format_args!("unusable transmit ring ({e})")),
+            }
         }
+        if returned && needs_interrupt(&mut self.tx, &self.mem, DEVICE) {
+            self.irq.signal_used_queue();
+        }
+    }
+
+    /// Sends what the transmit ring holds now; whether any chain went back.
+    fn drain_tx(&mut self) -> bool {
         let mut returned = false;
         let hdr = self.backend.vnet_hdr();
         loop {
@@ -157,7 +181,10 @@ impl NetHandler {
             let chain = match Self::pop(&mut self.tx, mem) {
                 Ok(Some(c)) => c,
                 Ok(None) => break,
-                Err(e) => return self.fail(format_args!("unusable transmit ring ({e})")),
+                Err(e) => {
+                    self.fail(format_args!("unusable transmit ring ({e})"));
+                    return returned;
+                }
             };
             let head = chain.head_index();
             let mut len = 0usize;
@@ -182,7 +209,8 @@ impl NetHandler {
                 bad = Some("a transmit chain shorter than the header");
             }
             if let Some(why) = bad {
-                return self.fail(format_args!("chain {head}: {why}"));
+                self.fail(format_args!("chain {head}: {why}"));
+                return returned;
             }
             if let Err(wait) = self.tx_limit.consume(len - HDR_LEN) {
                 self.tx.go_to_previous_position();
@@ -203,13 +231,11 @@ impl NetHandler {
             }
             if !return_chain(&mut self.tx, &self.mem, &self.irq, DEVICE, head, 0) {
                 self.broken = true;
-                return;
+                return returned;
             }
             returned = true;
         }
-        if returned && needs_interrupt(&mut self.tx, &self.mem, DEVICE) {
-            self.irq.signal_used_queue();
-        }
+        returned
     }
 
     /// Delivers waiting frames into the receive queue's buffers, reading more from the
@@ -456,6 +482,7 @@ mod tests {
         assert_eq!(&got[..n], &f[..]);
         assert_eq!(used(&t.txq), [(0, 0)]);
         assert_eq!(t.line.count(), 1);
+        assert_eq!(t.txq.used_flags(), 0, "notifications back on once drained");
     }
 
     #[test]
@@ -566,6 +593,11 @@ mod tests {
         }
         t.h.process_tx();
         assert_eq!(used(&t.txq).len(), 2);
+        assert_eq!(
+            t.txq.used_flags(),
+            1,
+            "no notifications while the timer runs"
+        );
         let deadline = t.h.deadline().expect("waiting");
         t.h.on_timer(deadline - Duration::from_millis(1));
         assert_eq!(used(&t.txq).len(), 2, "not yet");
@@ -573,6 +605,7 @@ mod tests {
         t.h.on_timer(Instant::now());
         assert_eq!(used(&t.txq).len(), 3);
         assert!(t.h.deadline().is_none());
+        assert_eq!(t.txq.used_flags(), 0);
         let _ = t.mem;
     }
 }
