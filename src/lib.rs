@@ -11,6 +11,7 @@ pub mod appliance;
 pub mod backend;
 pub mod boot;
 pub mod cleanup;
+pub mod container;
 pub mod exit;
 pub mod initramfs;
 pub mod lab;

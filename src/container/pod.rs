@@ -1,0 +1,352 @@
+//! A pod: one VM running the guest agent, holding one or more containers.
+//!
+//! On the QEMU backend the VM is `ember run` on the host's root with the
+//! agent as its command (a cold boot; the snapshot fast path belongs to the
+//! ember backend, where the agent will listen on vsock). It is started from
+//! a thread that lives as long as it does, because `PR_SET_PDEATHSIG` fires
+//! when the spawning *thread* ends: so the VM goes when the shim dies
+//! (SIGTERM: ember then stops its VMM and virtiofsd itself), and not before.
+
+use super::agent::{AgentClient, Note, Sink};
+use super::{ContainerError, companion};
+use ember_agent::{ContainerSpec, Handle, ProcessSpec, Request, Response};
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How many lines of ember's stderr are kept for error messages.
+const STDERR_TAIL: usize = 12;
+
+/// A host directory the guest sees.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Share {
+    /// The host directory.
+    pub host: PathBuf,
+    /// Where the guest sees it.
+    pub guest: String,
+}
+
+/// How the pod's VM is made.
+#[derive(Debug, Clone, Default)]
+pub struct PodConfig {
+    /// `ember run --backend` (default: ember's own choice).
+    pub backend: Option<String>,
+    /// `--mem`.
+    pub mem: Option<String>,
+    /// `--cpus`.
+    pub cpus: Option<u32>,
+    /// Writable shares (containers' roots).
+    pub shares: Vec<Share>,
+    /// How long the boot may take until the agent answers.
+    pub boot_timeout: Option<Duration>,
+}
+
+/// What a process's stdio is wired to.
+#[derive(Default)]
+pub struct ProcIo {
+    /// Its stdin's source (pumped to the guest until EOF).
+    pub stdin: Option<Box<dyn Read + Send>>,
+    /// Where its stdout (or terminal) goes.
+    pub stdout: Option<Sink>,
+    /// Where its stderr goes.
+    pub stderr: Option<Sink>,
+}
+
+struct VmExit {
+    status: Mutex<Option<i32>>,
+    cv: Condvar,
+}
+
+/// A running pod VM and its agent.
+pub struct Pod {
+    client: Arc<AgentClient>,
+    vm_pid: u32,
+    exit: Arc<VmExit>,
+    kernel_release: String,
+}
+
+impl Pod {
+    /// Boots the VM and waits for its agent; `notes` gets the agent's news.
+    pub fn boot(cfg: &PodConfig, notes: impl Fn(Note) + Send + 'static) -> Result<Pod, ContainerError> {
+        let ember = companion("ember", "EMBER_BIN")?;
+        let agent = companion("ember-agent", "EMBER_AGENT")?;
+        let mut cmd = Command::new(&ember);
+        cmd.arg("run");
+        if let Some(b) = &cfg.backend {
+            cmd.args(["--backend", b]);
+        }
+        if let Some(m) = &cfg.mem {
+            cmd.args(["--mem", m]);
+        }
+        if let Some(c) = cfg.cpus {
+            cmd.args(["--cpus", &c.to_string()]);
+        }
+        for s in &cfg.shares {
+            cmd.arg("--share")
+                .arg(format!("{}:{},rw", s.host.display(), s.guest));
+        }
+        cmd.args(["--workdir", "/", "--"]).arg(&agent);
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // SAFETY: prctl in the forked child touches no memory.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        log::info!("booting the pod VM: {cmd:?}");
+        let exit = Arc::new(VmExit {
+            status: Mutex::new(None),
+            cv: Condvar::new(),
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let exit = exit.clone();
+            std::thread::Builder::new()
+                .name("ember-vm".into())
+                .spawn(move || {
+                    let mut child = match cmd.spawn() {
+                        Ok(c) => c,
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let io = (
+                        child.id(),
+                        child.stdin.take(),
+                        child.stdout.take(),
+                        child.stderr.take(),
+                    );
+                    let _ = tx.send(Ok(io));
+                    let code = match child.wait() {
+                        Ok(s) => s.code().unwrap_or(-1),
+                        Err(_) => -1,
+                    };
+                    log::info!("the pod VM ended with status {code}");
+                    *exit.status.lock().unwrap_or_else(|p| p.into_inner()) = Some(code);
+                    exit.cv.notify_all();
+                })
+                .map_err(ContainerError::io("a thread for the VM"))?;
+        }
+        let (vm_pid, stdin, stdout, stderr) = rx
+            .recv()
+            .map_err(|_| ContainerError::AgentGone)?
+            .map_err(ContainerError::io(format!("start {}", ember.display())))?;
+        let (Some(stdin), Some(stdout), Some(stderr)) = (stdin, stdout, stderr) else {
+            return Err(ContainerError::AgentGone);
+        };
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
+        {
+            let tail = tail.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    log::info!("vm: {line}");
+                    let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
+                    if t.len() == STDERR_TAIL {
+                        t.pop_front();
+                    }
+                    t.push_back(line);
+                }
+            });
+        }
+        let client = Arc::new(AgentClient::new(
+            Box::new(stdout),
+            Box::new(stdin),
+            Duration::from_secs(60),
+            notes,
+        ));
+        let boot_timeout = cfg.boot_timeout.unwrap_or(Duration::from_secs(300));
+        let started = Instant::now();
+        let hello = client.request_within(Request::Hello, boot_timeout);
+        let pod = Pod {
+            client,
+            vm_pid,
+            exit,
+            kernel_release: String::new(),
+        };
+        match hello {
+            Ok(Response::Hello { kernel_release, .. }) => {
+                log::info!(
+                    "the pod VM's agent answered after {} ms (guest kernel {kernel_release})",
+                    started.elapsed().as_millis()
+                );
+                Ok(Pod {
+                    kernel_release,
+                    ..pod
+                })
+            }
+            Ok(other) => {
+                pod.kill();
+                Err(ContainerError::Agent(format!("unexpected answer {other:?}")))
+            }
+            Err(e) => {
+                pod.kill();
+                // What ember said is the reason (a missing kernel, virtiofsd…).
+                pod.wait_exit(Duration::from_secs(5));
+                std::thread::sleep(Duration::from_millis(100));
+                let t = tail.lock().unwrap_or_else(|p| p.into_inner());
+                let said: Vec<&str> = t.iter().map(String::as_str).collect();
+                Err(ContainerError::Agent(format!(
+                    "the pod VM did not start ({e}){}{}",
+                    if said.is_empty() { "" } else { ": " },
+                    said.join(" | ")
+                )))
+            }
+        }
+    }
+
+    /// The VM's process (ember) on the host.
+    pub fn pid(&self) -> u32 {
+        self.vm_pid
+    }
+
+    /// The guest kernel's release.
+    pub fn kernel_release(&self) -> &str {
+        &self.kernel_release
+    }
+
+    /// Sets a container up in the guest.
+    pub fn create_container(&self, spec: ContainerSpec) -> Result<(), ContainerError> {
+        self.client.request(Request::CreateContainer(spec)).map(drop)
+    }
+
+    /// Starts a process; returns its guest pid. Its stdin is pumped from
+    /// `io.stdin` (until EOF) by a thread of its own.
+    pub fn start(&self, spec: ProcessSpec, io: ProcIo) -> Result<u32, ContainerError> {
+        let handle = spec.handle;
+        self.client.attach(handle, io.stdout, io.stderr);
+        let pid = match self.client.request(Request::Start(spec))? {
+            Response::Started { pid } => pid,
+            other => return Err(ContainerError::Agent(format!("unexpected answer {other:?}"))),
+        };
+        if let Some(mut src) = io.stdin {
+            let client = self.client.clone();
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; ember_agent::DATA_CHUNK];
+                loop {
+                    match src.read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => {
+                            if client.stdin(handle, &buf[..n]).is_err() {
+                                return;
+                            }
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(_) => break,
+                    }
+                }
+                let _ = client.close_stdin(handle);
+            });
+        }
+        Ok(pid)
+    }
+
+    /// Ends a process's stdin.
+    pub fn close_stdin(&self, handle: Handle) -> Result<(), ContainerError> {
+        self.client.close_stdin(handle)
+    }
+
+    /// Sends `signal` to a process (or all of its container's).
+    pub fn signal(&self, handle: Handle, signal: i32, all: bool) -> Result<(), ContainerError> {
+        self.client
+            .request(Request::Signal {
+                handle,
+                signal,
+                all,
+            })
+            .map(drop)
+    }
+
+    /// Sizes a process's terminal.
+    pub fn resize(&self, handle: Handle, width: u16, height: u16) -> Result<(), ContainerError> {
+        self.client
+            .request(Request::Resize {
+                handle,
+                width,
+                height,
+            })
+            .map(drop)
+    }
+
+    /// The guest pids of a container's processes.
+    pub fn pids(&self, container: &str) -> Result<Vec<u32>, ContainerError> {
+        match self.client.request(Request::Pids {
+            container: container.to_owned(),
+        })? {
+            Response::Pids(p) => Ok(p),
+            other => Err(ContainerError::Agent(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Kills what is left of a container and undoes its guest mounts.
+    pub fn destroy(&self, container: &str) -> Result<(), ContainerError> {
+        self.client
+            .request(Request::Destroy {
+                container: container.to_owned(),
+            })
+            .map(drop)
+    }
+
+    /// Whether the VM has ended.
+    pub fn has_ended(&self) -> bool {
+        self.exit
+            .status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
+    fn wait_exit(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.exit.status.lock().unwrap_or_else(|p| p.into_inner());
+        while st.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            st = self
+                .exit
+                .cv
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+
+    fn kill(&self) {
+        if !self.has_ended() {
+            // SAFETY: kill has no memory effects; the pid is our child's,
+            // not reaped while has_ended is false.
+            unsafe { libc::kill(self.vm_pid as i32, libc::SIGTERM) };
+        }
+    }
+
+    /// Stops the VM: the agent is asked to end (the guest then powers off),
+    /// ember is sent SIGTERM if that takes too long, SIGKILL after that.
+    pub fn shutdown(&self) {
+        if !self.client.is_gone() {
+            let _ = self
+                .client
+                .request_within(Request::Shutdown, Duration::from_secs(10));
+        }
+        if self.wait_exit(Duration::from_secs(30)) {
+            return;
+        }
+        self.kill();
+        if !self.wait_exit(Duration::from_secs(10)) && !self.has_ended() {
+            // SAFETY: as in kill.
+            unsafe { libc::kill(self.vm_pid as i32, libc::SIGKILL) };
+            self.wait_exit(Duration::from_secs(10));
+        }
+    }
+}
