@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::ffi::CString;
 use std::fs::File;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -296,12 +296,17 @@ impl Agent {
                 None => cmd.env(e, ""),
             };
         }
+        if !spec.env.iter().any(|e| e.starts_with("HOME=")) {
+            // As runc without a passwd entry for the user.
+            cmd.env("HOME", "/");
+        }
         // Output sources: (frame kind, reader).
         let mut outputs: Vec<(u8, File)> = Vec::new();
         let mut stdin_w = None;
         let mut pty = None;
         if spec.terminal {
-            let (master, slave) = open_pty().map_err(io_err("a terminal"))?;
+            let (master, slave) =
+                open_pty(&rootfs.join("dev/pts/ptmx")).map_err(io_err("a terminal"))?;
             cmd.stdin(Stdio::from(slave.try_clone().map_err(io_err("dup"))?))
                 .stdout(Stdio::from(slave.try_clone().map_err(io_err("dup"))?))
                 .stderr(Stdio::from(slave));
@@ -598,31 +603,42 @@ fn pipe() -> io::Result<(File, File)> {
     Ok(unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) })
 }
 
-/// A new terminal: (master, slave).
-fn open_pty() -> io::Result<(File, File)> {
-    // SAFETY: posix_openpt returns a new descriptor or -1.
-    let m = unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) };
+/// A new terminal from the container's own devpts (`ptmx`, when it has
+/// one, so its processes find their terminal under their /dev/pts):
+/// (master, slave). The slave is opened from the master (TIOCGPTPEER), not
+/// by a name that means another devpts here.
+fn open_pty(ptmx: &Path) -> io::Result<(File, File)> {
+    let path = if ptmx.exists() {
+        ptmx
+    } else {
+        Path::new("/dev/ptmx")
+    };
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: c is a NUL-terminated path alive for the call.
+    let m = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) };
     if m < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: m was just made and is owned here.
-    let master = unsafe { OwnedFd::from_raw_fd(m) };
-    // SAFETY: grantpt/unlockpt act on a valid master descriptor.
-    if unsafe { libc::grantpt(m) } != 0 || unsafe { libc::unlockpt(m) } != 0 {
+    let master = unsafe { File::from_raw_fd(m) };
+    // SAFETY: unlockpt acts on a valid master descriptor.
+    if unsafe { libc::unlockpt(m) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    let mut name = [0 as libc::c_char; 128];
-    // SAFETY: ptsname_r writes at most name.len() bytes.
-    if unsafe { libc::ptsname_r(m, name.as_mut_ptr(), name.len()) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: name is NUL-terminated by ptsname_r.
-    let s = unsafe { libc::open(name.as_ptr(), libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) };
+    // SAFETY: TIOCGPTPEER takes open flags and returns a new descriptor.
+    let s = unsafe {
+        libc::ioctl(
+            m,
+            libc::TIOCGPTPEER,
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
+    };
     if s < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: s was just made and is owned here.
-    Ok((File::from(master), unsafe { File::from_raw_fd(s) }))
+    Ok((master, unsafe { File::from_raw_fd(s) }))
 }
 
 fn kernel_release() -> String {
@@ -676,6 +692,48 @@ fn mount_options(options: &[String]) -> (libc::c_ulong, String) {
     (flags, data.join(","))
 }
 
+/// The device nodes a container's /dev gets (as runc makes them): name,
+/// major, minor.
+const DEVICES: &[(&str, u32, u32)] = &[
+    ("null", 1, 3),
+    ("zero", 1, 5),
+    ("full", 1, 7),
+    ("random", 1, 8),
+    ("urandom", 1, 9),
+    ("tty", 5, 0),
+];
+/// And its symlinks: name, target.
+const DEV_LINKS: &[(&str, &str)] = &[
+    ("fd", "/proc/self/fd"),
+    ("stdin", "/proc/self/fd/0"),
+    ("stdout", "/proc/self/fd/1"),
+    ("stderr", "/proc/self/fd/2"),
+    ("core", "/proc/kcore"),
+    ("ptmx", "pts/ptmx"),
+];
+
+/// Fills a container's fresh /dev tmpfs: only the usual devices, never the
+/// VM's own (its channel to the host among them).
+fn populate_dev(dev: &Path) -> Result<(), AgentError> {
+    for &(name, major, minor) in DEVICES {
+        let p = dev.join(name);
+        let c = CString::new(p.as_os_str().as_bytes()).map_err(|_| AgentError::NoArgs)?;
+        // SAFETY: c is a NUL-terminated path alive for the call.
+        let r = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(major, minor)) };
+        if r != 0 {
+            return Err(io_err(format!("mknod {}", p.display()))(io::Error::last_os_error()));
+        }
+        // The umask took some bits away.
+        // SAFETY: as above.
+        unsafe { libc::chmod(c.as_ptr(), 0o666) };
+    }
+    for &(name, target) in DEV_LINKS {
+        std::os::unix::fs::symlink(target, dev.join(name))
+            .map_err(io_err(format!("symlink /dev/{name}")))?;
+    }
+    Ok(())
+}
+
 /// Makes one OCI mount inside `rootfs`; returns the mount points made
 /// (none for cgroups on a kernel without cgroup2).
 fn mount_in(rootfs: &Path, m: &Mount) -> Result<Vec<PathBuf>, AgentError> {
@@ -685,10 +743,6 @@ fn mount_in(rootfs: &Path, m: &Mount) -> Result<Vec<PathBuf>, AgentError> {
         // The VM's own devices: a fresh devtmpfs is what a container's
         // /dev tmpfs plus runc's device nodes would give, and only the
         // VM's devices are in it.
-        "tmpfs" if m.destination == "/dev" => {
-            data.clear();
-            ("devtmpfs", "devtmpfs")
-        }
         "proc" | "sysfs" | "tmpfs" | "devpts" | "mqueue" => (m.source.as_str(), m.fstype.as_str()),
         "cgroup" | "cgroup2" => ("cgroup2", "cgroup2"),
         _ => {
@@ -726,7 +780,10 @@ fn mount_in(rootfs: &Path, m: &Mount) -> Result<Vec<PathBuf>, AgentError> {
         }
         return Err(io_err(format!("mount {} on {}", m.fstype, m.destination))(e));
     }
-    if fstype == "devpts" {
+    if fstype == "tmpfs" && m.destination == "/dev" {
+        populate_dev(&target)?;
+    }
+    if fstype == "devpts" && !rootfs.join("dev/ptmx").is_symlink() {
         // /dev/ptmx of the container's devpts, not the VM's: bound over
         // the node (devtmpfs is one instance VM-wide, so it is not edited).
         let ptmx = rootfs.join("dev/ptmx");
