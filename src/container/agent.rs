@@ -3,9 +3,7 @@
 //! agent's events handed to the pod.
 
 use super::ContainerError;
-use ember_agent::{
-    Event, Handle, Request, RequestEnvelope, Response, ResponseEnvelope, kind,
-};
+use ember_agent::{Event, Handle, Request, RequestEnvelope, Response, ResponseEnvelope, kind};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -212,7 +210,11 @@ mod tests {
             assert_eq!(req.request, Request::Hello);
             let out = ember_agent::data_payload(5, b"hello\n");
             ember_agent::write_frame(&mut w, kind::STDOUT, &out).unwrap();
-            let exit = serde_json::to_vec(&Event::Exited { handle: 5, status: 3 }).unwrap();
+            let exit = serde_json::to_vec(&Event::Exited {
+                handle: 5,
+                status: 3,
+            })
+            .unwrap();
             ember_agent::write_frame(&mut w, kind::EVENT, &exit).unwrap();
             let resp = ResponseEnvelope {
                 id: req.id,
@@ -243,10 +245,19 @@ mod tests {
         let e = client.request(Request::Hello).unwrap_err();
         assert_eq!(e.to_string(), "nope");
         fake.join().unwrap();
-        assert_eq!(rx.recv().unwrap(), Note::Exited { handle: 5, status: 3 });
+        assert_eq!(
+            rx.recv().unwrap(),
+            Note::Exited {
+                handle: 5,
+                status: 3
+            }
+        );
         assert_eq!(&*out.lock().unwrap(), b"hello\n");
         assert_eq!(rx.recv().unwrap(), Note::Gone);
         assert!(client.is_gone());
-        assert!(matches!(client.request(Request::Hello), Err(ContainerError::AgentGone)));
+        assert!(matches!(
+            client.request(Request::Hello),
+            Err(ContainerError::AgentGone)
+        ));
     }
 }

@@ -79,7 +79,10 @@ pub fn companion(name: &str, env: &str) -> Result<std::path::PathBuf, ContainerE
     if let Some(p) = std::env::var_os(env) {
         return Ok(p.into());
     }
-    if let Some(dir) = std::env::current_exe().ok().and_then(|e| e.parent().map(Into::into)) {
+    if let Some(dir) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Into::into))
+    {
         let p: std::path::PathBuf = dir;
         let p = p.join(name);
         if crate::backend::is_executable(&p) {

@@ -71,7 +71,10 @@ pub struct Pod {
 
 impl Pod {
     /// Boots the VM and waits for its agent; `notes` gets the agent's news.
-    pub fn boot(cfg: &PodConfig, notes: impl Fn(Note) + Send + 'static) -> Result<Pod, ContainerError> {
+    pub fn boot(
+        cfg: &PodConfig,
+        notes: impl Fn(Note) + Send + 'static,
+    ) -> Result<Pod, ContainerError> {
         let ember = companion("ember", "EMBER_BIN")?;
         let agent = companion("ember-agent", "EMBER_AGENT")?;
         let mut cmd = Command::new(&ember);
@@ -186,7 +189,9 @@ impl Pod {
             }
             Ok(other) => {
                 pod.kill();
-                Err(ContainerError::Agent(format!("unexpected answer {other:?}")))
+                Err(ContainerError::Agent(format!(
+                    "unexpected answer {other:?}"
+                )))
             }
             Err(e) => {
                 pod.kill();
@@ -216,7 +221,9 @@ impl Pod {
 
     /// Sets a container up in the guest.
     pub fn create_container(&self, spec: ContainerSpec) -> Result<(), ContainerError> {
-        self.client.request(Request::CreateContainer(spec)).map(drop)
+        self.client
+            .request(Request::CreateContainer(spec))
+            .map(drop)
     }
 
     /// Starts a process; returns its guest pid. Its stdin is pumped from
@@ -226,7 +233,11 @@ impl Pod {
         self.client.attach(handle, io.stdout, io.stderr);
         let pid = match self.client.request(Request::Start(spec))? {
             Response::Started { pid } => pid,
-            other => return Err(ContainerError::Agent(format!("unexpected answer {other:?}"))),
+            other => {
+                return Err(ContainerError::Agent(format!(
+                    "unexpected answer {other:?}"
+                )));
+            }
         };
         if let Some(mut src) = io.stdin {
             let client = self.client.clone();
@@ -283,7 +294,9 @@ impl Pod {
             container: container.to_owned(),
         })? {
             Response::Pids(p) => Ok(p),
-            other => Err(ContainerError::Agent(format!("unexpected answer {other:?}"))),
+            other => Err(ContainerError::Agent(format!(
+                "unexpected answer {other:?}"
+            ))),
         }
     }
 

@@ -49,10 +49,8 @@ fn cstring(p: &Path) -> Result<CString, ContainerError> {
 
 /// Mounts `mounts` one over the other at `target` (made if missing).
 pub fn mount_all(mounts: &[RootMount], target: &Path) -> Result<(), ContainerError> {
-    std::fs::create_dir_all(target).map_err(ContainerError::io(format!(
-        "mkdir {}",
-        target.display()
-    )))?;
+    std::fs::create_dir_all(target)
+        .map_err(ContainerError::io(format!("mkdir {}", target.display())))?;
     for m in mounts {
         let (mut flags, data) = split_options(&m.options);
         if m.fstype == "bind" {
@@ -67,8 +65,8 @@ pub fn mount_all(mounts: &[RootMount], target: &Path) -> Result<(), ContainerErr
             .map_err(|_| fail(std::io::ErrorKind::InvalidInput.into()))?;
         let ty = CString::new(m.fstype.as_bytes())
             .map_err(|_| fail(std::io::ErrorKind::InvalidInput.into()))?;
-        let dt =
-            CString::new(data.as_bytes()).map_err(|_| fail(std::io::ErrorKind::InvalidInput.into()))?;
+        let dt = CString::new(data.as_bytes())
+            .map_err(|_| fail(std::io::ErrorKind::InvalidInput.into()))?;
         let tgt = cstring(target)?;
         // A bind is made read-only by a remount after it.
         let first = if flags & libc::MS_BIND != 0 {
@@ -144,7 +142,12 @@ mod tests {
     #[test]
     fn options_split_into_flags_and_data() {
         let o = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let (f, d) = split_options(&o(&["workdir=/w", "upperdir=/u", "lowerdir=/a:/b", "index=off"]));
+        let (f, d) = split_options(&o(&[
+            "workdir=/w",
+            "upperdir=/u",
+            "lowerdir=/a:/b",
+            "index=off",
+        ]));
         assert_eq!(f, 0);
         assert_eq!(d, "workdir=/w,upperdir=/u,lowerdir=/a:/b,index=off");
         let (f, d) = split_options(&o(&["ro", "rbind"]));

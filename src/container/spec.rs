@@ -188,7 +188,10 @@ mod tests {
         assert_eq!(c.mounts[1].options, ["nosuid", "mode=755"]);
         let p = spec.process.unwrap().to_agent(1, "c1", true);
         assert_eq!(p.args, ["sh", "-c", "echo hi"]);
-        assert_eq!((p.uid, p.gid, p.additional_gids.as_slice()), (1000, 100, &[10][..]));
+        assert_eq!(
+            (p.uid, p.gid, p.additional_gids.as_slice()),
+            (1000, 100, &[10][..])
+        );
         assert_eq!(p.cwd, "/tmp");
         assert!(p.stdin && !p.terminal);
     }
@@ -200,8 +203,16 @@ mod tests {
         )
         .unwrap();
         let e = spec.container("c", "/r").unwrap_err().to_string();
-        assert_eq!(e, "not implemented: bind mount of host path /etc/hosts at /etc/hosts");
+        assert_eq!(
+            e,
+            "not implemented: bind mount of host path /etc/hosts at /etc/hosts"
+        );
         let spec = Spec::parse(br#"{"root": {"path": "rootfs", "readonly": true}}"#).unwrap();
-        assert!(spec.container("c", "/r").unwrap_err().to_string().contains("read-only root"));
+        assert!(
+            spec.container("c", "/r")
+                .unwrap_err()
+                .to_string()
+                .contains("read-only root")
+        );
     }
 }

@@ -15,4 +15,5 @@ mod appliance_e2e;
 mod hostroot_e2e;
 mod lab_qemu;
 mod net_e2e;
+mod shim_e2e;
 mod test_guest_qemu;

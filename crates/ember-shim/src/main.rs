@@ -94,12 +94,19 @@ fn serve(flags: &Flags) -> Result<(), shim::Error> {
     let task: Arc<dyn shim::Task + Send + Sync> = Arc::new(service.create_task_service(publisher));
     let mut methods = HashMap::new();
     for (name, handler) in containerd_shim::protos::create_task(task.clone()) {
-        methods.insert(name.replace("/containerd.task.v3.", "/containerd.task.v2."), handler);
+        methods.insert(
+            name.replace("/containerd.task.v3.", "/containerd.task.v2."),
+            handler,
+        );
     }
     methods.extend(containerd_shim::protos::create_task(task));
-    let path = flags.socket.strip_prefix("unix://").unwrap_or(&flags.socket);
+    let path = flags
+        .socket
+        .strip_prefix("unix://")
+        .unwrap_or(&flags.socket);
     if let Some(dir) = Path::new(path).parent() {
-        std::fs::create_dir_all(dir).map_err(|e| shim::Error::Other(format!("mkdir {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| shim::Error::Other(format!("mkdir {}: {e}", dir.display())))?;
     }
     let _ = std::fs::remove_file(path);
     let listener = std::os::unix::net::UnixListener::bind(path)
@@ -515,16 +522,22 @@ impl shim::Task for Service {
         })
     }
 
-    fn start(&self, _ctx: &TtrpcContext, req: api::StartRequest) -> TtrpcResult<api::StartResponse> {
+    fn start(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StartRequest,
+    ) -> TtrpcResult<api::StartResponse> {
         log::info!("start {} {:?}", req.id, req.exec_id);
         // What to start, taken under the lock; started without it (the
         // agent's exit note takes the lock).
         let (pod, spec, handle, io) = self.with_container(&req.id, |c| {
             let init = c.init_spec.clone();
-            let p = c
-                .procs
-                .get_mut(&req.exec_id)
-                .ok_or_else(|| rpc(Code::NOT_FOUND, format!("process {} not found", req.exec_id)))?;
+            let p = c.procs.get_mut(&req.exec_id).ok_or_else(|| {
+                rpc(
+                    Code::NOT_FOUND,
+                    format!("process {} not found", req.exec_id),
+                )
+            })?;
             if p.status != Status::CREATED {
                 return Err(rpc(
                     Code::FAILED_PRECONDITION,
@@ -628,7 +641,12 @@ impl shim::Task for Service {
             st.next_handle += 1;
             let c = match st.container.as_mut() {
                 Some(c) if c.id == req.id => c,
-                _ => return Err(rpc(Code::NOT_FOUND, format!("container {} not found", req.id))),
+                _ => {
+                    return Err(rpc(
+                        Code::NOT_FOUND,
+                        format!("container {} not found", req.id),
+                    ));
+                }
             };
             if c.procs.contains_key(&req.exec_id) {
                 return Err(rpc(
@@ -651,12 +669,18 @@ impl shim::Task for Service {
         Ok(api::Empty::default())
     }
 
-    fn state(&self, _ctx: &TtrpcContext, req: api::StateRequest) -> TtrpcResult<api::StateResponse> {
+    fn state(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StateRequest,
+    ) -> TtrpcResult<api::StateResponse> {
         self.with_container(&req.id, |c| {
-            let p = c
-                .procs
-                .get(&req.exec_id)
-                .ok_or_else(|| rpc(Code::NOT_FOUND, format!("process {} not found", req.exec_id)))?;
+            let p = c.procs.get(&req.exec_id).ok_or_else(|| {
+                rpc(
+                    Code::NOT_FOUND,
+                    format!("process {} not found", req.exec_id),
+                )
+            })?;
             let (exit_status, exited_at) = match &p.exit {
                 Some((s, t)) => (*s, MessageField::some(t.clone())),
                 None => (0, MessageField::none()),
@@ -687,12 +711,19 @@ impl shim::Task for Service {
         loop {
             let c = match st.container.as_ref() {
                 Some(c) if c.id == req.id => c,
-                _ => return Err(rpc(Code::NOT_FOUND, format!("container {} not found", req.id))),
+                _ => {
+                    return Err(rpc(
+                        Code::NOT_FOUND,
+                        format!("container {} not found", req.id),
+                    ));
+                }
             };
-            let p = c
-                .procs
-                .get(&req.exec_id)
-                .ok_or_else(|| rpc(Code::NOT_FOUND, format!("process {} not found", req.exec_id)))?;
+            let p = c.procs.get(&req.exec_id).ok_or_else(|| {
+                rpc(
+                    Code::NOT_FOUND,
+                    format!("process {} not found", req.exec_id),
+                )
+            })?;
             if let Some((s, t)) = &p.exit {
                 return Ok(api::WaitResponse {
                     exit_status: *s,
@@ -705,12 +736,20 @@ impl shim::Task for Service {
     }
 
     fn kill(&self, _ctx: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<api::Empty> {
-        log::info!("kill {} {:?} signal {} all {}", req.id, req.exec_id, req.signal, req.all);
+        log::info!(
+            "kill {} {:?} signal {} all {}",
+            req.id,
+            req.exec_id,
+            req.signal,
+            req.all
+        );
         let (pod, handle) = self.with_container(&req.id, |c| {
-            let p = c
-                .procs
-                .get(&req.exec_id)
-                .ok_or_else(|| rpc(Code::NOT_FOUND, format!("process {} not found", req.exec_id)))?;
+            let p = c.procs.get(&req.exec_id).ok_or_else(|| {
+                rpc(
+                    Code::NOT_FOUND,
+                    format!("process {} not found", req.exec_id),
+                )
+            })?;
             if p.status != Status::RUNNING {
                 return Err(rpc(
                     Code::NOT_FOUND,
@@ -724,12 +763,19 @@ impl shim::Task for Service {
         Ok(api::Empty::default())
     }
 
-    fn delete(&self, _ctx: &TtrpcContext, req: api::DeleteRequest) -> TtrpcResult<api::DeleteResponse> {
+    fn delete(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::DeleteRequest,
+    ) -> TtrpcResult<api::DeleteResponse> {
         log::info!("delete {} {:?}", req.id, req.exec_id);
         if !req.exec_id.is_empty() {
             return self.with_container(&req.id, |c| {
                 let p = c.procs.get(&req.exec_id).ok_or_else(|| {
-                    rpc(Code::NOT_FOUND, format!("process {} not found", req.exec_id))
+                    rpc(
+                        Code::NOT_FOUND,
+                        format!("process {} not found", req.exec_id),
+                    )
                 })?;
                 if p.status == Status::RUNNING {
                     return Err(rpc(
@@ -751,9 +797,17 @@ impl shim::Task for Service {
             let mut st = self.0.state();
             match st.container.as_ref() {
                 Some(c) if c.id == req.id => {}
-                _ => return Err(rpc(Code::NOT_FOUND, format!("container {} not found", req.id))),
+                _ => {
+                    return Err(rpc(
+                        Code::NOT_FOUND,
+                        format!("container {} not found", req.id),
+                    ));
+                }
             }
-            if st.container.as_ref().and_then(|c| c.procs.get(""))
+            if st
+                .container
+                .as_ref()
+                .and_then(|c| c.procs.get(""))
                 .is_some_and(|p| p.status == Status::RUNNING)
             {
                 return Err(rpc(
@@ -808,12 +862,18 @@ impl shim::Task for Service {
         })
     }
 
-    fn resize_pty(&self, _ctx: &TtrpcContext, req: api::ResizePtyRequest) -> TtrpcResult<api::Empty> {
+    fn resize_pty(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ResizePtyRequest,
+    ) -> TtrpcResult<api::Empty> {
         let (pod, handle) = self.with_container(&req.id, |c| {
-            let p = c
-                .procs
-                .get(&req.exec_id)
-                .ok_or_else(|| rpc(Code::NOT_FOUND, format!("process {} not found", req.exec_id)))?;
+            let p = c.procs.get(&req.exec_id).ok_or_else(|| {
+                rpc(
+                    Code::NOT_FOUND,
+                    format!("process {} not found", req.exec_id),
+                )
+            })?;
             Ok((c.pod.clone(), p.handle))
         })?;
         pod.resize(handle, req.width as u16, req.height as u16)
@@ -823,10 +883,12 @@ impl shim::Task for Service {
 
     fn close_io(&self, _ctx: &TtrpcContext, req: api::CloseIORequest) -> TtrpcResult<api::Empty> {
         let (pod, handle) = self.with_container(&req.id, |c| {
-            let p = c
-                .procs
-                .get(&req.exec_id)
-                .ok_or_else(|| rpc(Code::NOT_FOUND, format!("process {} not found", req.exec_id)))?;
+            let p = c.procs.get(&req.exec_id).ok_or_else(|| {
+                rpc(
+                    Code::NOT_FOUND,
+                    format!("process {} not found", req.exec_id),
+                )
+            })?;
             Ok((c.pod.clone(), p.handle))
         })?;
         if req.stdin {
@@ -835,10 +897,13 @@ impl shim::Task for Service {
         Ok(api::Empty::default())
     }
 
-    fn connect(&self, _ctx: &TtrpcContext, req: api::ConnectRequest) -> TtrpcResult<api::ConnectResponse> {
-        let task_pid = self.with_container(&req.id, |c| {
-            Ok(c.procs.get("").map(|p| p.pid).unwrap_or(0))
-        })?;
+    fn connect(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ConnectRequest,
+    ) -> TtrpcResult<api::ConnectResponse> {
+        let task_pid =
+            self.with_container(&req.id, |c| Ok(c.procs.get("").map(|p| p.pid).unwrap_or(0)))?;
         Ok(api::ConnectResponse {
             shim_pid: std::process::id(),
             task_pid,
@@ -864,15 +929,25 @@ impl shim::Task for Service {
         Err(not_implemented("resume"))
     }
 
-    fn checkpoint(&self, _ctx: &TtrpcContext, _req: api::CheckpointTaskRequest) -> TtrpcResult<api::Empty> {
+    fn checkpoint(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: api::CheckpointTaskRequest,
+    ) -> TtrpcResult<api::Empty> {
         Err(not_implemented("checkpoint"))
     }
 
     fn update(&self, _ctx: &TtrpcContext, _req: api::UpdateTaskRequest) -> TtrpcResult<api::Empty> {
-        Err(not_implemented("update (resizing a running container's VM)"))
+        Err(not_implemented(
+            "update (resizing a running container's VM)",
+        ))
     }
 
-    fn stats(&self, _ctx: &TtrpcContext, _req: api::StatsRequest) -> TtrpcResult<api::StatsResponse> {
+    fn stats(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: api::StatsRequest,
+    ) -> TtrpcResult<api::StatsResponse> {
         Err(not_implemented("stats"))
     }
 }

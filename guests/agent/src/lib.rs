@@ -63,7 +63,10 @@ pub fn encode(kind: u8, payload: &[u8]) -> io::Result<Vec<u8>> {
     if payload.len() > MAX_PAYLOAD {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("agent frame of {} bytes exceeds {MAX_PAYLOAD}", payload.len()),
+            format!(
+                "agent frame of {} bytes exceeds {MAX_PAYLOAD}",
+                payload.len()
+            ),
         ));
     }
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());

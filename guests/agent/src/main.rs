@@ -719,9 +719,17 @@ fn populate_dev(dev: &Path) -> Result<(), AgentError> {
         let p = dev.join(name);
         let c = CString::new(p.as_os_str().as_bytes()).map_err(|_| AgentError::NoArgs)?;
         // SAFETY: c is a NUL-terminated path alive for the call.
-        let r = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(major, minor)) };
+        let r = unsafe {
+            libc::mknod(
+                c.as_ptr(),
+                libc::S_IFCHR | 0o666,
+                libc::makedev(major, minor),
+            )
+        };
         if r != 0 {
-            return Err(io_err(format!("mknod {}", p.display()))(io::Error::last_os_error()));
+            return Err(io_err(format!("mknod {}", p.display()))(
+                io::Error::last_os_error(),
+            ));
         }
         // The umask took some bits away.
         // SAFETY: as above.
@@ -778,7 +786,9 @@ fn mount_in(rootfs: &Path, m: &Mount) -> Result<Vec<PathBuf>, AgentError> {
             // container without cgroup access sees it.
             return Ok(Vec::new());
         }
-        return Err(io_err(format!("mount {} on {}", m.fstype, m.destination))(e));
+        return Err(io_err(format!("mount {} on {}", m.fstype, m.destination))(
+            e,
+        ));
     }
     if fstype == "tmpfs" && m.destination == "/dev" {
         populate_dev(&target)?;
@@ -794,7 +804,13 @@ fn mount_in(rootfs: &Path, m: &Mount) -> Result<Vec<PathBuf>, AgentError> {
         ) {
             // SAFETY: both are NUL-terminated paths alive for the call.
             let r = unsafe {
-                libc::mount(f.as_ptr(), t.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null())
+                libc::mount(
+                    f.as_ptr(),
+                    t.as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_BIND,
+                    std::ptr::null(),
+                )
             };
             if r == 0 {
                 // Unmounted before the devpts (unmount_all goes backwards).
