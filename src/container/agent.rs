@@ -164,9 +164,10 @@ fn read_loop(mut reader: Box<dyn Read + Send>, shared: Arc<Mutex<Shared>>, notes
                         &mut pair.1
                     };
                     // A reader that went away (a closed FIFO) drops the rest.
-                    if let Some(w) = slot
-                        && w.write_all(bytes).and_then(|_| w.flush()).is_err()
-                    {
+                    let failed = slot
+                        .as_mut()
+                        .is_some_and(|w| w.write_all(bytes).and_then(|_| w.flush()).is_err());
+                    if failed {
                         *slot = None;
                     }
                 }
