@@ -64,6 +64,8 @@ struct VmExit {
 /// A running pod VM and its agent.
 pub struct Pod {
     client: Arc<AgentClient>,
+    /// Stdin pumps still running, by process: each signals when it is done.
+    pumps: Mutex<std::collections::HashMap<Handle, std::sync::mpsc::Receiver<()>>>,
     vm_pid: u32,
     exit: Arc<VmExit>,
     kernel_release: String,
@@ -172,6 +174,7 @@ impl Pod {
         let hello = client.request_within(Request::Hello, boot_timeout);
         let pod = Pod {
             client,
+            pumps: Mutex::new(std::collections::HashMap::new()),
             vm_pid,
             exit,
             kernel_release: String::new(),
@@ -241,6 +244,11 @@ impl Pod {
         };
         if let Some(mut src) = io.stdin {
             let client = self.client.clone();
+            let (done, pumped) = std::sync::mpsc::channel();
+            self.pumps
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(handle, pumped);
             std::thread::spawn(move || {
                 let mut buf = vec![0u8; ember_agent::DATA_CHUNK];
                 loop {
@@ -256,13 +264,26 @@ impl Pod {
                     }
                 }
                 let _ = client.close_stdin(handle);
+                let _ = done.send(());
             });
         }
         Ok(pid)
     }
 
-    /// Ends a process's stdin.
+    /// Ends a process's stdin. What its pump has still to copy goes
+    /// first: containerd asks right after writing the last bytes into the
+    /// FIFO, which the pump may not have read yet (it ends with the
+    /// writer's close, and sends the end itself). A writer that never
+    /// closes is given a moment only.
     pub fn close_stdin(&self, handle: Handle) -> Result<(), ContainerError> {
+        let pump = self
+            .pumps
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&handle);
+        if let Some(done) = pump {
+            let _ = done.recv_timeout(Duration::from_secs(2));
+        }
         self.client.close_stdin(handle)
     }
 
