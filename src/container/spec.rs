@@ -2,7 +2,7 @@
 //! honours, and what turns them into the agent's requests.
 
 use super::ContainerError;
-use ember_agent::{ContainerSpec, Mount, ProcessSpec};
+use ember_agent::{Capabilities, ContainerSpec, Mount, ProcessSpec, Rlimit};
 use serde::Deserialize;
 use std::path::Path;
 
@@ -19,6 +19,136 @@ pub struct Spec {
     /// Its mounts.
     #[serde(default)]
     pub mounts: Vec<SpecMount>,
+    /// `linux`.
+    #[serde(default)]
+    pub linux: Linux,
+}
+
+/// `linux`, the fields ember reads.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Linux {
+    /// Paths hidden from the container.
+    #[serde(default)]
+    pub masked_paths: Vec<String>,
+    /// Paths it sees read-only.
+    #[serde(default)]
+    pub readonly_paths: Vec<String>,
+    /// Kernel parameters.
+    #[serde(default)]
+    pub sysctl: std::collections::BTreeMap<String, String>,
+    /// A seccomp filter (refused: not applied yet).
+    pub seccomp: Option<serde_json::Value>,
+}
+
+/// One of `process.rlimits`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SpecRlimit {
+    /// `RLIMIT_*`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Soft limit.
+    pub soft: u64,
+    /// Hard limit.
+    pub hard: u64,
+}
+
+/// `process.capabilities`: capability names per set.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SpecCapabilities {
+    /// Bounding.
+    #[serde(default)]
+    pub bounding: Vec<String>,
+    /// Effective.
+    #[serde(default)]
+    pub effective: Vec<String>,
+    /// Permitted.
+    #[serde(default)]
+    pub permitted: Vec<String>,
+    /// Inheritable.
+    #[serde(default)]
+    pub inheritable: Vec<String>,
+    /// Ambient.
+    #[serde(default)]
+    pub ambient: Vec<String>,
+}
+
+/// Capability names in number order (`CAP_CHOWN` is 0).
+const CAPABILITIES: &[&str] = &[
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "DAC_READ_SEARCH",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "LINUX_IMMUTABLE",
+    "NET_BIND_SERVICE",
+    "NET_BROADCAST",
+    "NET_ADMIN",
+    "NET_RAW",
+    "IPC_LOCK",
+    "IPC_OWNER",
+    "SYS_MODULE",
+    "SYS_RAWIO",
+    "SYS_CHROOT",
+    "SYS_PTRACE",
+    "SYS_PACCT",
+    "SYS_ADMIN",
+    "SYS_BOOT",
+    "SYS_NICE",
+    "SYS_RESOURCE",
+    "SYS_TIME",
+    "SYS_TTY_CONFIG",
+    "MKNOD",
+    "LEASE",
+    "AUDIT_WRITE",
+    "AUDIT_CONTROL",
+    "SETFCAP",
+    "MAC_OVERRIDE",
+    "MAC_ADMIN",
+    "SYSLOG",
+    "WAKE_ALARM",
+    "BLOCK_SUSPEND",
+    "AUDIT_READ",
+    "PERFMON",
+    "BPF",
+    "CHECKPOINT_RESTORE",
+];
+
+/// `RLIMIT_*` names in number order (`RLIMIT_CPU` is 0).
+const RLIMITS: &[&str] = &[
+    "CPU",
+    "FSIZE",
+    "DATA",
+    "STACK",
+    "CORE",
+    "RSS",
+    "NPROC",
+    "NOFILE",
+    "MEMLOCK",
+    "AS",
+    "LOCKS",
+    "SIGPENDING",
+    "MSGQUEUE",
+    "NICE",
+    "RTPRIO",
+    "RTTIME",
+];
+
+fn cap_mask(names: &[String]) -> Result<u64, ContainerError> {
+    let mut m = 0u64;
+    for n in names {
+        let bare = n.strip_prefix("CAP_").unwrap_or(n);
+        let i = CAPABILITIES
+            .iter()
+            .position(|c| *c == bare)
+            .ok_or_else(|| ContainerError::NotImplemented(format!("capability {n}")))?;
+        m |= 1 << i;
+    }
+    Ok(m)
 }
 
 /// `process`, as in the spec (also an exec's process).
@@ -40,6 +170,14 @@ pub struct Process {
     /// Working directory.
     #[serde(default)]
     pub cwd: String,
+    /// no_new_privs.
+    #[serde(default)]
+    pub no_new_privileges: bool,
+    /// Resource limits.
+    #[serde(default)]
+    pub rlimits: Vec<SpecRlimit>,
+    /// Capabilities (root's full sets when absent).
+    pub capabilities: Option<SpecCapabilities>,
 }
 
 /// `process.user`.
@@ -127,11 +265,19 @@ impl Spec {
                 options: m.options.clone(),
             });
         }
+        if self.linux.seccomp.is_some() {
+            return Err(ContainerError::NotImplemented(
+                "seccomp filters (linux.seccomp)".into(),
+            ));
+        }
         Ok(ContainerSpec {
             id: id.to_owned(),
             rootfs: guest_rootfs.to_owned(),
             hostname: self.hostname.clone().filter(|h| !h.is_empty()),
             mounts,
+            masked_paths: self.linux.masked_paths.clone(),
+            readonly_paths: self.linux.readonly_paths.clone(),
+            sysctl: self.linux.sysctl.clone().into_iter().collect(),
         })
     }
 }
@@ -142,9 +288,43 @@ impl Process {
         serde_json::from_slice(json).map_err(|e| format!("process spec: {e}"))
     }
 
-    /// The agent's start request for this process as `handle` in `container`.
-    pub fn to_agent(&self, handle: u32, container: &str, stdin: bool) -> ProcessSpec {
-        ProcessSpec {
+    /// The agent's start request for this process as `handle` in
+    /// `container`; an unknown capability or limit is refused in one line.
+    pub fn to_agent(
+        &self,
+        handle: u32,
+        container: &str,
+        stdin: bool,
+    ) -> Result<ProcessSpec, ContainerError> {
+        let rlimits =
+            self.rlimits
+                .iter()
+                .map(|r| {
+                    let bare = r.kind.strip_prefix("RLIMIT_").unwrap_or(&r.kind);
+                    let resource = RLIMITS.iter().position(|n| *n == bare).ok_or_else(|| {
+                        ContainerError::NotImplemented(format!("rlimit {}", r.kind))
+                    })?;
+                    Ok(Rlimit {
+                        resource: resource as u32,
+                        soft: r.soft,
+                        hard: r.hard,
+                    })
+                })
+                .collect::<Result<Vec<_>, ContainerError>>()?;
+        let capabilities = match &self.capabilities {
+            Some(c) => Some(Capabilities {
+                bounding: cap_mask(&c.bounding)?,
+                effective: cap_mask(&c.effective)?,
+                permitted: cap_mask(&c.permitted)?,
+                inheritable: cap_mask(&c.inheritable)?,
+                ambient: cap_mask(&c.ambient)?,
+            }),
+            None => None,
+        };
+        Ok(ProcessSpec {
+            no_new_privileges: self.no_new_privileges,
+            rlimits,
+            capabilities,
             handle,
             container: container.to_owned(),
             args: self.args.clone(),
@@ -159,7 +339,7 @@ impl Process {
             additional_gids: self.user.additional_gids.clone(),
             terminal: self.terminal,
             stdin,
-        }
+        })
     }
 }
 
@@ -186,7 +366,9 @@ mod tests {
         assert_eq!(c.hostname.as_deref(), Some("box"));
         assert_eq!(c.mounts.len(), 2);
         assert_eq!(c.mounts[1].options, ["nosuid", "mode=755"]);
-        let p = spec.process.unwrap().to_agent(1, "c1", true);
+        let p = spec.process.unwrap().to_agent(1, "c1", true).unwrap();
+        assert!(p.no_new_privileges);
+        assert_eq!(p.capabilities.map(|c| c.bounding), Some(1 << 5));
         assert_eq!(p.args, ["sh", "-c", "echo hi"]);
         assert_eq!(
             (p.uid, p.gid, p.additional_gids.as_slice()),

@@ -352,7 +352,9 @@ fn import_image(c: &Containerd) {
     }
     let busybox = ember::backend::find_binary("busybox").unwrap();
     std::fs::copy(busybox, rootfs.join("bin/busybox")).unwrap();
-    for applet in ["sh", "cat", "echo", "env", "uname", "sleep", "id", "ls"] {
+    for applet in [
+        "sh", "cat", "echo", "env", "uname", "sleep", "id", "ls", "grep", "wc",
+    ] {
         std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
     }
     std::fs::write(rootfs.join("etc/message"), format!("{MESSAGE}\n")).unwrap();
@@ -459,7 +461,9 @@ fn ctr_run_in_ember_vms() {
             "c1",
             "sh",
             "-c",
-            "cat /etc/message; uname -r; env; read l; echo got:$l; exit 7",
+            "cat /etc/message; uname -r; env; read l; echo got:$l; ulimit -n; \
+             grep -E 'NoNewPrivs|CapBnd' /proc/self/status; cat /proc/kcore | wc -c; \
+             (echo x > /proc/sys/kernel/domainname) 2>/dev/null || echo read-only; exit 7",
         ],
         b"hello stdin\n",
     );
@@ -477,6 +481,26 @@ fn ctr_run_in_ember_vms() {
     assert!(lines.contains(&"GREETING=hi"), "{stdout}");
     assert!(lines.iter().any(|l| l.starts_with("PATH=")), "{stdout}");
     assert!(lines.contains(&"got:hello stdin"), "{stdout}");
+    // ctr's default spec, applied in the guest as runc applies it: its
+    // rlimit, no_new_privs, capability bounding set (runc's: a80425fb),
+    // /proc/kcore masked, /proc/sys read-only.
+    let after: Vec<&str> = lines
+        .iter()
+        .skip_while(|l| !l.starts_with("got:"))
+        .skip(1)
+        .map(|l| l.trim())
+        .collect();
+    assert_eq!(
+        after,
+        [
+            "1024",
+            "CapBnd:\t00000000a80425fb",
+            "NoNewPrivs:\t1",
+            "0",
+            "read-only"
+        ],
+        "{stdout}"
+    );
     assert_eq!(c.shim("c1"), None, "the shim outlived --rm");
     assert_eq!(c.mounts(), Vec::<String>::new(), "mounts left after --rm");
 

@@ -575,13 +575,18 @@ impl shim::Task for Service {
             ))
         })?;
         let stdin_given = io.stdin.is_some();
-        let mut agent_spec = spec.to_agent(handle, &req.id, stdin_given);
-        agent_spec.terminal = self
-            .with_container(&req.id, |c| {
-                Ok(c.procs.get(&req.exec_id).map(|p| p.terminal))
-            })?
-            .unwrap_or(agent_spec.terminal);
-        let started = pod.start(agent_spec, io);
+        let started = spec
+            .to_agent(handle, &req.id, stdin_given)
+            .and_then(|mut agent_spec| {
+                agent_spec.terminal = self
+                    .with_container(&req.id, |c| {
+                        Ok(c.procs.get(&req.exec_id).map(|p| p.terminal))
+                    })
+                    .ok()
+                    .flatten()
+                    .unwrap_or(agent_spec.terminal);
+                pod.start(agent_spec, io)
+            });
         let pid = match started {
             Ok(pid) => pid,
             Err(e) => {

@@ -149,6 +149,41 @@ pub struct ContainerSpec {
     pub hostname: Option<String>,
     /// Mounts inside its root, in order.
     pub mounts: Vec<Mount>,
+    /// Paths hidden from it (OCI `linux.maskedPaths`).
+    #[serde(default)]
+    pub masked_paths: Vec<String>,
+    /// Paths it sees read-only (OCI `linux.readonlyPaths`).
+    #[serde(default)]
+    pub readonly_paths: Vec<String>,
+    /// Kernel parameters to set (OCI `linux.sysctl`): the VM's, which is the pod's.
+    #[serde(default)]
+    pub sysctl: Vec<(String, String)>,
+}
+
+/// A resource limit: the `RLIMIT_*` number, soft and hard.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Rlimit {
+    /// Which (`RLIMIT_NOFILE` is 7).
+    pub resource: u32,
+    /// Soft limit.
+    pub soft: u64,
+    /// Hard limit.
+    pub hard: u64,
+}
+
+/// Capability sets as bit masks (bit N is capability N).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Bounding set.
+    pub bounding: u64,
+    /// Effective set.
+    pub effective: u64,
+    /// Permitted set.
+    pub permitted: u64,
+    /// Inheritable set.
+    pub inheritable: u64,
+    /// Ambient set.
+    pub ambient: u64,
 }
 
 /// A process to start in a container.
@@ -174,6 +209,15 @@ pub struct ProcessSpec {
     pub terminal: bool,
     /// The host sends stdin (else it is /dev/null).
     pub stdin: bool,
+    /// Set no_new_privs.
+    #[serde(default)]
+    pub no_new_privileges: bool,
+    /// Resource limits.
+    #[serde(default)]
+    pub rlimits: Vec<Rlimit>,
+    /// Its capabilities; `None` keeps root's full sets.
+    #[serde(default)]
+    pub capabilities: Option<Capabilities>,
 }
 
 /// What the host asks.

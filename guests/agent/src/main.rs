@@ -13,8 +13,8 @@
 //! short grace, when something it left behind holds its pipes).
 
 use ember_agent::{
-    ContainerSpec, Event, Frame, Handle, Mount, ProcessSpec, Request, RequestEnvelope, Response,
-    ResponseEnvelope, kind,
+    Capabilities, ContainerSpec, Event, Frame, Handle, Mount, ProcessSpec, Request,
+    RequestEnvelope, Response, ResponseEnvelope, kind,
 };
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -256,6 +256,10 @@ impl Agent {
                 }
             }
         }
+        if let Err(e) = harden(&rootfs, &spec, &mut made) {
+            unmount_all(&made);
+            return Err(e);
+        }
         if let Some(h) = &spec.hostname {
             // One container per VM today: the VM's hostname is the container's.
             // SAFETY: the pointer and length describe `h`.
@@ -340,6 +344,12 @@ impl Agent {
             spec.additional_gids.clone(),
             spec.terminal,
         );
+        let (no_new_privs, rlimits, caps) = (
+            spec.no_new_privileges,
+            spec.rlimits.clone(),
+            spec.capabilities,
+        );
+        let last_cap = last_cap();
         // SAFETY: the closure runs in the forked child before exec and
         // calls only async-signal-safe functions on memory made before fork.
         unsafe {
@@ -357,9 +367,37 @@ impl Agent {
                 }
                 check(libc::chroot(root_c.as_ptr()))?;
                 check(libc::chdir(cwd_c.as_ptr()))?;
+                for r in &rlimits {
+                    let l = libc::rlimit {
+                        rlim_cur: r.soft,
+                        rlim_max: r.hard,
+                    };
+                    check(libc::setrlimit(r.resource as _, &l))?;
+                }
+                if let Some(c) = caps {
+                    for cap in 0..=last_cap {
+                        if c.bounding & (1 << cap) == 0 {
+                            check(libc::prctl(
+                                libc::PR_CAPBSET_DROP,
+                                cap as libc::c_ulong,
+                                0,
+                                0,
+                                0,
+                            ))?;
+                        }
+                    }
+                    // Keep the permitted set across the uid change, set below.
+                    check(libc::prctl(libc::PR_SET_KEEPCAPS, 1, 0, 0, 0))?;
+                }
                 check(libc::setgroups(groups.len(), groups.as_ptr()))?;
                 check(libc::setgid(gid))?;
                 check(libc::setuid(uid))?;
+                if let Some(c) = caps {
+                    set_capabilities(&c, last_cap)?;
+                }
+                if no_new_privs {
+                    check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;
+                }
                 Ok(())
             });
         }
@@ -591,6 +629,151 @@ fn exists_in(rootfs: &Path, p: &Path, depth: u32) -> bool {
         Ok(m) => m.is_file(),
         Err(_) => false,
     }
+}
+
+/// The highest capability number this kernel knows.
+fn last_cap() -> u32 {
+    std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(40)
+}
+
+/// Sets the calling process's capability sets (capset) and its ambient
+/// set. Called between fork and exec: no allocation.
+fn set_capabilities(c: &Capabilities, last_cap: u32) -> io::Result<()> {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    let mut header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let half = |m: u64, hi: bool| if hi { (m >> 32) as u32 } else { m as u32 };
+    let data = [false, true].map(|hi| Data {
+        effective: half(c.effective, hi),
+        permitted: half(c.permitted, hi),
+        inheritable: half(c.inheritable, hi),
+    });
+    // SAFETY: capset reads a header and two data structs from valid pointers.
+    if unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    for cap in 0..=last_cap {
+        if c.ambient & (1 << cap) != 0 {
+            // SAFETY: prctl has no memory effects here.
+            let r = unsafe {
+                libc::prctl(
+                    libc::PR_CAP_AMBIENT,
+                    libc::PR_CAP_AMBIENT_RAISE as libc::c_ulong,
+                    cap as libc::c_ulong,
+                    0,
+                    0,
+                )
+            };
+            if r != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn c_path(p: &Path) -> Result<CString, AgentError> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| AgentError::NoArgs)
+}
+
+/// Masked and read-only paths, and sysctls; mount points go into `made`.
+fn harden(rootfs: &Path, spec: &ContainerSpec, made: &mut Vec<PathBuf>) -> Result<(), AgentError> {
+    let null = CString::new("/dev/null").map_err(|_| AgentError::NoArgs)?;
+    let tmpfs = CString::new("tmpfs").map_err(|_| AgentError::NoArgs)?;
+    for p in &spec.masked_paths {
+        let target = rootfs.join(p.trim_start_matches('/'));
+        let Ok(meta) = std::fs::metadata(&target) else {
+            continue; // nothing to hide
+        };
+        let t = c_path(&target)?;
+        // SAFETY: all pointers are NUL-terminated strings or null, alive for the call.
+        let r = unsafe {
+            if meta.is_dir() {
+                libc::mount(
+                    tmpfs.as_ptr(),
+                    t.as_ptr(),
+                    tmpfs.as_ptr(),
+                    libc::MS_RDONLY,
+                    std::ptr::null(),
+                )
+            } else {
+                libc::mount(
+                    null.as_ptr(),
+                    t.as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_BIND,
+                    std::ptr::null(),
+                )
+            }
+        };
+        if r != 0 {
+            return Err(io_err(format!("mask {p}"))(io::Error::last_os_error()));
+        }
+        made.push(target);
+    }
+    for p in &spec.readonly_paths {
+        let target = rootfs.join(p.trim_start_matches('/'));
+        if std::fs::symlink_metadata(&target).is_err() {
+            continue;
+        }
+        let t = c_path(&target)?;
+        // SAFETY: as above.
+        let r = unsafe {
+            libc::mount(
+                t.as_ptr(),
+                t.as_ptr(),
+                std::ptr::null(),
+                libc::MS_BIND | libc::MS_REC,
+                std::ptr::null(),
+            )
+        };
+        if r != 0 {
+            return Err(io_err(format!("bind {p}"))(io::Error::last_os_error()));
+        }
+        made.push(target.clone());
+        // SAFETY: as above.
+        let r = unsafe {
+            libc::mount(
+                std::ptr::null(),
+                t.as_ptr(),
+                std::ptr::null(),
+                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_REC,
+                std::ptr::null(),
+            )
+        };
+        if r != 0 {
+            return Err(io_err(format!("make {p} read-only"))(
+                io::Error::last_os_error(),
+            ));
+        }
+    }
+    for (key, value) in &spec.sysctl {
+        if key.contains("..") || key.contains('/') {
+            return Err(io_err(format!("sysctl {key}"))(
+                io::ErrorKind::InvalidInput.into(),
+            ));
+        }
+        let path = format!("/proc/sys/{}", key.replace('.', "/"));
+        std::fs::write(&path, value).map_err(io_err(format!("sysctl {key}")))?;
+    }
+    Ok(())
 }
 
 fn pipe() -> io::Result<(File, File)> {
