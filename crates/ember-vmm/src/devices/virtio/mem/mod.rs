@@ -7,14 +7,14 @@
 //!   the rest, as it is plugged.
 //! - The VMM sets a requested size ([`MemHandle::set_requested`]; a config
 //!   change interrupt tells the driver), and the driver plugs (or unplugs)
-//!   blocks towards it. The protocol itself is [`protocol`], a pure state
+//!   blocks towards it. The protocol itself is `protocol`, a pure state
 //!   machine; this module is its queue, its config space and its handle.
 //! - With `--prefault async` the VMM's committer raises the committed part of
 //!   the region as it commits it ([`MemHandle::set_committed`]): the driver is
 //!   never asked for more than is committed, and a plug of a block past it is
 //!   refused. Without, the whole region counts as committed (lazily backed).
 //! - Unplugged blocks are discarded (`MADV_DONTNEED`): host memory falls.
-//! - Snapshots carry the plugged bitmap and the sizes ([`MemState`]).
+//! - Snapshots carry the plugged bitmap and the sizes (`MemState`).
 
 pub(crate) mod protocol;
 
