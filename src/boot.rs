@@ -73,7 +73,7 @@ pub struct BootArgs {
         hide = true,
         value_name = "JSON",
         value_parser = parse_device_set,
-        conflicts_with_all = ["disk", "pmem", "rng", "balloon", "balloon_target", "balloon_no_reporting", "net", "vsock"]
+        conflicts_with_all = ["disk", "pmem", "rng", "balloon", "balloon_target", "balloon_no_reporting", "net", "vsock", "fs"]
     )]
     pub devices_json: Option<DeviceSet>,
     /// A virtio-vsock device (Firecracker's hybrid vsock): the guest's CID and
@@ -117,7 +117,7 @@ pub struct BootArgs {
     /// memory size and backing, devices, ACPI) are refused with it.
     #[arg(long, value_name = "DIR", conflicts_with_all = [
         "kernel", "initrd", "cmdline", "disk", "rng", "balloon", "cpus", "mem", "mem_boot", "hugepages",
-        "prefault", "no_acpi", "balloon_target", "balloon_no_reporting", "vsock",
+        "prefault", "no_acpi", "balloon_target", "balloon_no_reporting", "vsock", "fs",
     ])]
     pub restore: Option<PathBuf>,
     /// Seccomp filters on every thread (allow-lists in ember-vmm's seccomp/):

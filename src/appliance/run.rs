@@ -94,7 +94,8 @@ impl std::fmt::Display for Cold {
 impl Plan {
     fn of(args: &RunArgs, backend: &dyn Backend) -> Plan {
         let d = &args.devices;
-        let devices = !d.disk.is_empty() || !d.pmem.is_empty() || d.rng || d.balloon;
+        let devices =
+            !d.disk.is_empty() || !d.pmem.is_empty() || d.rng || d.balloon || !d.fs.is_empty();
         [
             (args.no_snapshot, Cold::Asked),
             (args.prepare_only, Cold::PrepareOnly),

@@ -6,7 +6,7 @@
 pub mod qemu;
 pub mod virtiofsd;
 
-use ember_vmm::devices::virtio::{BalloonConfig, DiskConfig, PmemConfig, RngConfig};
+use ember_vmm::devices::virtio::{BalloonConfig, DiskConfig, FsConfig, PmemConfig, RngConfig};
 use ember_vmm::machine::DeviceSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -105,6 +105,11 @@ pub struct DeviceArgs {
     /// Add a virtio-balloon device (statistics, free page reporting).
     #[arg(long)]
     pub balloon: bool,
+    /// Share a host directory (virtio-fs; in the guest: `mount -t virtiofs
+    /// TAG DIR`), confined to DIR, `ro` refusing writes. ember's VMM only.
+    /// Repeatable, one tag each.
+    #[arg(long, value_name = "tag=TAG,dir=DIR[,ro]")]
+    pub fs: Vec<FsConfig>,
     /// Describe devices with an MP table and the command line only (no ACPI tables).
     #[arg(long)]
     pub no_acpi: bool,
@@ -126,6 +131,7 @@ impl DeviceArgs {
             vsock: None,
             // `--mem-boot` makes it (`boot`), from the memory sizes.
             mem: None,
+            fs: self.fs.clone(),
         }
     }
 

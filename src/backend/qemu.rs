@@ -365,6 +365,11 @@ impl Backend for QemuBackend {
                 "offer a virtio-mem region (use --backend ember)",
             ));
         }
+        if !spec.devices.fs.is_empty() {
+            return Err(unsupported(
+                "share a directory with --fs (use --backend ember)",
+            ));
+        }
         let pci_or_mmio = |pci: &str| {
             if self.is_microvm() {
                 format!("{pci}-device")
@@ -650,10 +655,8 @@ mod tests {
                 .into(),
             rng: Some(Default::default()),
             balloon: Some(Default::default()),
-            pmem: Vec::new(),
             net: vec!["tap=tap7,mac=02:00:00:00:00:07,mtu=9000".parse().unwrap()],
-            vsock: None,
-            mem: None,
+            ..Default::default()
         };
         spec.console = false;
         let s = args(&qemu("q35", Accel::Kvm).command(&spec).unwrap()).join(" ");
@@ -842,5 +845,8 @@ mod tests {
         spec.devices.mem = Some(ember_vmm::devices::virtio::MemConfig::new(1 << 30).unwrap());
         let e = q.command(&spec).unwrap_err().to_string();
         assert!(e.contains("virtio-mem"), "{e}");
+        let mut spec = GuestSpec::new("/k");
+        spec.devices.fs.push("tag=t,dir=/srv".parse().unwrap());
+        assert!(q.command(&spec).unwrap_err().to_string().contains("--fs"));
     }
 }

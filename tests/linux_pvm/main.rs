@@ -13,6 +13,7 @@ mod common;
 mod appliance_snapshot;
 mod linux_balloon;
 mod linux_disk;
+mod linux_fs;
 mod linux_pvm;
 mod snapshot_balloon;
 mod snapshot_linux;

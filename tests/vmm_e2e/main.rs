@@ -10,6 +10,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod fs_e2e;
 mod lab_ember;
 mod mem_e2e;
 mod net_e2e;

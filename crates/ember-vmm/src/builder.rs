@@ -26,8 +26,8 @@ use crate::device_manager::{DeviceManager, DeviceManagerError, TransportFactory,
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::pmem::PMEM_ALIGN;
 use crate::devices::virtio::{
-    self, Balloon, BalloonConfig, Block, Console, MemError, Net, Pmem, PmemConfig, PmemRegion, Rng,
-    VirtioMem, Vsock,
+    self, Balloon, BalloonConfig, Block, Console, Fs, FsConfig, MemError, Net, Pmem, PmemConfig,
+    PmemRegion, Rng, VirtioMem, Vsock,
 };
 use crate::devices::vmgenid;
 use crate::events::{Recorder, kind};
@@ -143,6 +143,9 @@ pub enum BuildError {
     /// A pmem backing file could not be mapped.
     #[error("cannot map pmem file {0}: {1}")]
     Pmem(PathBuf, String),
+    /// A virtio-fs share is refused.
+    #[error(transparent)]
+    Fs(virtio::fs::Error),
     /// A disk could not be opened or is unusable.
     #[error("cannot attach disk {0}")]
     Disk(PathBuf, #[source] virtio::block::Error),
@@ -546,7 +549,7 @@ fn register_memory(
 }
 
 /// Creates the virtio devices `cfg` asks for and attaches them in a fixed
-/// order (disks, channel, rng, pmem, balloon, network devices, vsock,
+/// order (disks, channel, rng, pmem, balloon, network devices, vsock, shares,
 /// virtio-mem at `hotplug_at`). Returns them as a snapshot records them, the
 /// balloon's handle and the virtio-mem device's.
 fn attach_virtio_devices(
@@ -566,6 +569,7 @@ fn attach_virtio_devices(
             config,
             placement,
             transport,
+            fs: None,
         });
         Ok(())
     };
@@ -643,6 +647,13 @@ fn attach_virtio_devices(
         let dev = Vsock::new(v).map_err(BuildError::Vsock)?;
         place(DeviceConfig::Vsock(v.clone()), here, transport_for(dev))?;
     }
+    FsConfig::check_tags(&cfg.devices.fs).map_err(BuildError::Fs)?;
+    let mut tables = Vec::new();
+    for share in &cfg.devices.fs {
+        let dev = Fs::new(share).map_err(BuildError::Fs)?;
+        tables.push(dev.handle());
+        place(DeviceConfig::Fs(share.clone()), here, transport_for(dev))?;
+    }
     let hotplug = match &cfg.devices.mem {
         Some(config) => {
             let dev = VirtioMem::new(config, hotplug_at)?;
@@ -666,6 +677,12 @@ fn attach_virtio_devices(
         }
         None => None,
     };
+    let shares = attached
+        .iter_mut()
+        .filter(|d| matches!(d.config, DeviceConfig::Fs(_)));
+    for (d, table) in shares.zip(tables) {
+        d.fs = Some(table);
+    }
     Ok(Attached {
         devices: attached,
         balloon,

@@ -75,3 +75,15 @@ pub fn vsock(mem: GuestMemory, queues: [Queue; 3], irq: VirtioInterrupt) {
 pub fn mem(mem: GuestMemory, queue: Queue, irq: VirtioInterrupt) {
     crate::devices::virtio::mem::fuzz_queue(mem, queue, irq, 0);
 }
+
+/// Target `fs`: virtio-fs's two queues served twice each on arbitrary
+/// memory, its FUSE server sharing `dir` (read-only or not).
+pub fn fs(
+    mem: GuestMemory,
+    queues: Vec<Queue>,
+    irq: VirtioInterrupt,
+    dir: &std::path::Path,
+    read_only: bool,
+) {
+    crate::devices::virtio::fs::fuzz_queues(mem, queues, irq, dir, read_only);
+}

@@ -4,7 +4,7 @@
 //!
 //! Each device has exactly one type for what the user configures of it —
 //! [`DiskConfig`], [`PmemConfig`], [`RngConfig`], [`BalloonConfig`], [`NetConfig`],
-//! [`VsockConfig`], beside
+//! [`VsockConfig`], [`FsConfig`], beside
 //! its device model — and that one type is what the command line parses
 //! (its `FromStr` is the option's only grammar; a relative path becomes
 //! absolute in its constructor), what a machine description ([`DeviceSet`],
@@ -37,8 +37,8 @@ use vm_memory::GuestMemoryMmap;
 
 use crate::devices::legacy::Serial;
 use crate::devices::virtio::{
-    BalloonConfig, BalloonHandle, DiskConfig, MemConfig, MemHandle, MmioTransport, NetConfig,
-    PmemConfig, PmemRegion, RngConfig, VsockConfig,
+    BalloonConfig, BalloonHandle, DiskConfig, FsConfig, FsHandle, MemConfig, MemHandle,
+    MmioTransport, NetConfig, PmemConfig, PmemRegion, RngConfig, VsockConfig,
 };
 use crate::prefault::Committer;
 use crate::vstate::control::{ControlError, RunState};
@@ -68,6 +68,8 @@ pub enum DeviceConfig {
     Vsock(VsockConfig),
     /// virtio-mem.
     Mem(MemConfig),
+    /// virtio-fs: a shared host directory.
+    Fs(FsConfig),
 }
 
 impl DeviceConfig {
@@ -109,6 +111,9 @@ pub struct DeviceSet {
     /// A virtio-mem region (memory beyond the boot RAM, plugged at run time).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mem: Option<MemConfig>,
+    /// virtio-fs shares, each with its own tag.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fs: Vec<FsConfig>,
 }
 
 /// Where the device manager put a device, beyond its MMIO window and
@@ -129,6 +134,8 @@ pub(crate) struct AttachedDevice {
     pub(crate) placement: Placement,
     /// Its register window.
     pub(crate) transport: Arc<Mutex<MmioTransport>>,
+    /// A virtio-fs device's table, which a snapshot records.
+    pub(crate) fs: Option<FsHandle>,
 }
 
 /// The virtio devices a build or a restore attached, with the handles the
@@ -329,6 +336,7 @@ mod tests {
             net: vec!["tap=tap0,mac=02:00:00:00:00:01".parse().unwrap()],
             vsock: Some("cid=3,uds=/v.sock".parse().unwrap()),
             mem: Some(MemConfig::new(1 << 30).unwrap()),
+            fs: vec!["tag=t,dir=/srv,ro".parse().unwrap()],
         };
         let json = serde_json::to_string(&set).unwrap();
         assert_eq!(serde_json::from_str::<DeviceSet>(&json).unwrap(), set);

@@ -39,6 +39,8 @@ pub enum Thread {
     Net,
     /// A virtio-pmem I/O thread.
     Pmem,
+    /// A virtio-fs I/O thread (its FUSE passthrough).
+    Fs,
     /// The virtio-balloon I/O thread.
     Balloon,
     /// The virtio-vsock I/O thread.
@@ -59,7 +61,7 @@ pub enum Thread {
 
 impl Thread {
     /// Every kind, in filter-table order.
-    pub const ALL: [Thread; 15] = [
+    pub const ALL: [Thread; 16] = [
         Thread::Main,
         Thread::Vcpu,
         Thread::Block,
@@ -67,6 +69,7 @@ impl Thread {
         Thread::Rng,
         Thread::Net,
         Thread::Pmem,
+        Thread::Fs,
         Thread::Balloon,
         Thread::Vsock,
         Thread::Mem,
@@ -87,6 +90,7 @@ impl Thread {
             Thread::Rng => "rng",
             Thread::Net => "net",
             Thread::Pmem => "pmem",
+            Thread::Fs => "fs",
             Thread::Balloon => "balloon",
             Thread::Vsock => "vsock",
             Thread::Mem => "mem",
@@ -476,6 +480,43 @@ pub fn rules(thread: Thread) -> Rules {
             );
             r
         }
+        Thread::Fs => {
+            let mut r = device_loop();
+            // The passthrough (`devices::virtio::fs::passthrough`): every
+            // name the guest sends is opened with openat2 beneath a
+            // descriptor it already holds, and file data is reached by
+            // reopening an inode's /proc/self/fd link (openat).
+            allow(
+                &mut r,
+                &[
+                    libc::SYS_openat2,
+                    libc::SYS_openat,
+                    libc::SYS_newfstatat,
+                    libc::SYS_statx,
+                    libc::SYS_fstat,
+                    libc::SYS_fstatfs,
+                    libc::SYS_readlinkat,
+                    libc::SYS_symlinkat,
+                    libc::SYS_mknodat,
+                    libc::SYS_mkdirat,
+                    libc::SYS_unlinkat,
+                    libc::SYS_renameat2,
+                    libc::SYS_linkat,
+                    libc::SYS_fchmodat,
+                    libc::SYS_fchownat,
+                    libc::SYS_utimensat,
+                    libc::SYS_ftruncate,
+                    libc::SYS_fallocate,
+                    libc::SYS_pread64,
+                    libc::SYS_pwrite64,
+                    libc::SYS_lseek,
+                    libc::SYS_getdents64,
+                    libc::SYS_fsync,
+                    libc::SYS_fdatasync,
+                ],
+            );
+            r
+        }
         Thread::Balloon => {
             // Discarding inflated and reported pages is madvise (in base).
             // With --prefault async, a deflate first commits the pages it
@@ -528,6 +569,7 @@ pub fn rules(thread: Thread) -> Rules {
                 Thread::Rng,
                 Thread::Net,
                 Thread::Pmem,
+                Thread::Fs,
                 Thread::Balloon,
                 Thread::Vsock,
                 Thread::Mem,
@@ -617,6 +659,8 @@ pub fn rules(thread: Thread) -> Rules {
                     libc::SYS_newfstatat,
                     libc::SYS_statx,
                     libc::SYS_fstat,
+                    libc::SYS_statx,
+                    libc::SYS_fstat,
                     libc::SYS_lseek,
                     libc::SYS_pread64,
                     libc::SYS_pwrite64,
@@ -664,6 +708,8 @@ pub fn rules(thread: Thread) -> Rules {
                     libc::SYS_openat,
                     libc::SYS_fstat,
                     libc::SYS_newfstatat,
+                    libc::SYS_statx,
+                    libc::SYS_fstat,
                     libc::SYS_statx,
                     libc::SYS_lseek,
                     libc::SYS_fcntl,

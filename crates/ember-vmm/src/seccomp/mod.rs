@@ -649,6 +649,21 @@ mod tests {
                 );
             }
         }
+        // virtio-fs is a file server: it opens and removes files, beneath
+        // the share only (`devices::virtio::fs::passthrough`), but it too
+        // starts nothing, runs nothing and reaches no network.
+        let fs = rules(Thread::Fs);
+        for call in [
+            libc::SYS_clone,
+            libc::SYS_clone3,
+            libc::SYS_execve,
+            libc::SYS_socket,
+            libc::SYS_connect,
+            libc::SYS_open,
+            libc::SYS_mount,
+        ] {
+            assert!(!fs.contains_key(&call), "fs allows {call}");
+        }
         assert!(rules(Thread::Block).contains_key(&libc::SYS_io_uring_enter));
         assert!(!rules(Thread::Rng).contains_key(&libc::SYS_pwritev));
         assert!(!rules(Thread::Vcpu).contains_key(&libc::SYS_pwritev));
@@ -680,6 +695,7 @@ mod tests {
             Thread::Rng,
             Thread::Net,
             Thread::Pmem,
+            Thread::Fs,
             Thread::Balloon,
             Thread::Vsock,
             Thread::Mem,

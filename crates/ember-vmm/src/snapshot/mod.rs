@@ -40,7 +40,7 @@ pub(crate) use crate::machine::{AttachedDevice, DeviceConfig, Machine, Placement
 
 use crate::arch::x86_64::layout;
 use crate::devices::virtio::mmio::TransportState;
-use crate::devices::virtio::{BalloonHandle, BalloonState, MemHandle, MemState};
+use crate::devices::virtio::{BalloonHandle, BalloonState, FsHandle, FsState, MemHandle, MemState};
 
 /// The state file's first bytes.
 pub(crate) const MAGIC: &[u8; 8] = b"EMBERSNP";
@@ -224,6 +224,9 @@ pub struct DeviceState {
     /// A virtio-mem device's plugged blocks and sizes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) hotplug: Option<MemState>,
+    /// A virtio-fs device's table: the node IDs the guest holds, by path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) fs: Option<FsState>,
 }
 
 /// COM1 (vm-superio's `SerialState`, which has no serde of its own).
@@ -396,6 +399,14 @@ impl SnapshotState {
                     return Err(bad(format!("device {i} is virtio-mem without its state")));
                 }
                 (_, Some(_)) => return Err(bad(format!("device {i} has virtio-mem's state"))),
+                (_, None) => {}
+            }
+            match (&d.config, &d.fs) {
+                (DeviceConfig::Fs(_), Some(f)) => {
+                    f.check().map_err(|e| bad(format!("device {i}: {e}")))?;
+                }
+                (DeviceConfig::Fs(_), None) => {}
+                (_, Some(_)) => return Err(bad(format!("device {i} has a virtio-fs table"))),
                 (_, None) => {}
             }
         }
@@ -750,6 +761,7 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
             file,
             balloon,
             hotplug,
+            fs: d.fs.as_ref().map(FsHandle::state),
             transport: d
                 .transport
                 .lock()

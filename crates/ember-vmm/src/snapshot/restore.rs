@@ -38,7 +38,7 @@ use crate::builder::{self, BuildError};
 use crate::device_manager::{DeviceManager, transport_for};
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::{
-    Balloon, BalloonHandle, Block, Console, MemHandle, Net, NetConfig, Pmem, PmemConfig,
+    Balloon, BalloonHandle, Block, Console, Fs, MemHandle, Net, NetConfig, Pmem, PmemConfig,
     PmemRegion, Rng, VirtioMem, Vsock,
 };
 use crate::devices::vmgenid::VmGenId;
@@ -456,6 +456,7 @@ fn restore_virtio(
     let mut hotplug: Option<MemHandle> = None;
     for (i, d) in states.iter().enumerate() {
         let mut config = d.config.clone();
+        let mut table = None;
         let make = match &d.config {
             DeviceConfig::Block(disk) => {
                 let block = Block::new(disk)
@@ -516,6 +517,15 @@ fn restore_virtio(
                 hotplug = Some(h);
                 transport_for(dev)
             }
+            DeviceConfig::Fs(share) => {
+                let dev = match &d.fs {
+                    Some(state) => Fs::from_state(share, state),
+                    None => Fs::new(share),
+                }
+                .map_err(|e| build_err(BuildError::Fs(e)))?;
+                table = Some(dev.handle());
+                transport_for(dev)
+            }
         };
         let transport = devices
             .attach_virtio(make)
@@ -529,6 +539,7 @@ fn restore_virtio(
             config,
             placement: d.placement,
             transport,
+            fs: table,
         });
     }
     if net_iter.next().is_some() {

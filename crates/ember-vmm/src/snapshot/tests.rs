@@ -108,6 +108,7 @@ fn sample() -> SnapshotState {
             },
             balloon: None,
             hotplug: None,
+            fs: None,
         }],
         vmgenid: true,
         memory_checksum: None,
@@ -138,6 +139,7 @@ fn with_balloon() -> SnapshotState {
             held_stats: Some(2),
         }),
         hotplug: None,
+        fs: None,
     });
     s
 }
@@ -513,6 +515,7 @@ fn pmem_backing_files_are_replaced_only_by_files_of_the_same_size() {
         transport: s.devices[0].transport.clone(),
         balloon: None,
         hotplug: None,
+        fs: None,
     });
     let mut replaced = decode(&encode(&s), path()).unwrap();
     replace_pmem(&mut replaced, std::slice::from_ref(&same)).unwrap();

@@ -28,6 +28,7 @@
 pub mod balloon;
 pub mod block;
 pub(crate) mod console;
+pub mod fs;
 pub mod mem;
 pub(crate) mod mmio;
 pub mod net;
@@ -41,6 +42,7 @@ pub(crate) mod test_utils;
 
 pub use block::{Block, DiskConfig};
 pub use console::{Console, ConsoleInput};
+pub use fs::{Fs, FsConfig, FsHandle, FsState};
 
 pub(crate) use balloon::BalloonState;
 pub use balloon::{Balloon, BalloonConfig, BalloonError, BalloonHandle, target_pages};

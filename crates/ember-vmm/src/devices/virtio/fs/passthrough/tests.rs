@@ -1,0 +1,363 @@
+use super::*;
+use std::os::unix::fs::symlink;
+
+/// A scratch tree: `share/` (what is shared) beside `outside/secret`.
+struct Tree {
+    top: PathBuf,
+}
+
+impl Tree {
+    fn new() -> Self {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let top = std::env::temp_dir().join(format!(
+            "ember-fs-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        ));
+        let share = top.join("share");
+        std::fs::create_dir_all(share.join("sub/deeper")).unwrap();
+        std::fs::create_dir_all(top.join("outside")).unwrap();
+        std::fs::write(top.join("outside/secret"), b"host secret").unwrap();
+        std::fs::write(share.join("hello.txt"), b"hello, guest\n").unwrap();
+        std::fs::write(share.join("sub/deeper/data"), vec![7u8; 10_000]).unwrap();
+        symlink("/", share.join("abs")).unwrap();
+        symlink("../outside/secret", share.join("rel")).unwrap();
+        symlink("../../outside", share.join("sub/up")).unwrap();
+        Tree { top }
+    }
+    fn share(&self) -> PathBuf {
+        self.top.join("share")
+    }
+}
+
+impl Drop for Tree {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.top);
+    }
+}
+
+use std::path::PathBuf;
+
+fn hdr(opcode: u32, nodeid: u64) -> InHeader {
+    InHeader {
+        opcode,
+        nodeid,
+        unique: 7,
+        ..Default::default()
+    }
+}
+
+fn with_name(prefix: &[u8], name: &str) -> Vec<u8> {
+    let mut v = prefix.to_vec();
+    v.extend_from_slice(name.as_bytes());
+    v.push(0);
+    v
+}
+
+struct T {
+    s: Server,
+    out: Vec<u8>,
+}
+
+impl T {
+    fn new(dir: &Path, ro: bool) -> Self {
+        T {
+            s: Server::new(dir, ro).unwrap(),
+            out: Vec::new(),
+        }
+    }
+    fn call(&mut self, op: u32, node: u64, arg: &[u8]) -> Res<Reply> {
+        self.s.handle(&hdr(op, node), arg, &mut self.out, 1 << 21)
+    }
+    fn lookup(&mut self, parent: u64, name: &str) -> Res<EntryOut> {
+        self.call(LOOKUP, parent, &with_name(&[], name))?;
+        Ok(EntryOut::read_from_prefix(&self.out).unwrap().0)
+    }
+    fn open(&mut self, node: u64, flags: i32) -> Res<u64> {
+        let arg = OpenIn {
+            flags: flags as u32,
+            open_flags: 0,
+        };
+        self.call(OPEN, node, arg.as_bytes())?;
+        Ok(OpenOut::read_from_prefix(&self.out).unwrap().0.fh)
+    }
+    fn read(&mut self, fh: u64, offset: u64, size: u32) -> Res<Vec<u8>> {
+        let arg = ReadIn {
+            fh,
+            offset,
+            size,
+            ..Default::default()
+        };
+        self.call(READ, 0, arg.as_bytes())?;
+        Ok(self.out.clone())
+    }
+    fn write(&mut self, fh: u64, offset: u64, data: &[u8]) -> Res<u32> {
+        let arg = WriteIn {
+            fh,
+            offset,
+            size: data.len() as u32,
+            ..Default::default()
+        };
+        let mut v = arg.as_bytes().to_vec();
+        v.extend_from_slice(data);
+        self.call(WRITE, 0, &v)?;
+        Ok(WriteOut::read_from_prefix(&self.out).unwrap().0.size)
+    }
+    fn create(&mut self, parent: u64, name: &str) -> Res<(EntryOut, u64)> {
+        let arg = CreateIn {
+            flags: libc::O_RDWR as u32,
+            // As Linux sends it: the file type too.
+            mode: libc::S_IFREG | 0o644,
+            umask: 0o022,
+            ..Default::default()
+        };
+        self.call(CREATE, parent, &with_name(arg.as_bytes(), name))?;
+        let (e, rest) = EntryOut::read_from_prefix(&self.out).unwrap();
+        Ok((e, OpenOut::read_from_prefix(rest).unwrap().0.fh))
+    }
+    fn readlink(&mut self, node: u64) -> Vec<u8> {
+        self.call(READLINK, node, &[]).unwrap();
+        self.out.clone()
+    }
+    fn names(&mut self, dir: u64) -> Vec<String> {
+        let arg = OpenIn::default();
+        self.call(OPENDIR, dir, arg.as_bytes()).unwrap();
+        let fh = OpenOut::read_from_prefix(&self.out).unwrap().0.fh;
+        let mut names = Vec::new();
+        let mut offset = 0;
+        loop {
+            // A small buffer, so entries are split over several calls.
+            let r = ReadIn {
+                fh,
+                offset,
+                size: 64,
+                ..Default::default()
+            };
+            self.call(READDIR, 0, r.as_bytes()).unwrap();
+            if self.out.is_empty() {
+                break;
+            }
+            let mut rest = self.out.as_slice();
+            while let Ok((d, tail)) = Dirent::read_from_prefix(rest) {
+                let len = d.namelen as usize;
+                names.push(String::from_utf8(tail[..len].to_vec()).unwrap());
+                offset = d.off;
+                let skip = (size_of::<Dirent>() + len).next_multiple_of(8);
+                rest = &rest[skip.min(rest.len())..];
+            }
+        }
+        names.sort();
+        names
+    }
+}
+
+#[test]
+fn reads_a_tree_and_its_attributes() {
+    let tree = Tree::new();
+    let mut t = T::new(&tree.share(), false);
+    let init = InitIn {
+        major: 7,
+        minor: 38,
+        max_readahead: 1 << 17,
+        flags: u32::MAX,
+    };
+    t.call(INIT, 0, init.as_bytes()).unwrap();
+    let out = InitOut::read_from_prefix(&t.out).unwrap().0;
+    assert_eq!((out.major, out.minor, out.max_write), (7, 31, MAX_IO));
+    let e = t.lookup(ROOT_ID, "hello.txt").unwrap();
+    assert_eq!(e.attr.size, 13);
+    assert_eq!(e.attr.mode & libc::S_IFMT, libc::S_IFREG);
+    let fh = t.open(e.nodeid, libc::O_RDONLY).unwrap();
+    assert_eq!(t.read(fh, 0, 4096).unwrap(), b"hello, guest\n");
+    assert_eq!(t.read(fh, 7, 5).unwrap(), b"guest");
+    // The same file looked up again is the same node.
+    assert_eq!(t.lookup(ROOT_ID, "hello.txt").unwrap().nodeid, e.nodeid);
+    let sub = t.lookup(ROOT_ID, "sub").unwrap().nodeid;
+    let deeper = t.lookup(sub, "deeper").unwrap().nodeid;
+    let data = t.lookup(deeper, "data").unwrap();
+    let fh = t.open(data.nodeid, libc::O_RDONLY).unwrap();
+    assert_eq!(t.read(fh, 0, 1 << 20).unwrap(), vec![7u8; 10_000]);
+    assert_eq!(
+        t.names(ROOT_ID),
+        [".", "..", "abs", "hello.txt", "rel", "sub"]
+    );
+    assert_eq!(t.lookup(ROOT_ID, "nope").unwrap_err(), libc::ENOENT);
+}
+
+#[test]
+fn nothing_leads_out_of_the_share() {
+    let tree = Tree::new();
+    let mut t = T::new(&tree.share(), false);
+    for bad in ["..", ".", "sub/..", "../outside", "/etc", ""] {
+        assert_eq!(t.lookup(ROOT_ID, bad).unwrap_err(), libc::EINVAL, "{bad}");
+    }
+    // Symlinks are handed to the guest as links, never followed here.
+    for (name, target) in [("abs", "/"), ("rel", "../outside/secret")] {
+        let e = t.lookup(ROOT_ID, name).unwrap();
+        assert_eq!(e.attr.mode & libc::S_IFMT, libc::S_IFLNK);
+        assert_eq!(t.readlink(e.nodeid), target.as_bytes());
+        assert_eq!(t.open(e.nodeid, libc::O_RDONLY).unwrap_err(), libc::ENXIO);
+        assert_eq!(t.lookup(e.nodeid, "secret").unwrap_err(), libc::ENOTDIR);
+    }
+    let sub = t.lookup(ROOT_ID, "sub").unwrap().nodeid;
+    let up = t.lookup(sub, "up").unwrap().nodeid;
+    assert_eq!(t.lookup(up, "secret").unwrap_err(), libc::ENOTDIR);
+    assert_eq!(t.lookup(sub, "..").unwrap_err(), libc::EINVAL);
+    // Creating through a symlink (O_NOFOLLOW) or with a path is refused.
+    assert_eq!(t.create(ROOT_ID, "rel").unwrap_err(), libc::ELOOP);
+    assert_eq!(t.create(ROOT_ID, "../escape").unwrap_err(), libc::EINVAL);
+    let arg = MkdirIn {
+        mode: 0o755,
+        umask: 0,
+    };
+    assert_eq!(
+        t.call(MKDIR, ROOT_ID, &with_name(arg.as_bytes(), ".."))
+            .unwrap_err(),
+        libc::EINVAL
+    );
+    // A rename cannot move a file out.
+    let mut arg = RenameIn { newdir: ROOT_ID }.as_bytes().to_vec();
+    arg.extend_from_slice(b"hello.txt\0../moved\0");
+    assert_eq!(t.call(RENAME, ROOT_ID, &arg).unwrap_err(), libc::EINVAL);
+    // Device nodes are not the guest's to make.
+    let arg = MknodIn {
+        mode: libc::S_IFBLK | 0o600,
+        rdev: 0x800,
+        ..Default::default()
+    };
+    assert_eq!(
+        t.call(MKNOD, ROOT_ID, &with_name(arg.as_bytes(), "sda"))
+            .unwrap_err(),
+        libc::EPERM
+    );
+    // A node ID the server never gave out is nothing.
+    assert_eq!(t.call(GETATTR, 999, &[]).unwrap_err(), libc::ESTALE);
+    assert!(tree.top.join("outside/secret").exists());
+    assert!(!tree.top.join("moved").exists());
+}
+
+#[test]
+fn writes_and_a_read_only_share_refuses_them() {
+    let tree = Tree::new();
+    let mut t = T::new(&tree.share(), false);
+    let (e, fh) = t.create(ROOT_ID, "new.txt").unwrap();
+    assert_eq!(t.write(fh, 0, b"written by the guest").unwrap(), 20);
+    assert_eq!(
+        std::fs::read(tree.share().join("new.txt")).unwrap(),
+        b"written by the guest"
+    );
+    let arg = SetattrIn {
+        valid: FATTR_SIZE,
+        size: 7,
+        ..Default::default()
+    };
+    t.call(SETATTR, e.nodeid, arg.as_bytes()).unwrap();
+    assert_eq!(AttrOut::read_from_prefix(&t.out).unwrap().0.attr.size, 7);
+    t.call(UNLINK, ROOT_ID, b"new.txt\0").unwrap();
+    assert!(!tree.share().join("new.txt").exists());
+
+    let mut ro = T::new(&tree.share(), true);
+    let e = ro.lookup(ROOT_ID, "hello.txt").unwrap();
+    assert_eq!(ro.open(e.nodeid, libc::O_RDWR).unwrap_err(), libc::EROFS);
+    assert_eq!(
+        ro.open(e.nodeid, libc::O_RDONLY | libc::O_TRUNC)
+            .unwrap_err(),
+        libc::EROFS
+    );
+    assert_eq!(ro.create(ROOT_ID, "x").unwrap_err(), libc::EROFS);
+    assert_eq!(
+        ro.call(UNLINK, ROOT_ID, b"hello.txt\0").unwrap_err(),
+        libc::EROFS
+    );
+    let arg = SetattrIn {
+        valid: FATTR_MODE,
+        mode: 0o777,
+        ..Default::default()
+    };
+    assert_eq!(
+        ro.call(SETATTR, e.nodeid, arg.as_bytes()).unwrap_err(),
+        libc::EROFS
+    );
+    let fh = ro.open(e.nodeid, libc::O_RDONLY).unwrap();
+    assert_eq!(ro.write(fh, 0, b"x").unwrap_err(), libc::EROFS);
+    assert_eq!(
+        std::fs::read(tree.share().join("hello.txt")).unwrap(),
+        b"hello, guest\n"
+    );
+}
+
+#[test]
+fn node_ids_and_open_files_survive_a_snapshot() {
+    let tree = Tree::new();
+    let mut t = T::new(&tree.share(), false);
+    let sub = t.lookup(ROOT_ID, "sub").unwrap().nodeid;
+    let deeper = t.lookup(sub, "deeper").unwrap().nodeid;
+    let data = t.lookup(deeper, "data").unwrap().nodeid;
+    let fh = t.open(data, libc::O_RDONLY).unwrap();
+    let hello = t.lookup(ROOT_ID, "hello.txt").unwrap().nodeid;
+    // A rename moves what is beneath it.
+    let mut arg = RenameIn { newdir: ROOT_ID }.as_bytes().to_vec();
+    arg.extend_from_slice(b"sub\0moved\0");
+    t.call(RENAME, ROOT_ID, &arg).unwrap();
+    let state = t.s.state();
+    let json = serde_json::to_string(&state).unwrap();
+    assert!(json.contains("moved/deeper/data"), "{json}");
+
+    let mut r = T::new(&tree.share(), false);
+    r.s.restore(&serde_json::from_str(&json).unwrap()).unwrap();
+    assert_eq!(r.read(fh, 0, 3).unwrap(), [7, 7, 7]);
+    r.call(GETATTR, hello, &[]).unwrap();
+    assert_eq!(AttrOut::read_from_prefix(&r.out).unwrap().0.attr.size, 13);
+    // Looked up again: the node the guest already holds.
+    let again = r.lookup(ROOT_ID, "hello.txt").unwrap().nodeid;
+    assert_eq!(again, hello);
+    assert!(r.lookup(ROOT_ID, "moved").unwrap().nodeid == sub);
+    // A path gone since is stale, not something else.
+    std::fs::remove_file(tree.share().join("moved/deeper/data")).unwrap();
+    let mut r2 = T::new(&tree.share(), false);
+    r2.s.restore(&state).unwrap();
+    assert_eq!(r2.call(GETATTR, data, &[]).unwrap_err(), libc::ESTALE);
+
+    // A snapshot file naming paths outside is refused.
+    let mut bad = state.clone();
+    bad.inodes[0].path = Some("../outside".into());
+    assert!(r2.s.restore(&bad).is_err());
+}
+
+#[test]
+fn forgotten_nodes_are_dropped_and_bad_input_is_an_error() {
+    let tree = Tree::new();
+    let mut t = T::new(&tree.share(), false);
+    let e = t.lookup(ROOT_ID, "hello.txt").unwrap();
+    t.lookup(ROOT_ID, "hello.txt").unwrap();
+    let forget = ForgetIn { nlookup: 1 };
+    assert_eq!(
+        t.call(FORGET, e.nodeid, forget.as_bytes()).unwrap(),
+        Reply::None
+    );
+    t.call(GETATTR, e.nodeid, &[]).unwrap();
+    let mut batch = BatchForgetIn {
+        count: 1000,
+        dummy: 0,
+    }
+    .as_bytes()
+    .to_vec();
+    batch.extend_from_slice(
+        ForgetOne {
+            nodeid: e.nodeid,
+            nlookup: 1,
+        }
+        .as_bytes(),
+    );
+    assert_eq!(t.call(BATCH_FORGET, 0, &batch).unwrap(), Reply::None);
+    assert_eq!(t.call(GETATTR, e.nodeid, &[]).unwrap_err(), libc::ESTALE);
+    assert_eq!(t.s.inodes.len(), 1, "only the root is left");
+    // Truncated arguments, unknown opcodes, missing NULs.
+    assert_eq!(t.call(READ, 0, &[1, 2]).unwrap_err(), libc::EINVAL);
+    assert_eq!(t.call(9999, 0, &[]).unwrap_err(), libc::ENOSYS);
+    assert_eq!(
+        t.call(LOOKUP, ROOT_ID, b"no-nul").unwrap_err(),
+        libc::EINVAL
+    );
+    assert_eq!(t.read(12345, 0, 10).unwrap_err(), libc::EBADF);
+}
