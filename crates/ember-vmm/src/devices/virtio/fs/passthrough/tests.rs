@@ -361,3 +361,25 @@ fn forgotten_nodes_are_dropped_and_bad_input_is_an_error() {
     );
     assert_eq!(t.read(12345, 0, 10).unwrap_err(), libc::EBADF);
 }
+
+#[test]
+fn mkdir_create_and_rename_a_directory() {
+    let tree = Tree::new();
+    let mut t = T::new(&tree.share(), false);
+    let arg = MkdirIn {
+        mode: libc::S_IFDIR | 0o755,
+        umask: 0o022,
+    };
+    t.call(MKDIR, ROOT_ID, &with_name(arg.as_bytes(), "d"))
+        .unwrap();
+    let d = EntryOut::read_from_prefix(&t.out).unwrap().0.nodeid;
+    let (_, fh) = t.create(d, "f").unwrap();
+    t.write(fh, 0, b"guest-data\n").unwrap();
+    let mut arg = RenameIn { newdir: ROOT_ID }.as_bytes().to_vec();
+    arg.extend_from_slice(b"d\0e\0");
+    t.call(RENAME, ROOT_ID, &arg).unwrap();
+    assert_eq!(
+        std::fs::read(tree.share().join("e/f")).unwrap(),
+        b"guest-data\n"
+    );
+}
