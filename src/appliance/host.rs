@@ -59,7 +59,7 @@ pub struct Job {
     /// The block device holding the command's root (`ROOT`), if not the
     /// initramfs.
     pub root: Option<String>,
-    /// The `NET` frame's payload (see [`super::netconf`]), if the guest has
+    /// The `NET` frame's payload (see [`ember_frames::netconf`]), if the guest has
     /// a network to configure.
     pub net: Option<Vec<u8>>,
     /// The virtio-fs tag of the host's root (`HOSTROOT`): the command runs

@@ -24,7 +24,6 @@ pub mod host;
 pub mod hostroot;
 pub mod kernel;
 pub mod modules;
-pub mod netconf;
 pub mod protocol;
 pub mod rig;
 mod run;

@@ -8,12 +8,12 @@ use super::assemble::{
 use super::cli::{self, RunArgs};
 use super::error::{ApplianceError, EXIT_APPLIANCE, EXIT_BROKEN_PIPE};
 use super::hostroot::{self, Root};
-use super::netconf::{self, NetConf};
 use super::{builder, cache, closure, host, kernel, rig, userland, warm};
 use crate::backend::{self, Backend, ChannelKind, GuestSpec};
 use crate::cleanup::{self, TempPath};
 use crate::exit::EXIT_TIMEOUT;
 use crate::passt::{GuestNet, Passt};
+use ember_frames::netconf::{self, NetConf};
 use ember_vmm::error_chain;
 use std::fs::File;
 use std::os::fd::AsRawFd;

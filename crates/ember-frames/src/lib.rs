@@ -2,7 +2,8 @@
 //! both need, written once: here the frame header and type bytes of the
 //! appliance channel protocol (ember's host side, `src/appliance/protocol.rs`,
 //! describes the conversation); the busybox applet list ([`applets`]); where
-//! a kernel module's signature starts ([`module_sig`]). Hence `no_std`, no
+//! a kernel module's signature starts ([`module_sig`]); the guest's network
+//! configuration for `ember run --net` ([`netconf`]). Hence `no_std`, no
 //! allocation and no dependencies. Its functions are `#[inline]`: compiled
 //! in the caller, as they were when ember-init included these files itself,
 //! they give ember-init the same instructions (without, LLVM optimises them
@@ -15,6 +16,7 @@ extern crate std;
 
 pub mod applets;
 pub mod module_sig;
+pub mod netconf;
 
 /// Frame header: type byte + little-endian u32 payload length.
 pub const HEADER_LEN: usize = 5;
@@ -56,7 +58,7 @@ pub const ROOT: u8 = 0x16;
 /// ends with the guest would drop.
 pub const DONE: u8 = 0x17;
 /// Before EXEC: configure the guest's network (`ember run --net`); the
-/// payload's layout is in `src/appliance/netconf.rs`.
+/// payload's layout is in [`netconf`].
 pub const NET: u8 = 0x18;
 /// Before EXEC: the tag of a virtio-fs share holding the host's root. Init
 /// mounts it read-only under a writable overlay in guest memory (tmpfs),

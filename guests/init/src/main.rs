@@ -19,10 +19,6 @@
 
 mod hostroot;
 mod net;
-// Shared with ember, which encodes what init decodes.
-#[allow(dead_code)]
-#[path = "../../../src/appliance/netconf.rs"]
-mod netconf;
 mod sys;
 
 use ember_frames as ft;

@@ -1,5 +1,5 @@
 //! The guest's network for `ember run --net`: the host sends `eth0`'s
-//! configuration in a `NET` frame (layout in `src/appliance/netconf.rs`)
+//! configuration in a `NET` frame (layout in `ember_frames::netconf`)
 //! and init applies it before the command starts, with the kernel's
 //! interface and route ioctls: loopback and `eth0` up with the MTU, the
 //! IPv4 and IPv6 addresses and default routes, and `/etc/resolv.conf`.
@@ -8,8 +8,8 @@
 //! address detection and autoconfiguration are turned off, and the address
 //! is usable at once.
 
-use crate::netconf::{NetConf, V4, V6};
 use crate::sys::{self, Fd};
+use ember_frames::netconf::{NetConf, V4, V6};
 
 /// Room for the `NET` payload: the header and a resolv.conf.
 const NET_LEN: usize = 4096;

@@ -1,5 +1,5 @@
 //! The `NET` frame's payload: how `eth0` is configured in the guest (`ember
-//! run --net`). The host works the configuration out (see `crate::passt`)
+//! run --net`). The host works the configuration out (see ember's `passt` module)
 //! and init applies it before the command starts: no DHCP client in the
 //! guest, and nothing to wait for.
 //!
@@ -14,8 +14,7 @@
 //! ```
 //!
 //! Addresses are in network byte order; an absent family's bytes are zero.
-//! This file is shared verbatim with the guest init (`guests/init`), which
-//! is `no_std`: no allocation, no std.
+//! The guest init (`guests/init`) is `no_std`: no allocation, no std.
 
 /// Bytes before the resolv.conf text.
 pub const HEADER_LEN: usize = 47;
@@ -61,6 +60,7 @@ pub struct NetConf<'a> {
 impl<'a> NetConf<'a> {
     /// Decodes a payload; `None` if it is shorter than the header, or its
     /// prefix lengths are out of range.
+    #[inline]
     pub fn decode(p: &'a [u8]) -> Option<NetConf<'a>> {
         if p.len() < HEADER_LEN {
             return None;
@@ -96,6 +96,7 @@ impl<'a> NetConf<'a> {
 
     /// The header of this configuration's payload (the resolv.conf text
     /// follows it).
+    #[inline]
     pub fn header(&self) -> [u8; HEADER_LEN] {
         let mut h = [0u8; HEADER_LEN];
         h[1..5].copy_from_slice(&self.mtu.to_le_bytes());
