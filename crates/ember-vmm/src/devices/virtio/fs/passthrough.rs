@@ -1061,7 +1061,8 @@ impl Server {
                 return Err(libc::EOPNOTSUPP);
             }
             let ts = |set: u32, now: u32, sec: u64, nsec: u32| libc::timespec {
-                tv_sec: sec as libc::time_t,
+                // `_`: time_t is deprecated as a name on musl (it is 64-bit there too).
+                tv_sec: sec as _,
                 tv_nsec: if s.valid & set == 0 {
                     libc::UTIME_OMIT
                 } else if s.valid & now != 0 {
