@@ -49,7 +49,7 @@ fn pvh_entry_prints_marks_and_returns_the_guest_status() {
         return;
     }
     let (code, out, err, ev) = boot(&guest(), "print=hello_world mark=0x42 timer exit=7", &[]);
-    // The guest's debug-exit 7 comes out as 128 + 7 (README: exit statuses).
+    // The guest's debug-exit 7 comes out as 128 + 7 (docs/behaviour.md: exit statuses).
     assert_eq!(code, 128 + 7, "stderr: {err}");
     // The logger puts the boot timer's line on stderr.
     assert!(err.contains("ember: info: guest boot time = "), "{err}");
