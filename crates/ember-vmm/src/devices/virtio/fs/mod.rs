@@ -34,7 +34,7 @@
 //! private and numbers inodes itself, with no way to save it or to rebuild
 //! it with the node IDs a restored guest still holds (its `persist` feature
 //! covers the pseudo file system and VFS mounts only). So the server here is
-//! a compact passthrough of ember's own ([`passthrough`]), with node IDs
+//! a compact passthrough of ember's own (`passthrough`), with node IDs
 //! ember controls and confinement rules of its own (see there).
 
 pub(crate) mod abi;
