@@ -332,8 +332,9 @@ fn keeper() -> Rules {
     allow(
         &mut r,
         &[
-            // Closing every descriptor but the VM's.
+            // Closing every descriptor but the VM's, then telling ember so.
             libc::SYS_close_range,
+            libc::SYS_futex,
             // Waiting for its parent to go.
             libc::SYS_getppid,
             libc::SYS_pause,

@@ -10,8 +10,10 @@
 //! only the VM's descriptor. ember exits; the address space and the VM are
 //! still the keeper's, so the kernel frees neither, and ember's parent sees
 //! the exit status at once. Every other descriptor (the terminal, pipes, the
-//! appliance's socket) is closed by both, so whoever reads them sees
-//! end-of-file then too. The kernel kills the keeper as ember dies
+//! appliance's socket, a shared directory) is closed by the keeper before
+//! ember exits — ember waits the few microseconds that takes — so whoever
+//! reads them sees end-of-file then too, and whoever checks after ember's
+//! exit finds nothing of it holding a file. The kernel kills the keeper as ember dies
 //! (`PR_SET_PDEATHSIG`), and the keeper's exit — unmapping guest memory,
 //! destroying the VM — finishes where nobody waits.
 //!
@@ -35,6 +37,18 @@ pub(crate) fn exit(code: i32, vm: RawFd) -> ! {
 
 /// The keeper's seccomp program (pointer, length), set before it is cloned.
 static KEEPER_FILTER: std::sync::OnceLock<(usize, u16)> = std::sync::OnceLock::new();
+
+/// Set by the keeper (in the address space both share) once it has closed
+/// every descriptor but the VM's; ember waits for it before exiting.
+static KEEPER_CLOSED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// How long ember waits for the keeper to close its copies: a bound, not an
+/// expected time (it takes microseconds), so a keeper that cannot run never
+/// holds ember's exit up.
+const KEEPER_CLOSE_WAIT: libc::timespec = libc::timespec {
+    tv_sec: 0,
+    tv_nsec: 200_000_000,
+};
 
 /// The keeper's stack: it makes a few system calls.
 const KEEPER_STACK: usize = 16 * 1024;
@@ -84,13 +98,38 @@ fn keep_for_teardown(vm: i32) {
     // (16-byte aligned, as a page is), which only the keeper uses; `keeper`
     // makes only raw system calls, so sharing this address space with an
     // exiting process is harmless; its argument is a plain integer.
-    unsafe {
+    let pid = unsafe {
         libc::clone(
             keeper,
             stack.cast::<u8>().add(KEEPER_STACK).cast(),
             libc::CLONE_VM | libc::SIGCHLD,
             arg as *mut libc::c_void,
-        );
+        )
+    };
+    if pid > 0 {
+        wait_for_keeper_close();
+    }
+}
+
+/// Waits (boundedly) until the keeper has closed its copies of ember's
+/// descriptors: otherwise, for a moment after ember's exit, a process of
+/// ember's still holds its files, pipes and shared directories.
+fn wait_for_keeper_close() {
+    use std::sync::atomic::Ordering;
+    let mut left = 10;
+    while KEEPER_CLOSED.load(Ordering::Acquire) == 0 && left > 0 {
+        left -= 1;
+        // SAFETY: FUTEX_WAIT reads the static's word and sleeps while it is
+        // 0, for at most the timeout, which outlives the call.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                KEEPER_CLOSED.as_ptr(),
+                libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+                0u32,
+                &KEEPER_CLOSE_WAIT as *const libc::timespec,
+            );
+        }
     }
 }
 
@@ -117,6 +156,14 @@ extern "C" fn keeper(arg: *mut libc::c_void) -> libc::c_int {
             );
         }
         keep_only(vm);
+        // A plain store and a futex wake: no Rust runtime needed.
+        KEEPER_CLOSED.store(1, std::sync::atomic::Ordering::Release);
+        libc::syscall(
+            libc::SYS_futex,
+            KEEPER_CLOSED.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            1u32,
+        );
         libc::syscall(
             libc::SYS_prctl,
             libc::PR_SET_PDEATHSIG,
