@@ -9,6 +9,7 @@ mod boot;
 mod cmdline;
 mod io;
 mod mem;
+mod virtio;
 mod virtio_blk;
 mod virtio_mem;
 mod virtio_net;

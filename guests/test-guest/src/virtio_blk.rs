@@ -9,6 +9,10 @@
 //! when it says it doesn't need them.
 
 use crate::io::Clock;
+use crate::virtio::{
+    DESC_F_NEXT, DESC_F_WRITE, MAGIC, Mmio, Rings, USED_F_NO_NOTIFY, rd8, rd16, rd32, reg, wr8,
+    wr16, wr32, wr64,
+};
 use crate::{io, println};
 use core::cell::Cell;
 use core::sync::atomic::{Ordering, compiler_fence, fence};
@@ -92,57 +96,11 @@ impl Options {
     }
 }
 
-/// Our first device window (ember's `layout::VIRTIO_MMIO_START`), 16 of them 4 KiB apart.
-pub(crate) const EMBER_WINDOWS: (u64, u64, u64) = (0xd000_0000, 0x1000, 16);
-/// QEMU microvm's transports: 0xfeb00000, 512 bytes apart.
-pub(crate) const QEMU_MICROVM_WINDOWS: (u64, u64, u64) = (0xfeb0_0000, 0x200, 32);
-
-/// virtio-mmio registers (virtio 1.2 §4.2.2).
-pub(crate) mod reg {
-    pub const MAGIC: u64 = 0x000;
-    pub const VERSION: u64 = 0x004;
-    pub const DEVICE_ID: u64 = 0x008;
-    pub const DEVICE_FEATURES: u64 = 0x010;
-    pub const DEVICE_FEATURES_SEL: u64 = 0x014;
-    pub const DRIVER_FEATURES: u64 = 0x020;
-    pub const DRIVER_FEATURES_SEL: u64 = 0x024;
-    pub const QUEUE_SEL: u64 = 0x030;
-    pub const QUEUE_NUM_MAX: u64 = 0x034;
-    pub const QUEUE_NUM: u64 = 0x038;
-    pub const QUEUE_READY: u64 = 0x044;
-    pub const QUEUE_NOTIFY: u64 = 0x050;
-    pub const STATUS: u64 = 0x070;
-    pub const QUEUE_DESC_LOW: u64 = 0x080;
-    pub const QUEUE_DESC_HIGH: u64 = 0x084;
-    pub const QUEUE_DRIVER_LOW: u64 = 0x090;
-    pub const QUEUE_DRIVER_HIGH: u64 = 0x094;
-    pub const QUEUE_DEVICE_LOW: u64 = 0x0a0;
-    pub const QUEUE_DEVICE_HIGH: u64 = 0x0a4;
-    pub const CONFIG_GENERATION: u64 = 0x0fc;
-    /// virtio_blk_config.capacity (u64, 512-byte sectors).
-    pub const CONFIG_CAPACITY: u64 = 0x100;
-}
-
-pub(crate) const MAGIC: u32 = 0x7472_6976; // "virt"
-pub(crate) const MODERN_VERSION: u32 = 2;
 const DEVICE_ID_BLOCK: u32 = 2;
-
-pub(crate) const STATUS_ACKNOWLEDGE: u32 = 1;
-pub(crate) const STATUS_DRIVER: u32 = 2;
-pub(crate) const STATUS_DRIVER_OK: u32 = 4;
-pub(crate) const STATUS_FEATURES_OK: u32 = 8;
-
-/// VIRTIO_F_VERSION_1 (bit 32): the only feature we require.
-pub(crate) const F_VERSION_1: u64 = 1 << 32;
 /// VIRTIO_BLK_F_RO: accepted, so we can refuse to write.
 const F_BLK_RO: u64 = 1 << 5;
-
-pub(crate) const DESC_F_NEXT: u16 = 1;
-pub(crate) const DESC_F_WRITE: u16 = 2;
-/// avail.flags: we poll, don't interrupt us.
-pub(crate) const AVAIL_F_NO_INTERRUPT: u16 = 1;
-/// used.flags: the device doesn't need a notification now.
-pub(crate) const USED_F_NO_NOTIFY: u16 = 1;
+/// virtio_blk_config.capacity (u64, 512-byte sectors).
+const CONFIG_CAPACITY: u64 = 0;
 
 const REQ_IN: u32 = 0;
 const REQ_OUT: u32 = 1;
@@ -153,69 +111,14 @@ const DESCS_PER_REQUEST: u16 = 3;
 const QUEUE_SIZE_MAX: u16 = 256;
 
 /// Guest memory we own for the driver (below `touch=`'s 16 MiB).
-const DESC_TABLE: u64 = 0x80_0000;
-const AVAIL_RING: u64 = 0x80_1000;
-const USED_RING: u64 = 0x80_2000;
+const RINGS: Rings = Rings { desc: 0x80_0000 };
+const DESC_TABLE: u64 = RINGS.desc;
+const AVAIL_RING: u64 = RINGS.avail();
+const USED_RING: u64 = RINGS.used();
 const REQ_HEADERS: u64 = 0x80_3000;
 const REQ_STATUS: u64 = 0x80_4000;
 const DATA_AREA: u64 = 0x90_0000;
 const DATA_AREA_END: u64 = 0x100_0000;
-
-pub(crate) fn rd8(addr: u64) -> u8 {
-    // SAFETY: `addr` is device-shared RAM we own (see the constants above).
-    unsafe { (addr as *const u8).read_volatile() }
-}
-pub(crate) fn wr8(addr: u64, v: u8) {
-    // SAFETY: as for rd8.
-    unsafe { (addr as *mut u8).write_volatile(v) }
-}
-pub(crate) fn rd16(addr: u64) -> u16 {
-    // SAFETY: as for rd8; ring fields are naturally aligned.
-    unsafe { (addr as *const u16).read_volatile() }
-}
-pub(crate) fn wr16(addr: u64, v: u16) {
-    // SAFETY: as for rd16.
-    unsafe { (addr as *mut u16).write_volatile(v) }
-}
-pub(crate) fn rd32(addr: u64) -> u32 {
-    // SAFETY: as for rd16.
-    unsafe { (addr as *const u32).read_volatile() }
-}
-pub(crate) fn wr32(addr: u64, v: u32) {
-    // SAFETY: as for rd16.
-    unsafe { (addr as *mut u32).write_volatile(v) }
-}
-pub(crate) fn wr64(addr: u64, v: u64) {
-    // SAFETY: as for rd16.
-    unsafe { (addr as *mut u64).write_volatile(v) }
-}
-
-/// A virtio-mmio register window. All registers are 32-bit; the pages of the
-/// device hole are mapped uncached (boot.rs).
-#[derive(Clone, Copy)]
-pub(crate) struct Mmio(pub(crate) u64);
-
-impl Mmio {
-    pub(crate) fn read(self, offset: u64) -> u32 {
-        // SAFETY: an MMIO register in the device hole; reads have no effect on our memory.
-        unsafe { ((self.0 + offset) as *const u32).read_volatile() }
-    }
-    pub(crate) fn write(self, offset: u64, value: u32) {
-        // SAFETY: as for read; the device only touches memory we handed it.
-        unsafe { ((self.0 + offset) as *mut u32).write_volatile(value) }
-    }
-    fn is_block_device(self) -> bool {
-        self.read(reg::MAGIC) == MAGIC && self.read(reg::DEVICE_ID) == DEVICE_ID_BLOCK
-    }
-}
-
-/// The first virtio-blk device in ember's or QEMU microvm's windows.
-fn probe() -> Option<Mmio> {
-    [EMBER_WINDOWS, QEMU_MICROVM_WINDOWS]
-        .into_iter()
-        .flat_map(|(start, step, count)| (0..count).map(move |i| Mmio(start + i * step)))
-        .find(|m| m.is_block_device())
-}
 
 /// An initialized device with one queue.
 struct Device {
@@ -235,32 +138,13 @@ impl Device {
         if mmio.read(reg::MAGIC) != MAGIC {
             return Err("no virtio-mmio device there");
         }
-        if mmio.read(reg::VERSION) != MODERN_VERSION {
-            return Err("not a modern (version 2) virtio-mmio device");
-        }
         if mmio.read(reg::DEVICE_ID) != DEVICE_ID_BLOCK {
             return Err("not a block device");
         }
-        mmio.write(reg::STATUS, 0);
-        mmio.write(reg::STATUS, STATUS_ACKNOWLEDGE);
-        mmio.write(reg::STATUS, STATUS_ACKNOWLEDGE | STATUS_DRIVER);
-        let offered = features(mmio);
-        if offered & F_VERSION_1 == 0 {
-            return Err("the device does not offer VIRTIO_F_VERSION_1");
-        }
-        let accepted = offered & (F_VERSION_1 | F_BLK_RO);
-        for (sel, half) in [(0, accepted as u32), (1, (accepted >> 32) as u32)] {
-            mmio.write(reg::DRIVER_FEATURES_SEL, sel);
-            mmio.write(reg::DRIVER_FEATURES, half);
-        }
-        let negotiating = STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK;
-        mmio.write(reg::STATUS, negotiating);
-        if mmio.read(reg::STATUS) & STATUS_FEATURES_OK == 0 {
-            return Err("the device refused our features");
-        }
-        let queue_size = setup_queue(mmio)?;
-        let capacity_sectors = read_capacity(mmio);
-        mmio.write(reg::STATUS, negotiating | STATUS_DRIVER_OK);
+        let accepted = mmio.negotiate(F_BLK_RO)?;
+        let queue_size = mmio.setup_queue(0, RINGS, DESCS_PER_REQUEST, QUEUE_SIZE_MAX)?;
+        let capacity_sectors = mmio.config64(CONFIG_CAPACITY);
+        mmio.driver_ok();
         Ok(Device {
             mmio,
             queue_size,
@@ -280,57 +164,6 @@ impl Drop for Device {
     /// A reset leaves the device ready for the next run's initialization.
     fn drop(&mut self) {
         self.mmio.write(reg::STATUS, 0);
-    }
-}
-
-pub(crate) fn features(mmio: Mmio) -> u64 {
-    let mut bits = 0;
-    for sel in [1, 0] {
-        mmio.write(reg::DEVICE_FEATURES_SEL, sel);
-        bits = (bits << 32) | u64::from(mmio.read(reg::DEVICE_FEATURES));
-    }
-    bits
-}
-
-/// Queue 0: the largest power of two the device allows, up to 256.
-fn setup_queue(mmio: Mmio) -> Result<u16, &'static str> {
-    mmio.write(reg::QUEUE_SEL, 0);
-    if mmio.read(reg::QUEUE_READY) != 0 {
-        return Err("queue 0 is already in use");
-    }
-    let max = mmio.read(reg::QUEUE_NUM_MAX).min(u32::from(QUEUE_SIZE_MAX));
-    if max < u32::from(DESCS_PER_REQUEST) {
-        return Err("the device's queue is too small");
-    }
-    // The largest power of two not above `max`.
-    let size = 1u16 << (31 - max.leading_zeros());
-    mmio.write(reg::QUEUE_NUM, size.into());
-    // Fresh rings: no stale indices from an earlier run.
-    for addr in (DESC_TABLE..REQ_HEADERS).step_by(8) {
-        wr64(addr, 0);
-    }
-    wr16(AVAIL_RING, AVAIL_F_NO_INTERRUPT);
-    for (low, high, addr) in [
-        (reg::QUEUE_DESC_LOW, reg::QUEUE_DESC_HIGH, DESC_TABLE),
-        (reg::QUEUE_DRIVER_LOW, reg::QUEUE_DRIVER_HIGH, AVAIL_RING),
-        (reg::QUEUE_DEVICE_LOW, reg::QUEUE_DEVICE_HIGH, USED_RING),
-    ] {
-        mmio.write(low, addr as u32);
-        mmio.write(high, (addr >> 32) as u32);
-    }
-    mmio.write(reg::QUEUE_READY, 1);
-    Ok(size)
-}
-
-/// Reads the 64-bit capacity consistently (config generation unchanged).
-fn read_capacity(mmio: Mmio) -> u64 {
-    loop {
-        let generation = mmio.read(reg::CONFIG_GENERATION);
-        let low = u64::from(mmio.read(reg::CONFIG_CAPACITY));
-        let high = u64::from(mmio.read(reg::CONFIG_CAPACITY + 4));
-        if mmio.read(reg::CONFIG_GENERATION) == generation {
-            return high << 32 | low;
-        }
     }
 }
 
@@ -741,7 +574,7 @@ pub fn run(
 ) -> Result<(), &'static str> {
     let mmio = match base {
         Some(b) => Mmio(b),
-        None => probe().ok_or("no virtio-blk device found")?,
+        None => Mmio::find(DEVICE_ID_BLOCK).ok_or("no virtio-blk device found")?,
     };
     let dev = Device::init(mmio)?;
     let mut job = plan(opts, &dev, clock)?;

@@ -8,35 +8,10 @@
 //! 4-5 GiB the page tables map (boot.rs).
 
 use crate::io::Clock;
+use crate::virtio::{DESC_F_NEXT, DESC_F_WRITE, Mmio, Rings, fence, rd16, rd64, reg, wr16, wr64};
 use crate::{io, println};
 
-const EMBER_WINDOWS: (u64, u64) = (0xd000_0000, 0x1000);
-const WINDOWS: u64 = 16;
-const MAGIC: u32 = 0x7472_6976;
 const DEVICE_ID_MEM: u32 = 24;
-const F_VERSION_1: u64 = 1 << 32;
-
-mod reg {
-    pub const MAGIC: u64 = 0x000;
-    pub const DEVICE_ID: u64 = 0x008;
-    pub const DEVICE_FEATURES: u64 = 0x010;
-    pub const DEVICE_FEATURES_SEL: u64 = 0x014;
-    pub const DRIVER_FEATURES: u64 = 0x020;
-    pub const DRIVER_FEATURES_SEL: u64 = 0x024;
-    pub const QUEUE_SEL: u64 = 0x030;
-    pub const QUEUE_NUM: u64 = 0x038;
-    pub const QUEUE_READY: u64 = 0x044;
-    pub const QUEUE_NOTIFY: u64 = 0x050;
-    pub const STATUS: u64 = 0x070;
-    pub const QUEUE_DESC_LOW: u64 = 0x080;
-    pub const QUEUE_DESC_HIGH: u64 = 0x084;
-    pub const QUEUE_DRIVER_LOW: u64 = 0x090;
-    pub const QUEUE_DRIVER_HIGH: u64 = 0x094;
-    pub const QUEUE_DEVICE_LOW: u64 = 0x0a0;
-    pub const QUEUE_DEVICE_HIGH: u64 = 0x0a4;
-    pub const CONFIG_GENERATION: u64 = 0x0fc;
-    pub const CONFIG: u64 = 0x100;
-}
 
 /// `virtio_mem_config` fields (offsets into the config space).
 const CFG_BLOCK_SIZE: u64 = 0;
@@ -45,15 +20,10 @@ const CFG_REGION_SIZE: u64 = 24;
 const CFG_PLUGGED: u64 = 40;
 const CFG_REQUESTED: u64 = 48;
 
-const QUEUE_SIZE: u32 = 8;
-const DESC_TABLE: u64 = 0x70_0000;
-const AVAIL_RING: u64 = 0x70_1000;
-const USED_RING: u64 = 0x70_2000;
+const QUEUE_SIZE: u16 = 8;
+const RINGS: Rings = Rings { desc: 0x70_0000 };
 const REQ: u64 = 0x70_3000;
 const RESP: u64 = 0x70_3100;
-const DESC_F_NEXT: u16 = 1;
-const DESC_F_WRITE: u16 = 2;
-const AVAIL_F_NO_INTERRUPT: u16 = 1;
 /// The page tables map guest-physical memory up to here.
 const MAPPED_END: u64 = 5 << 30;
 
@@ -63,18 +33,9 @@ pub const UNPLUG: u16 = 1;
 pub const UNPLUG_ALL: u16 = 2;
 pub const STATE: u16 = 3;
 
-fn rd<T: Copy>(addr: u64) -> T {
-    // SAFETY: driver-owned RAM or an MMIO register (identity mapped).
-    unsafe { (addr as *const T).read_volatile() }
-}
-fn wr<T: Copy>(addr: u64, v: T) {
-    // SAFETY: as for rd.
-    unsafe { (addr as *mut T).write_volatile(v) }
-}
-
 /// The device, initialized.
 pub struct VirtioMem {
-    base: u64,
+    mmio: Mmio,
     avail_idx: u16,
     last_used: u16,
 }
@@ -82,55 +43,15 @@ pub struct VirtioMem {
 impl VirtioMem {
     /// Finds and initializes the first virtio-mem device.
     pub fn init() -> Result<Self, &'static str> {
-        let base = (0..WINDOWS)
-            .map(|i| EMBER_WINDOWS.0 + i * EMBER_WINDOWS.1)
-            .find(|&b| {
-                rd::<u32>(b + reg::MAGIC) == MAGIC && rd::<u32>(b + reg::DEVICE_ID) == DEVICE_ID_MEM
-            })
-            .ok_or("no virtio-mem device")?;
-        let w = |off, v: u32| wr(base + off, v);
-        w(reg::STATUS, 0);
-        w(reg::STATUS, 1);
-        w(reg::STATUS, 3);
-        w(reg::DEVICE_FEATURES_SEL, 1);
-        let high = u64::from(rd::<u32>(base + reg::DEVICE_FEATURES)) << 32;
-        if high & F_VERSION_1 == 0 {
-            return Err("no VIRTIO_F_VERSION_1");
-        }
-        w(reg::DRIVER_FEATURES_SEL, 0);
-        w(reg::DRIVER_FEATURES, 0);
-        w(reg::DRIVER_FEATURES_SEL, 1);
-        w(reg::DRIVER_FEATURES, 1);
-        w(reg::STATUS, 11);
-        if rd::<u32>(base + reg::STATUS) & 8 == 0 {
-            return Err("features refused");
-        }
-        w(reg::QUEUE_SEL, 0);
-        w(reg::QUEUE_NUM, QUEUE_SIZE);
-        for addr in (DESC_TABLE..REQ).step_by(8) {
-            wr::<u64>(addr, 0);
-        }
-        wr::<u16>(AVAIL_RING, AVAIL_F_NO_INTERRUPT);
-        for (low, high, addr) in [
-            (reg::QUEUE_DESC_LOW, reg::QUEUE_DESC_HIGH, DESC_TABLE),
-            (reg::QUEUE_DRIVER_LOW, reg::QUEUE_DRIVER_HIGH, AVAIL_RING),
-            (reg::QUEUE_DEVICE_LOW, reg::QUEUE_DEVICE_HIGH, USED_RING),
-        ] {
-            w(low, addr as u32);
-            w(high, (addr >> 32) as u32);
-        }
-        w(reg::QUEUE_READY, 1);
-        w(reg::STATUS, 15);
+        let mmio = Mmio::find(DEVICE_ID_MEM).ok_or("no virtio-mem device")?;
+        mmio.negotiate(0)?;
+        mmio.setup_queue(0, RINGS, 2, QUEUE_SIZE)?;
+        mmio.driver_ok();
         // Descriptor 0: the request; 1: the response.
-        wr::<u64>(DESC_TABLE, REQ);
-        wr::<u32>(DESC_TABLE + 8, 24);
-        wr::<u16>(DESC_TABLE + 12, DESC_F_NEXT);
-        wr::<u16>(DESC_TABLE + 14, 1);
-        wr::<u64>(DESC_TABLE + 16, RESP);
-        wr::<u32>(DESC_TABLE + 24, 10);
-        wr::<u16>(DESC_TABLE + 28, DESC_F_WRITE);
+        RINGS.write_desc(0, REQ, 24, DESC_F_NEXT, 1);
+        RINGS.write_desc(1, RESP, 10, DESC_F_WRITE, 0);
         Ok(VirtioMem {
-            base,
+            mmio,
             avail_idx: 0,
             last_used: 0,
         })
@@ -138,14 +59,7 @@ impl VirtioMem {
 
     /// A 64-bit config field, read consistently.
     pub fn config(&self, off: u64) -> u64 {
-        loop {
-            let g = rd::<u32>(self.base + reg::CONFIG_GENERATION);
-            let lo = u64::from(rd::<u32>(self.base + reg::CONFIG + off));
-            let hi = u64::from(rd::<u32>(self.base + reg::CONFIG + off + 4));
-            if rd::<u32>(self.base + reg::CONFIG_GENERATION) == g {
-                return hi << 32 | lo;
-            }
-        }
+        self.mmio.config64(off)
     }
 
     pub fn block_size(&self) -> u64 {
@@ -174,25 +88,23 @@ impl VirtioMem {
             .addr()
             .wrapping_add(block.wrapping_mul(self.block_size()));
         for off in (0..24).step_by(8) {
-            wr::<u64>(REQ + off, 0);
+            wr64(REQ + off, 0);
         }
-        wr::<u16>(REQ, ty);
-        wr::<u64>(REQ + 8, addr);
-        wr::<u16>(REQ + 16, n as u16);
-        wr::<u64>(RESP, u64::MAX);
-        let slot = u64::from(self.avail_idx % QUEUE_SIZE as u16);
-        wr::<u16>(AVAIL_RING + 4 + 2 * slot, 0);
+        wr16(REQ, ty);
+        wr64(REQ + 8, addr);
+        wr16(REQ + 16, n as u16);
+        wr64(RESP, u64::MAX);
+        RINGS.offer(self.avail_idx % QUEUE_SIZE, 0);
         self.avail_idx = self.avail_idx.wrapping_add(1);
-        core::sync::atomic::fence(core::sync::atomic::Ordering::SeqCst);
-        wr::<u16>(AVAIL_RING + 2, self.avail_idx);
-        core::sync::atomic::fence(core::sync::atomic::Ordering::SeqCst);
-        wr::<u32>(self.base + reg::QUEUE_NOTIFY, 0);
-        while rd::<u16>(USED_RING + 2) == self.last_used {
+        RINGS.publish(self.avail_idx);
+        fence();
+        self.mmio.write(reg::QUEUE_NOTIFY, 0);
+        while RINGS.used_idx() == self.last_used {
             core::hint::spin_loop();
         }
         self.last_used = self.last_used.wrapping_add(1);
-        core::sync::atomic::fence(core::sync::atomic::Ordering::SeqCst);
-        (rd::<u16>(RESP), rd::<u16>(RESP + 8))
+        fence();
+        (rd16(RESP), rd16(RESP + 8))
     }
 
     /// Plugs blocks one by one from the region's start until the plugged
@@ -255,7 +167,7 @@ impl VirtioMem {
         let (start, end) = self.span(block, n)?;
         let mut a = start;
         while a < end {
-            wr::<u64>(a, pattern(a));
+            wr64(a, pattern(a));
             a += 8;
         }
         println!("vmem: filled {n} blocks from {block}");
@@ -267,7 +179,7 @@ impl VirtioMem {
         let (start, end) = self.span(block, n)?;
         let mut a = start;
         while a < end {
-            if rd::<u64>(a) != pattern(a) {
+            if rd64(a) != pattern(a) {
                 println!("vmem: check {n} blocks from {block}: bad at {a:#x}");
                 return Ok(());
             }

@@ -12,19 +12,13 @@
 
 use crate::io::{self, Clock};
 use crate::println;
-use crate::virtio_blk::{
-    AVAIL_F_NO_INTERRUPT, DESC_F_WRITE, EMBER_WINDOWS, F_VERSION_1, MAGIC, MODERN_VERSION, Mmio,
-    QEMU_MICROVM_WINDOWS, STATUS_ACKNOWLEDGE, STATUS_DRIVER, STATUS_DRIVER_OK, STATUS_FEATURES_OK,
-    USED_F_NO_NOTIFY, features, rd8, rd16, rd32, reg, wr8, wr16, wr32, wr64,
+use crate::virtio::{
+    DESC_F_WRITE, INT_CONFIG, Mmio, Rings, STATUS_NEEDS_RESET, rd8, rd16, rd32, reg, wr8, wr16,
+    wr32,
 };
 use core::sync::atomic::{Ordering, fence};
 
 const DEVICE_ID_NET: u32 = 1;
-const REG_INTERRUPT_STATUS: u64 = 0x060;
-const REG_INTERRUPT_ACK: u64 = 0x064;
-const REG_CONFIG: u64 = 0x100;
-const INT_CONFIG: u32 = 2;
-const STATUS_NEEDS_RESET: u32 = 0x40;
 
 const F_CSUM: u64 = 1 << 0;
 const F_GUEST_CSUM: u64 = 1 << 1;
@@ -50,12 +44,12 @@ const TCP_ISN: u32 = 1000;
 const RX: u32 = 0;
 const TX: u32 = 1;
 const QUEUE_SIZE_MAX: u16 = 256;
-const RX_DESC: u64 = 0x40_0000;
-const RX_AVAIL: u64 = 0x40_1000;
-const RX_USED: u64 = 0x40_2000;
-const TX_DESC: u64 = 0x40_4000;
-const TX_AVAIL: u64 = 0x40_5000;
-const TX_USED: u64 = 0x40_6000;
+const RX_RINGS: Rings = Rings { desc: 0x40_0000 };
+const RX_AVAIL: u64 = RX_RINGS.avail();
+const RX_USED: u64 = RX_RINGS.used();
+const TX_RINGS: Rings = Rings { desc: 0x40_4000 };
+const TX_AVAIL: u64 = TX_RINGS.avail();
+const TX_USED: u64 = TX_RINGS.used();
 const TX_SLOTS: u64 = 0x41_0000;
 const TX_SLOT: u64 = 2048;
 const TX_BIG: u64 = 0x4a_0000;
@@ -129,96 +123,27 @@ struct Device {
     tx_used: u16,
 }
 
-fn probe() -> Option<Mmio> {
-    [EMBER_WINDOWS, QEMU_MICROVM_WINDOWS]
-        .into_iter()
-        .flat_map(|(start, step, count)| (0..count).map(move |i| Mmio(start + i * step)))
-        .find(|m| m.read(reg::MAGIC) == MAGIC && m.read(reg::DEVICE_ID) == DEVICE_ID_NET)
-}
-
-fn setup_queue(
-    mmio: Mmio,
-    index: u32,
-    desc: u64,
-    avail: u64,
-    used: u64,
-) -> Result<u16, &'static str> {
-    mmio.write(reg::QUEUE_SEL, index);
-    let max = mmio.read(reg::QUEUE_NUM_MAX).min(u32::from(QUEUE_SIZE_MAX));
-    if max < 2 {
-        return Err("the device's queue is too small");
-    }
-    let size = 1u16 << (31 - max.leading_zeros());
-    mmio.write(reg::QUEUE_NUM, size.into());
-    for addr in (desc..desc + 0x3000).step_by(8) {
-        wr64(addr, 0);
-    }
-    wr16(avail, AVAIL_F_NO_INTERRUPT);
-    for (low, high, addr) in [
-        (reg::QUEUE_DESC_LOW, reg::QUEUE_DESC_HIGH, desc),
-        (reg::QUEUE_DRIVER_LOW, reg::QUEUE_DRIVER_HIGH, avail),
-        (reg::QUEUE_DEVICE_LOW, reg::QUEUE_DEVICE_HIGH, used),
-    ] {
-        mmio.write(low, addr as u32);
-        mmio.write(high, (addr >> 32) as u32);
-    }
-    mmio.write(reg::QUEUE_READY, 1);
-    Ok(size)
-}
-
-fn write_desc(table: u64, i: u16, addr: u64, len: u32, flags: u16) {
-    let d = table + 16 * u64::from(i);
-    wr64(d, addr);
-    wr32(d + 8, len);
-    wr16(d + 12, flags);
-    wr16(d + 14, 0);
-}
-
 impl Device {
     fn init(offloads: bool) -> Result<Device, &'static str> {
-        let mmio = probe().ok_or("no virtio-net device found")?;
-        if mmio.read(reg::VERSION) != MODERN_VERSION {
-            return Err("not a modern (version 2) virtio-mmio device");
-        }
-        mmio.write(reg::STATUS, 0);
-        mmio.write(reg::STATUS, STATUS_ACKNOWLEDGE);
-        mmio.write(reg::STATUS, STATUS_ACKNOWLEDGE | STATUS_DRIVER);
-        let offered = features(mmio);
-        if offered & F_VERSION_1 == 0 {
-            return Err("the device does not offer VIRTIO_F_VERSION_1");
-        }
-        let mut want = F_VERSION_1 | F_MAC | F_STATUS | F_MRG_RXBUF | F_MTU;
+        let mmio = Mmio::find(DEVICE_ID_NET).ok_or("no virtio-net device found")?;
+        let mut want = F_MAC | F_STATUS | F_MRG_RXBUF | F_MTU;
         if offloads {
             want |= OFFLOADS;
         }
-        let accepted = offered & want;
+        let accepted = mmio.negotiate(want)?;
         if accepted & F_MRG_RXBUF == 0 {
             return Err("the device does not offer mergeable receive buffers");
         }
-        for (sel, half) in [(0, accepted as u32), (1, (accepted >> 32) as u32)] {
-            mmio.write(reg::DRIVER_FEATURES_SEL, sel);
-            mmio.write(reg::DRIVER_FEATURES, half);
-        }
-        let negotiating = STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK;
-        mmio.write(reg::STATUS, negotiating);
-        if mmio.read(reg::STATUS) & STATUS_FEATURES_OK == 0 {
-            return Err("the device refused our features");
-        }
-        let rx_size = setup_queue(mmio, RX, RX_DESC, RX_AVAIL, RX_USED)?;
-        let tx_size = setup_queue(mmio, TX, TX_DESC, TX_AVAIL, TX_USED)?;
+        let rx_size = mmio.setup_queue(RX, RX_RINGS, 2, QUEUE_SIZE_MAX)?;
+        let tx_size = mmio.setup_queue(TX, TX_RINGS, 2, QUEUE_SIZE_MAX)?;
         for i in 0..rx_size {
-            write_desc(
-                RX_DESC,
-                i,
-                RX_BUFS + u64::from(i) * RX_BUF,
-                RX_BUF as u32,
-                DESC_F_WRITE,
-            );
-            wr16(RX_AVAIL + 4 + 2 * u64::from(i), i);
+            let buf = RX_BUFS + u64::from(i) * RX_BUF;
+            RX_RINGS.write_desc(i, buf, RX_BUF as u32, DESC_F_WRITE, 0);
+            RX_RINGS.offer(i, i);
         }
         fence(Ordering::SeqCst);
         wr16(RX_AVAIL + 2, rx_size);
-        mmio.write(reg::STATUS, negotiating | STATUS_DRIVER_OK);
+        mmio.driver_ok();
         let dev = Device {
             mmio,
             features: accepted,
@@ -234,19 +159,18 @@ impl Device {
     }
 
     fn notify(&self, queue: u32) {
-        fence(Ordering::SeqCst);
-        let used = if queue == RX { RX_USED } else { TX_USED };
-        if rd16(used) & USED_F_NO_NOTIFY == 0 {
+        let rings = if queue == RX { RX_RINGS } else { TX_RINGS };
+        if !rings.no_notify() {
             self.mmio.write(reg::QUEUE_NOTIFY, queue);
         }
     }
 
     fn mac(&self) -> [u8; 6] {
-        core::array::from_fn(|i| self.mmio.read(REG_CONFIG + i as u64) as u8)
+        core::array::from_fn(|i| self.mmio.read(reg::CONFIG + i as u64) as u8)
     }
 
     fn link_status(&self) -> u16 {
-        self.mmio.read(REG_CONFIG + 6) as u16
+        self.mmio.read(reg::CONFIG + 6) as u16
     }
 
     fn status(&self) -> u32 {
@@ -264,8 +188,8 @@ impl Device {
     /// at `addr` (header included).
     fn queue_tx(&mut self, addr: u64, len: u64, flags: u16) {
         let slot = self.tx_avail % self.tx_size;
-        write_desc(TX_DESC, slot, addr, len as u32, flags);
-        wr16(TX_AVAIL + 4 + 2 * u64::from(slot), slot);
+        TX_RINGS.write_desc(slot, addr, len as u32, flags, 0);
+        TX_RINGS.offer(slot, slot);
         self.tx_avail = self.tx_avail.wrapping_add(1);
     }
 
@@ -373,7 +297,7 @@ fn info(dev: &Device) {
         "net: mac={} status={} mtu={} features={f:#x} csum={} guest_csum={} tso4={} tso6={} guest_tso4={} guest_tso6={} mrg_rxbuf={} dev={:#x}",
         fmt_mac(dev.mac()),
         dev.link_status(),
-        dev.mmio.read(REG_CONFIG + 10) & 0xffff,
+        dev.mmio.read(reg::CONFIG + 10) & 0xffff,
         on(F_CSUM),
         on(F_GUEST_CSUM),
         on(F_HOST_TSO4),
@@ -784,9 +708,9 @@ fn watch(dev: &mut Device, secs: u64, clock: &Clock) {
     let mut went_down = false;
     println!("netlink: status={status} mac={} (watching)", fmt_mac(mac));
     while io::rdtsc() < deadline {
-        let pending = dev.mmio.read(REG_INTERRUPT_STATUS);
+        let pending = dev.mmio.read(reg::INTERRUPT_STATUS);
         if pending & INT_CONFIG != 0 {
-            dev.mmio.write(REG_INTERRUPT_ACK, INT_CONFIG);
+            dev.mmio.write(reg::INTERRUPT_ACK, INT_CONFIG);
             config_irqs += 1;
         }
         let (g0, s, m, g1) = (

@@ -14,6 +14,10 @@
 
 use crate::io::{self, Clock};
 use crate::println;
+use crate::virtio::{
+    DESC_F_WRITE, Mmio, Rings, STATUS_NEEDS_RESET, fence, rd8, rd16, rd32, rd64, reg, wr8, wr16,
+    wr32, wr64,
+};
 
 /// One option token.
 pub enum VsockOpt {
@@ -91,41 +95,7 @@ pub fn pattern(seed: u32, i: u64) -> u8 {
 const GUEST_SEED: u32 = 1;
 const HOST_SEED: u32 = 2;
 
-const EMBER_WINDOWS: (u64, u64, u64) = (0xd000_0000, 0x1000, 16);
-const MAGIC: u32 = 0x7472_6976;
 const DEVICE_ID_VSOCK: u32 = 19;
-
-mod reg {
-    pub const MAGIC: u64 = 0x000;
-    pub const VERSION: u64 = 0x004;
-    pub const DEVICE_ID: u64 = 0x008;
-    pub const DEVICE_FEATURES: u64 = 0x010;
-    pub const DEVICE_FEATURES_SEL: u64 = 0x014;
-    pub const DRIVER_FEATURES: u64 = 0x020;
-    pub const DRIVER_FEATURES_SEL: u64 = 0x024;
-    pub const QUEUE_SEL: u64 = 0x030;
-    pub const QUEUE_NUM_MAX: u64 = 0x034;
-    pub const QUEUE_NUM: u64 = 0x038;
-    pub const QUEUE_READY: u64 = 0x044;
-    pub const QUEUE_NOTIFY: u64 = 0x050;
-    pub const STATUS: u64 = 0x070;
-    pub const QUEUE_DESC_LOW: u64 = 0x080;
-    pub const QUEUE_DESC_HIGH: u64 = 0x084;
-    pub const QUEUE_DRIVER_LOW: u64 = 0x090;
-    pub const QUEUE_DRIVER_HIGH: u64 = 0x094;
-    pub const QUEUE_DEVICE_LOW: u64 = 0x0a0;
-    pub const QUEUE_DEVICE_HIGH: u64 = 0x0a4;
-    pub const CONFIG: u64 = 0x100;
-}
-
-const STATUS_ACKNOWLEDGE: u32 = 1;
-const STATUS_DRIVER: u32 = 2;
-const STATUS_DRIVER_OK: u32 = 4;
-const STATUS_FEATURES_OK: u32 = 8;
-const STATUS_NEEDS_RESET: u32 = 0x40;
-const F_VERSION_1: u64 = 1 << 32;
-const DESC_F_WRITE: u16 = 2;
-const AVAIL_F_NO_INTERRUPT: u16 = 1;
 
 const QSIZE: u16 = 32;
 const RX: u32 = 0;
@@ -158,56 +128,6 @@ const SHUTDOWN_RCV: u32 = 1;
 const SHUTDOWN_SEND: u32 = 2;
 /// The guest's own port for connections it opens.
 const GUEST_PORT: u32 = 40000;
-
-fn rd16(a: u64) -> u16 {
-    // SAFETY: driver-owned RAM (the constants above), identity mapped.
-    unsafe { (a as *const u16).read_volatile() }
-}
-fn wr16(a: u64, v: u16) {
-    // SAFETY: as for rd16.
-    unsafe { (a as *mut u16).write_volatile(v) }
-}
-fn rd32(a: u64) -> u32 {
-    // SAFETY: as for rd16.
-    unsafe { (a as *const u32).read_volatile() }
-}
-fn wr32(a: u64, v: u32) {
-    // SAFETY: as for rd16.
-    unsafe { (a as *mut u32).write_volatile(v) }
-}
-fn rd64(a: u64) -> u64 {
-    // SAFETY: as for rd16.
-    unsafe { (a as *const u64).read_unaligned() }
-}
-fn wr64(a: u64, v: u64) {
-    // SAFETY: as for rd16.
-    unsafe { (a as *mut u64).write_unaligned(v) }
-}
-fn rd8(a: u64) -> u8 {
-    // SAFETY: as for rd16.
-    unsafe { (a as *const u8).read_volatile() }
-}
-fn wr8(a: u64, v: u8) {
-    // SAFETY: as for rd16.
-    unsafe { (a as *mut u8).write_volatile(v) }
-}
-fn fence() {
-    core::sync::atomic::fence(core::sync::atomic::Ordering::SeqCst);
-}
-
-#[derive(Clone, Copy)]
-struct Mmio(u64);
-
-impl Mmio {
-    fn read(self, off: u64) -> u32 {
-        // SAFETY: an MMIO register in the device hole.
-        unsafe { ((self.0 + off) as *const u32).read_volatile() }
-    }
-    fn write(self, off: u64, v: u32) {
-        // SAFETY: as for read.
-        unsafe { ((self.0 + off) as *mut u32).write_volatile(v) }
-    }
-}
 
 fn desc(q: u32) -> u64 {
     RINGS + u64::from(q) * RING_STRIDE
@@ -301,55 +221,12 @@ struct Driver<'c> {
     deadline: u64,
 }
 
-fn probe() -> Option<Mmio> {
-    let (start, step, count) = EMBER_WINDOWS;
-    (0..count)
-        .map(|i| Mmio(start + i * step))
-        .find(|m| m.read(reg::MAGIC) == MAGIC && m.read(reg::DEVICE_ID) == DEVICE_ID_VSOCK)
-}
-
 impl<'c> Driver<'c> {
     fn init(opts: &'c Options, clock: &'c Clock) -> Result<Self, &'static str> {
-        let mmio = probe().ok_or("no virtio-vsock device")?;
-        if mmio.read(reg::VERSION) != 2 {
-            return Err("not a modern virtio-mmio device");
-        }
-        mmio.write(reg::STATUS, 0);
-        mmio.write(reg::STATUS, STATUS_ACKNOWLEDGE);
-        mmio.write(reg::STATUS, STATUS_ACKNOWLEDGE | STATUS_DRIVER);
-        mmio.write(reg::DEVICE_FEATURES_SEL, 1);
-        let high = u64::from(mmio.read(reg::DEVICE_FEATURES)) << 32;
-        if high & F_VERSION_1 == 0 {
-            return Err("no VIRTIO_F_VERSION_1");
-        }
-        mmio.write(reg::DRIVER_FEATURES_SEL, 0);
-        mmio.write(reg::DRIVER_FEATURES, 0);
-        mmio.write(reg::DRIVER_FEATURES_SEL, 1);
-        mmio.write(reg::DRIVER_FEATURES, 1);
-        let negotiating = STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK;
-        mmio.write(reg::STATUS, negotiating);
-        if mmio.read(reg::STATUS) & STATUS_FEATURES_OK == 0 {
-            return Err("the device refused our features");
-        }
+        let mmio = Mmio::find(DEVICE_ID_VSOCK).ok_or("no virtio-vsock device")?;
+        mmio.negotiate(0)?;
         for q in [RX, TX, EV] {
-            mmio.write(reg::QUEUE_SEL, q);
-            if mmio.read(reg::QUEUE_NUM_MAX) < u32::from(QSIZE) {
-                return Err("queues too small");
-            }
-            mmio.write(reg::QUEUE_NUM, QSIZE.into());
-            for a in (desc(q)..desc(q) + RING_STRIDE).step_by(8) {
-                wr64(a, 0);
-            }
-            wr16(avail(q), AVAIL_F_NO_INTERRUPT);
-            for (lo, hi, a) in [
-                (reg::QUEUE_DESC_LOW, reg::QUEUE_DESC_HIGH, desc(q)),
-                (reg::QUEUE_DRIVER_LOW, reg::QUEUE_DRIVER_HIGH, avail(q)),
-                (reg::QUEUE_DEVICE_LOW, reg::QUEUE_DEVICE_HIGH, used(q)),
-            ] {
-                mmio.write(lo, a as u32);
-                mmio.write(hi, (a >> 32) as u32);
-            }
-            mmio.write(reg::QUEUE_READY, 1);
+            mmio.setup_queue(q, Rings { desc: desc(q) }, QSIZE, QSIZE)?;
         }
         // Every rx and event buffer offered up front; tx descriptors fixed to their slots.
         for i in 0..QSIZE {
@@ -372,7 +249,7 @@ impl<'c> Driver<'c> {
         wr16(avail(RX) + 2, QSIZE);
         wr16(avail(EV) + 2, 4);
         let cid = u64::from(mmio.read(reg::CONFIG)) | u64::from(mmio.read(reg::CONFIG + 4)) << 32;
-        mmio.write(reg::STATUS, negotiating | STATUS_DRIVER_OK);
+        mmio.driver_ok();
         mmio.write(reg::QUEUE_NOTIFY, RX);
         mmio.write(reg::QUEUE_NOTIFY, EV);
         let mut d = Driver {
