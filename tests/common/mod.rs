@@ -1,6 +1,7 @@
 //! Shared helpers for ember's end-to-end tests.
 #![allow(dead_code)]
 
+pub mod booted;
 pub mod busybox;
 pub mod console_vm;
 pub mod netns;
@@ -21,27 +22,18 @@ pub fn ember() -> Command {
 #[allow(unused_imports)]
 pub use ember_testing::require_kvm;
 
-/// A scratch directory removed at drop.
-pub struct Scratch(pub PathBuf);
+/// A test's scratch directory: ember-testing's [`TempDir`] (private, removed
+/// at drop however the test ends), with the paths of the files in it.
+///
+/// [`TempDir`]: ember_testing::TempDir
+pub struct Scratch(pub ember_testing::TempDir);
 
 impl Scratch {
     pub fn new(name: &str) -> Scratch {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let dir =
-            std::env::temp_dir().join(format!("ember-test-{name}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
+        Scratch(ember_testing::TempDir::new(&format!("test-{name}")))
     }
     pub fn path(&self, file: &str) -> PathBuf {
         self.0.join(file)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

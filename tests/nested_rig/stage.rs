@@ -51,7 +51,7 @@ struct CloudKernel {
 pub fn stage() -> Result<Staged, String> {
     let k = cloud_kernel()?;
     let scratch = common::Scratch::new("nested-rig");
-    let stage = scratch.0.clone();
+    let stage = scratch.0.to_path_buf();
     let rigdir = stage.join("rig");
     std::fs::create_dir_all(&rigdir).map_err(|e| e.to_string())?;
     std::fs::write(rigdir.join("suite.sh"), include_bytes!("../rig/suite.sh"))

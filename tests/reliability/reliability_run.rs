@@ -143,7 +143,7 @@ impl Pvm {
         // Removed at once if the warm-up fails; else at exit.
         let scratch = Scratch::new("rel-warm");
         self.warm_up(&scratch.path("cache"));
-        let dir = scratch.0.clone();
+        let dir = scratch.0.to_path_buf();
         std::mem::forget(scratch);
         *shared = Some(dir.clone());
         // SAFETY: registers a plain function; it runs once, at exit.

@@ -5,14 +5,11 @@
 //! host, and a snapshot of a plugged guest restored intact.
 
 use crate::common;
+use common::booted::Booted;
 
 use common::{Scratch, ember, output, require_kvm, stderr, stdout};
 use serde_json::{Value, json};
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 fn guest() -> PathBuf {
     ember_testing::test_guest().expect("build the test guest")
@@ -105,82 +102,17 @@ fn blocks_not_committed_yet_are_neither_requested_nor_plugged() {
     );
 }
 
-/// A running ember whose console is collected as it arrives.
-struct Running {
-    child: Child,
-    console: Arc<Mutex<String>>,
-    sock: PathBuf,
-}
-
-impl Running {
-    fn start(args: &[&str], cmdline: &str, sock: &Path) -> Running {
-        let mut child = ember()
+/// The test guest with virtio-mem and a control socket.
+fn start(args: &[&str], cmdline: &str, sock: &Path) -> Booted {
+    Booted::with_socket(
+        ember()
             .args(["boot", "--timeout", "120", "--kernel"])
             .arg(guest())
             .args(MEM)
             .args(["--cmdline", cmdline])
-            .args(args)
-            .arg("--api-socket")
-            .arg(sock)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start ember");
-        let console = Arc::new(Mutex::new(String::new()));
-        let out = child.stdout.take().unwrap();
-        let c = console.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let mut c = c.lock().unwrap();
-                c.push_str(&line);
-                c.push('\n');
-            }
-        });
-        Running {
-            child,
-            console,
-            sock: sock.to_owned(),
-        }
-    }
-
-    fn console(&self) -> String {
-        self.console.lock().unwrap().clone()
-    }
-
-    fn wait_for(&self, line: &str) {
-        let start = Instant::now();
-        while !self.console().lines().any(|l| l == line) {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "no `{line}` after 60 s; console:\n{}",
-                self.console()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    fn call(&self, req: Value) -> Value {
-        ember::api::call(&self.sock, &req).expect("control socket reply")
-    }
-
-    /// ember's resident memory, bytes.
-    fn rss(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let kib: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap();
-        kib << 10
-    }
-
-    fn finish(mut self) -> (i32, String, String) {
-        let status = self.child.wait().unwrap();
-        let mut err = String::new();
-        std::io::Read::read_to_string(&mut self.child.stderr.take().unwrap(), &mut err).unwrap();
-        std::thread::sleep(Duration::from_millis(50));
-        (status.code().unwrap_or(-1), self.console(), err)
-    }
+            .args(args),
+        sock,
+    )
 }
 
 /// `ember ctl … mem --size` shrinks the region (the guest unplugs, the host
@@ -193,13 +125,13 @@ fn a_resize_through_the_socket_gives_memory_back_and_takes_it_again() {
     }
     let dir = Scratch::new("vmem-resize");
     let sock = dir.path("api.sock");
-    let vm = Running::start(
+    let vm = start(
         &[],
         "vmemplugreq vmemfill=0,256 print=filled vmemwait=256m vmemunplugreq print=shrunk \
          vmemwait=512m vmemplugreq vmemcheck=0,128 vmem",
         &sock,
     );
-    vm.wait_for("filled");
+    vm.wait_for_line("filled");
     let before = vm.rss();
     let r = vm.call(json!({"op": "mem"}));
     assert_eq!(r["plugged_bytes"], 512 * MIB, "{r}");
@@ -212,7 +144,7 @@ fn a_resize_through_the_socket_gives_memory_back_and_takes_it_again() {
     assert!(o.status.success(), "{}", stderr(&o));
     let reply: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(reply["requested_bytes"], 256 * MIB, "{reply}");
-    vm.wait_for("shrunk");
+    vm.wait_for_line("shrunk");
     let r = vm.call(json!({"op": "mem"}));
     assert_eq!(r["plugged_bytes"], 256 * MIB, "{r}");
     assert_eq!(r["discarded_bytes"], 256 * MIB, "{r}");
@@ -253,13 +185,13 @@ fn a_plugged_guest_is_restored_plugged_and_intact() {
     let dir = Scratch::new("vmem-snap");
     let sock = dir.path("api.sock");
     let snap = dir.path("snap");
-    let vm = Running::start(
+    let vm = start(
         &[],
         "vmemplug=0,4 vmemplug=200,1 vmemfill=0,4 vmemfill=200,1 print=filled spin=8000 \
          vmemcheck=0,4 vmemcheck=200,1 vmemstate=0,5 vmemstate=199,2 vmem",
         &sock,
     );
-    vm.wait_for("filled");
+    vm.wait_for_line("filled");
     let o = output(
         ember()
             .args(["snapshot", "--api-socket"])

@@ -6,15 +6,15 @@
 //! chains, bad options, and a restore onto another tap and MAC.
 
 use crate::common;
+use common::booted::Booted;
 
 use common::netns::{Frame, Netns, TAP_MAC, ember_bin, parse_mac, run};
 use common::{Scratch, output, require_kvm, stderr, stdout};
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const ETHERTYPE_TEST: u16 = 0x88b5;
 const GUEST_MAC: &str = "02:00:00:00:00:02";
@@ -102,61 +102,9 @@ fn stream_sum(n: usize) -> u64 {
     (0..n).map(|o| (o % 251) as u64).sum()
 }
 
-/// An ember running in the namespace, its console collected as it arrives.
-struct Vm {
-    child: Child,
-    console: Arc<Mutex<String>>,
-}
-
-impl Vm {
-    fn start(ns: &Netns, args: &[&str]) -> Vm {
-        let mut child = ns
-            .exec(ember_bin())
-            .arg("boot")
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start ember");
-        let console = Arc::new(Mutex::new(String::new()));
-        let out = child.stdout.take().unwrap();
-        let c = console.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let mut c = c.lock().unwrap();
-                c.push_str(&line);
-                c.push('\n');
-            }
-        });
-        Vm { child, console }
-    }
-
-    fn console(&self) -> String {
-        self.console.lock().unwrap().clone()
-    }
-
-    fn wait_for(&self, what: &str) -> String {
-        let start = Instant::now();
-        loop {
-            let c = self.console();
-            if c.contains(what) {
-                return c;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "no `{what}` after 60 s; console:\n{c}"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    fn finish(mut self) -> (i32, String, String) {
-        let status = self.child.wait().unwrap();
-        let mut err = String::new();
-        std::io::Read::read_to_string(&mut self.child.stderr.take().unwrap(), &mut err).unwrap();
-        std::thread::sleep(Duration::from_millis(50));
-        (status.code().unwrap_or(-1), self.console(), err)
-    }
+/// An ember running in the namespace.
+fn start(ns: &Netns, args: &[&str]) -> Booted {
+    Booted::spawn(ns.exec(ember_bin()).arg("boot").args(args))
 }
 
 fn field<'a>(line: &'a [(String, String)], key: &str) -> &'a str {
@@ -195,7 +143,7 @@ fn exchange(offload: bool) {
          print=send_tso netbytes=65000 netrx exit=0",
         u8::from(offload)
     );
-    let vm = Vm::start(
+    let vm = start(
         &ns,
         &[
             "--kernel",
@@ -321,7 +269,7 @@ fn rate_limits_hold_within_ten_percent_over_three_seconds() {
     let g = guest();
     // 4 MiB/s out in 100 ms buckets, 2000 frames/s in.
     let net = format!("tap=tap0,mac={GUEST_MAC},tx_bytes=400K/100,rx_ops=200/100");
-    let vm = Vm::start(
+    let vm = start(
         &ns,
         &[
             "--kernel",
@@ -404,7 +352,7 @@ fn malformed_chains_are_refused_with_a_device_error() {
     ns.tap("tap0");
     let sock = ns.packet_socket("tap0");
     let g = guest();
-    let vm = Vm::start(
+    let vm = start(
         &ns,
         &[
             "--kernel",
@@ -508,7 +456,7 @@ fn a_restore_onto_another_tap_and_mac_shows_a_link_change_and_passes_traffic() {
     let sock = dir.path("api.sock");
     let snap = dir.path("snap");
     let g = guest();
-    let vm = Vm::start(
+    let vm = start(
         &ns,
         &[
             "--kernel",
@@ -538,7 +486,7 @@ fn a_restore_onto_another_tap_and_mac_shows_a_link_change_and_passes_traffic() {
 
     let new_mac = "02:00:00:00:00:03";
     let tap1 = ns.packet_socket("tap1");
-    let vm = Vm::start(
+    let vm = start(
         &ns,
         &[
             "--restore",

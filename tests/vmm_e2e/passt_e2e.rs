@@ -6,16 +6,16 @@
 //! leaves it), and passt gone however ember ends.
 
 use crate::common;
+use common::booted::Booted;
 
 use common::require_kvm;
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const ETHERTYPE_TEST: u16 = 0x88b5;
@@ -60,65 +60,6 @@ fn mac_text(m: [u8; 6]) -> String {
     m.map(|b| format!("{b:02x}")).join(":")
 }
 
-/// `ember boot` with its console collected.
-struct Vm {
-    child: Child,
-    console: Arc<Mutex<String>>,
-}
-
-impl Vm {
-    fn start(mut cmd: Command) -> Vm {
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start ember");
-        let console = Arc::new(Mutex::new(String::new()));
-        let out = child.stdout.take().unwrap();
-        let c = console.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let mut c = c.lock().unwrap();
-                c.push_str(&line);
-                c.push('\n');
-            }
-        });
-        Vm { child, console }
-    }
-
-    fn console(&self) -> String {
-        self.console.lock().unwrap().clone()
-    }
-
-    fn wait_for(&self, what: &str) -> String {
-        let start = Instant::now();
-        loop {
-            let c = self.console();
-            if c.contains(what) {
-                return c;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "no `{what}` after 60 s; console:\n{c}"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    fn finish(mut self) -> (i32, String, String) {
-        let status = self.child.wait().unwrap();
-        let mut err = String::new();
-        self.child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut err)
-            .unwrap();
-        std::thread::sleep(Duration::from_millis(50));
-        (status.code().unwrap_or(-1), self.console(), err)
-    }
-}
-
 fn num(line: &[(String, String)], key: &str) -> u64 {
     line.iter()
         .find(|(k, _)| k == key)
@@ -151,7 +92,7 @@ fn frames_cross_a_passt_socket_both_ways_byte_for_byte() {
         .args(["--timeout", "60", "--cmdline"])
         .arg("netinfo netcount=200 netlen=1000 nettx print=send_now netcount=100 netrx exit=0");
     ember::cleanup::inherit(&mut cmd, vec![fd]);
-    let vm = Vm::start(cmd);
+    let vm = Booted::spawn(&mut cmd);
     drop(theirs);
 
     // Guest to host: 200 frames, each after its length.
@@ -301,7 +242,7 @@ fn boot_net_passt_starts_passt_and_it_goes_with_ember() {
             .args(["--cmdline", cmdline]);
         c
     };
-    let vm = Vm::start(boot("netinfo exit=0"));
+    let vm = Booted::spawn(&mut boot("netinfo exit=0"));
     let (code, c, err) = vm.finish();
     assert_eq!(
         code,
@@ -313,7 +254,7 @@ fn boot_net_passt_starts_passt_and_it_goes_with_ember() {
     ns.gone_within(Duration::from_secs(10), "normal end");
 
     // The guest waits for frames that never come; ember is killed.
-    let vm = Vm::start(boot("netinfo print=waiting netcount=1 netrx exit=0"));
+    let vm = Booted::spawn(&mut boot("netinfo print=waiting netcount=1 netrx exit=0"));
     vm.wait_for("waiting");
     assert!(!ns.passts().is_empty(), "passt runs while the VM does");
     // `ip netns exec` execs ember: the child is ember.

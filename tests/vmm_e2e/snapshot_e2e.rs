@@ -2,15 +2,14 @@
 //! in fresh ember processes, and every damaged snapshot refused.
 
 use crate::common;
+use common::booted::Booted;
 
 use common::{Scratch, ember, output, require_kvm, stderr, stdout};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// ember's exit status when the guest writes `n` to the debug-exit port.
 fn guest_status(n: u8) -> i32 {
@@ -21,72 +20,9 @@ fn guest() -> PathBuf {
     ember_testing::test_guest().expect("build the test guest")
 }
 
-/// A running ember whose console is collected as it arrives.
-struct Running {
-    child: Child,
-    console: Arc<Mutex<String>>,
-    sock: PathBuf,
-}
-
-impl Running {
-    fn start(args: &[&str], sock: &Path) -> Running {
-        let mut child = ember()
-            .arg("boot")
-            .args(args)
-            .arg("--api-socket")
-            .arg(sock)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start ember");
-        let console = Arc::new(Mutex::new(String::new()));
-        let out = child.stdout.take().unwrap();
-        let c = console.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let mut c = c.lock().unwrap();
-                c.push_str(&line);
-                c.push('\n');
-            }
-        });
-        let r = Running {
-            child,
-            console,
-            sock: sock.to_owned(),
-        };
-        r.wait_until("the control socket", |_| sock.exists());
-        r
-    }
-
-    fn console(&self) -> String {
-        self.console.lock().unwrap().clone()
-    }
-
-    fn wait_until(&self, what: &str, f: impl Fn(&str) -> bool) {
-        let start = Instant::now();
-        while !f(&self.console()) {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "no {what} after 60 s; console:\n{}",
-                self.console()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    fn call(&self, req: Value) -> Value {
-        ember::api::call(&self.sock, &req).expect("control socket reply")
-    }
-
-    /// Waits for ember to exit; (status, console, stderr).
-    fn finish(mut self) -> (i32, String, String) {
-        let status = self.child.wait().unwrap();
-        let mut err = String::new();
-        std::io::Read::read_to_string(&mut self.child.stderr.take().unwrap(), &mut err).unwrap();
-        // The reader thread sees end-of-file once ember is gone.
-        std::thread::sleep(Duration::from_millis(50));
-        (status.code().unwrap_or(-1), self.console(), err)
-    }
+/// A running ember with a control socket.
+fn start(args: &[&str], sock: &Path) -> Booted {
+    Booted::with_socket(ember().arg("boot").args(args), sock)
 }
 
 /// A guest result line's fields without the timings, which differ run to run.
@@ -162,7 +98,7 @@ fn a_guest_snapshotted_mid_work_finishes_in_a_fresh_process_like_an_uninterrupte
         let disk_b = dir.path(&format!("b{attempt}.img"));
         std::fs::write(&disk_b, vec![0u8; DISK_MIB << 20]).unwrap();
         let sock = dir.path(&format!("api{attempt}.sock"));
-        let vm = Running::start(
+        let vm = start(
             &[
                 "--kernel",
                 g,
@@ -252,7 +188,7 @@ fn damaged_snapshots_are_refused_with_one_line_and_nothing_runs() {
     std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
     let sock = dir.path("api.sock");
     let g = guest();
-    let vm = Running::start(
+    let vm = start(
         &[
             "--kernel",
             g.to_str().unwrap(),
@@ -377,7 +313,7 @@ fn the_control_socket_is_private_refuses_bad_requests_and_goes_away() {
         "--cmdline",
         "print=up spin=3000 print=survived exit=6",
     ];
-    let vm = Running::start(&args, &sock);
+    let vm = start(&args, &sock);
     let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "{mode:o}");
     // A second VM may not take a live socket.
@@ -440,14 +376,14 @@ fn the_control_socket_is_private_refuses_bad_requests_and_goes_away() {
 
     // SIGTERM and SIGINT remove it too.
     for sig in [libc::SIGTERM, libc::SIGINT] {
-        let vm = Running::start(&args, &sock);
+        let vm = start(&args, &sock);
         // SAFETY: signalling our own child.
         unsafe { libc::kill(vm.child.id() as i32, sig) };
         let _ = vm.finish();
         assert!(!sock.exists(), "removed on signal {sig}");
     }
     // `ember ctl` speaks the same protocol; shutdown ends the VM with 0.
-    let vm = Running::start(&args, &sock);
+    let vm = start(&args, &sock);
     let ctl = |op: &str| output(ember().args(["ctl", "--api-socket"]).arg(&sock).arg(op));
     let o = ctl("status");
     assert!(o.status.success());
@@ -478,7 +414,7 @@ fn generation_id(snap: &Path) -> [u8; 16] {
 /// a control socket, snapshots it into `to` and returns the snapshot's
 /// generation ID.
 fn snapshot_of(args: &[&str], sock: &Path, to: &Path) -> [u8; 16] {
-    let vm = Running::start(args, sock);
+    let vm = start(args, sock);
     if !args.contains(&"--restore") {
         vm.wait_until("the up line", |c| c.contains("up"));
     }

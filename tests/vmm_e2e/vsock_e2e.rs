@@ -7,14 +7,13 @@
 //! guest's connections.
 
 use crate::common;
+use common::booted::Booted;
 
 use common::{Scratch, ember, output, require_kvm, stderr};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn guest() -> PathBuf {
     ember_testing::test_guest().expect("build the test guest")
@@ -30,83 +29,21 @@ fn pattern(seed: u32, i: u64) -> u8 {
 const GUEST_SEED: u32 = 1;
 const HOST_SEED: u32 = 2;
 
-/// An ember running the test guest with a vsock device; its console is
-/// collected as it arrives.
-struct Vm {
-    child: Child,
-    console: Arc<Mutex<String>>,
-}
-
-impl Vm {
-    fn start(uds: &Path, cmdline: &str, extra: &[&str]) -> Vm {
-        let mut child = ember()
+/// An ember running the test guest with a vsock device, once its socket is
+/// there.
+fn start(uds: &Path, cmdline: &str, extra: &[&str]) -> Booted {
+    let vm = Booted::spawn(
+        ember()
             .arg("boot")
             .arg("--kernel")
             .arg(guest())
             .args(["--timeout", "120", "--cmdline", cmdline])
             .arg("--vsock")
             .arg(format!("cid=42,uds={}", uds.display()))
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start ember");
-        Vm::collect(&mut child, uds)
-    }
-
-    fn collect(child: &mut Child, uds: &Path) -> Vm {
-        let console = Arc::new(Mutex::new(String::new()));
-        let out = child.stdout.take().unwrap();
-        let c = console.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let mut c = c.lock().unwrap();
-                c.push_str(&line);
-                c.push('\n');
-            }
-        });
-        let vm = Vm {
-            child: std::mem::replace(child, dummy_child()),
-            console,
-        };
-        vm.wait_until("the vsock socket", |_| uds.exists());
-        vm
-    }
-
-    fn console(&self) -> String {
-        self.console.lock().unwrap().clone()
-    }
-
-    fn wait_until(&self, what: &str, f: impl Fn(&str) -> bool) {
-        let start = Instant::now();
-        while !f(&self.console()) {
-            assert!(
-                start.elapsed() < Duration::from_secs(90),
-                "no {what} after 90 s; console:\n{}",
-                self.console()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    /// Waits for ember to exit; (status, console, stderr).
-    fn finish(mut self) -> (i32, String, String) {
-        let status = self.child.wait().unwrap();
-        let mut err = String::new();
-        self.child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut err)
-            .unwrap();
-        std::thread::sleep(Duration::from_millis(50));
-        (status.code().unwrap_or(-1), self.console(), err)
-    }
-}
-
-/// A placeholder child (`Vm::collect` takes the real one out of a `&mut`).
-fn dummy_child() -> Child {
-    std::process::Command::new("true").spawn().unwrap()
+            .args(extra),
+    );
+    vm.wait_until("the vsock socket", |_| uds.exists());
+    vm
 }
 
 /// Connects to the device's socket and asks for guest `port`; returns the
@@ -151,7 +88,7 @@ fn a_host_connection_is_answered_ok_and_carries_data_both_ways() {
     }
     let dir = Scratch::new("vsock-host");
     let uds = dir.path("v.sock");
-    let vm = Vm::start(&uds, "vsockport=1234 vsock=serve", &[]);
+    let vm = start(&uds, "vsockport=1234 vsock=serve", &[]);
     vm.wait_until("the guest listening", |c| c.contains("listening"));
     let (mut s, host_port) = host_connect(&uds, 1234);
     assert!(
@@ -233,7 +170,7 @@ fn a_guest_connection_reaches_path_port_and_carries_data_both_ways() {
     let uds = dir.path("v.sock");
     let l = UnixListener::bind(dir.path("v.sock_5000")).unwrap();
     let host = serve_guest(l, 1 << 20, Duration::ZERO);
-    let vm = Vm::start(&uds, "vsockport=5000 vsockbytes=1m vsock=connect", &[]);
+    let vm = start(&uds, "vsockport=5000 vsockbytes=1m vsock=connect", &[]);
     let served = host.join().unwrap();
     let (code, console, err) = vm.finish();
     assert_eq!(served, Ok(1 << 20), "{console}{err}");
@@ -259,7 +196,7 @@ fn credit_flow_control_holds_with_a_slow_reader_on_either_side() {
     let l = UnixListener::bind(dir.path("v.sock_6000")).unwrap();
     let n = 4u64 << 20;
     let host = serve_guest(l, n, Duration::from_millis(2));
-    let vm = Vm::start(
+    let vm = start(
         &uds,
         "vsockport=6000 vsockbytes=4m vsocksecs=100 vsock=connect",
         &[],
@@ -277,7 +214,7 @@ fn credit_flow_control_holds_with_a_slow_reader_on_either_side() {
     assert!(waits > 0, "the guest never waited for credit:\n{console}");
 
     let uds = dir.path("w.sock");
-    let vm = Vm::start(
+    let vm = start(
         &uds,
         "vsockport=7 vsockbuf=4096 vsockslow=100 vsock=serve",
         &[],
@@ -309,7 +246,7 @@ fn a_connection_to_no_listener_is_reset() {
         return;
     }
     let dir = Scratch::new("vsock-refused");
-    let vm = Vm::start(&dir.path("v.sock"), "vsockport=9 vsock=connect", &[]);
+    let vm = start(&dir.path("v.sock"), "vsockport=9 vsock=connect", &[]);
     let (code, console, err) = vm.finish();
     assert_eq!(code, 0, "{console}{err}");
     assert!(console.contains("connection refused (rst)"), "{console}");
@@ -324,7 +261,7 @@ fn a_malformed_packet_is_a_device_error_not_a_crash() {
         return;
     }
     let dir = Scratch::new("vsock-bad");
-    let vm = Vm::start(
+    let vm = start(
         &dir.path("v.sock"),
         "vsock=malformed print=still_running",
         &[],
@@ -362,7 +299,7 @@ fn bad_vsock_paths_are_refused_with_one_line() {
     assert!(err.contains("does not exist"), "{err}");
 
     let uds = dir.path("v.sock");
-    let vm = Vm::start(&uds, "vsock=serve vsocksecs=60", &[]);
+    let vm = start(&uds, "vsock=serve vsocksecs=60", &[]);
     vm.wait_until("the guest listening", |c| c.contains("listening"));
     let o = boot(&uds);
     let err = stderr(&o);
@@ -406,7 +343,7 @@ fn a_restore_resets_the_guests_connections() {
     let api = dir.path("api.sock");
     let snap = dir.path("snap");
     let l = UnixListener::bind(dir.path("v.sock_77")).unwrap();
-    let vm = Vm::start(
+    let vm = start(
         &uds,
         "vsockport=77 vsockbytes=1000 vsocksecs=300 vsock=waitreset",
         &["--api-socket", api.to_str().unwrap()],
@@ -436,14 +373,12 @@ fn a_restore_resets_the_guests_connections() {
     s.read_to_end(&mut rest).unwrap();
     assert!(rest.is_empty());
 
-    let mut child = ember()
-        .args(["boot", "--timeout", "120", "--restore"])
-        .arg(&snap)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let vm = Vm::collect(&mut child, &uds);
+    let vm = Booted::spawn(
+        ember()
+            .args(["boot", "--timeout", "120", "--restore"])
+            .arg(&snap),
+    );
+    vm.wait_until("the vsock socket", |_| uds.exists());
     let (code, console, err) = vm.finish();
     assert_eq!(code, 0, "{console}{err}");
     assert!(
