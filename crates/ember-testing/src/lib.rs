@@ -145,7 +145,7 @@ pub fn test_guest() -> Result<PathBuf, TestingError> {
 /// PT_NULL, so loaders see no PVH note and take the 64-bit ELF entry.
 pub fn without_pvh_note(elf: &Path, out: &Path) -> Result<(), TestingError> {
     let mut bytes = read(elf)?;
-    let parsed = Elf::parse(&bytes).map_err(|reason| bad(elf, reason))?;
+    let parsed = Elf::parse(elf, &bytes)?;
     let notes: Vec<usize> = parsed
         .program_headers
         .iter()
@@ -293,7 +293,7 @@ const STUB_GDT: [u64; 3] = [0, 0x00cf_9a00_0000_ffff, 0x00cf_9200_0000_ffff];
 /// that the ELF loads at 1 MiB, 64-bit entry at +0x200.
 pub fn as_bzimage(elf: &Path, out: &Path) -> Result<(), TestingError> {
     let bytes = read(elf)?;
-    let parsed = Elf::parse(&bytes).map_err(|reason| bad(elf, reason))?;
+    let parsed = Elf::parse(elf, &bytes)?;
     let image = parsed
         .flat_image(&bytes)
         .map_err(|reason| bad(elf, reason))?;
@@ -385,20 +385,21 @@ struct FlatImage {
 }
 
 impl<'a> Elf<'a> {
-    fn parse(b: &'a [u8]) -> Result<Elf<'a>, String> {
+    /// `b`, the contents of `path` (named in the error).
+    fn parse(path: &Path, b: &'a [u8]) -> Result<Elf<'a>, TestingError> {
         if !b.starts_with(b"\x7fELF") {
-            return Err("not an ELF file".into());
+            return Err(bad(path, "not an ELF file"));
         }
-        let header = FileHeader64::<Endianness>::parse(b).map_err(|e| e.to_string())?;
-        let endian = header.endian().map_err(|e| e.to_string())?;
+        let header = FileHeader64::<Endianness>::parse(b).map_err(|e| bad(path, e.to_string()))?;
+        let endian = header.endian().map_err(|e| bad(path, e.to_string()))?;
         if endian != Endianness::Little {
-            return Err("not a little-endian ELF".into());
+            return Err(bad(path, "not a little-endian ELF"));
         }
         let phoff = header.e_phoff(endian) as usize;
         let phentsize = usize::from(header.e_phentsize(endian));
         let program_headers = header
             .program_headers(endian, b)
-            .map_err(|e| e.to_string())?
+            .map_err(|e| bad(path, e.to_string()))?
             .iter()
             .enumerate()
             .map(|(i, ph)| (phoff + i * phentsize, ph))
@@ -772,9 +773,10 @@ mod tests {
     fn truncated_program_headers_are_an_error() {
         let mut bytes = std::fs::read(test_guest().unwrap()).unwrap();
         bytes.truncate(64 + 10);
-        let err = Elf::parse(&bytes)
+        let err = Elf::parse(Path::new("guest"), &bytes)
             .err()
-            .expect("a truncated ELF is refused");
+            .expect("a truncated ELF is refused")
+            .to_string();
         assert!(err.contains("program header"), "{err}");
     }
 
