@@ -15,6 +15,7 @@ const L2_GROUPS: &[(&str, &[&str])] = &[
     ("pmem", &["virtio_pmem", "nd_pmem"]),
     ("balloon", &["virtio_balloon"]),
     ("vsock", &["vmw_vsock_virtio_transport"]),
+    ("fs", &["virtiofs"]),
 ];
 
 /// What the L1 gets, staged.

@@ -168,6 +168,27 @@ if [ "$RIGCASE" = vsock ]; then
   wait $sp
   echo "@vsock-h2g-md5 $($b md5sum /tmp/h2g | $b cut -d' ' -f1)"
 fi
+if [ "$RIGCASE" = fs ]; then
+  # Debian's own virtiofs driver on ember's virtio-fs device: read the host's
+  # file, write one back, a read-only share refusing a write; then wait for
+  # the host's snapshot, and after the restore run the command it sends
+  # (which reads the share again). The harness compares the checksums.
+  load core
+  load fs
+  $b mkdir -p /mnt /ro
+  $b mount -t virtiofs share /mnt || echo "@fs-mount-failed share"
+  $b mount -t virtiofs ro /ro || echo "@fs-mount-failed ro"
+  echo "@fs-h2g-md5 $($b md5sum /mnt/h2g | $b cut -d' ' -f1)"
+  $b dd if=/dev/urandom of=/mnt/g2h bs=64k count=16 2>/dev/null
+  echo "@fs-g2h-md5 $($b md5sum /mnt/g2h | $b cut -d' ' -f1)"
+  echo "@fs-before $($b cat /mnt/before)"
+  $b touch /ro/x 2>/dev/null && echo "@fs-ro-written" || echo "@fs-ro-refused"
+  echo "@fs-ro-read $($b cat /ro/text)"
+  exec 3</mnt/before
+  echo "@fs-snapshot-ready"
+  read -r cmd
+  eval "$cmd"
+fi
 if [ "$RIGCASE" = uart ]; then
   # The console is COM1 (console=ttyS0): read what the host sends through
   # ember's stdin, without the tty echoing it back.

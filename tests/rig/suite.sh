@@ -186,6 +186,42 @@ vsock_case() {
   $b sed 's/^/@stderr /' $d/err
   return $rc
 }
+# virtio-fs: the L2 (Debian's virtiofs) reads a share and writes into it,
+# a read-only share refuses a write; ember snapshots it with the share
+# mounted, the host changes the share, and a restore in a fresh ember reads
+# it again (the old file, the new one, one held open across the snapshot)
+# and writes. Both sides print checksums; the harness compares.
+fs_case() {
+  d=/tmp/fs
+  $b rm -rf $d && $b mkdir -p $d/share $d/ro $d/snap
+  $b dd if=/dev/urandom of=$d/share/h2g bs=64k count=16 2>/dev/null
+  echo "@fs-h2g-src-md5 $($b md5sum $d/share/h2g | $b cut -d' ' -f1)"
+  echo "from the host" >$d/share/before
+  echo "read only" >$d/ro/text
+  # shellcheck disable=SC2086 # RIG_L2_ARGS is a list of arguments
+  ember boot --kernel "$vmlinux" --initrd /rig/l2.cpio --mem 256M --cpus 1 --timeout "$((LIMIT - 10))" \
+    --cmdline "$CMDLINE RIGCASE=fs" $RIG_L2_ARGS --api-socket $d/api.sock \
+    --fs tag=share,dir=$d/share --fs tag=ro,dir=$d/ro,ro </dev/null >$d/con 2>$d/err &
+  pid=$!
+  src=1
+  wait_line $d/con '^@fs-snapshot-ready' && ember snapshot --api-socket $d/api.sock --to $d/snap/dir && src=0
+  [ $src = 0 ] || $b kill $pid 2>/dev/null
+  wait $pid
+  brc=$?
+  $b cat $d/con
+  $b sed 's/^/@stderr /' $d/err
+  echo "@fs-g2h-host-md5 $($b md5sum $d/share/g2h | $b cut -d' ' -f1)"
+  echo "@fs-snapshot-rc $src boot-rc $brc"
+  [ $src = 0 ] || return 1
+  echo "written while saved" >$d/share/after
+  echo 'echo "@fs-again $($b cat /mnt/before)"; echo "@fs-after $($b cat /mnt/after)"; echo "@fs-held $($b cat <&3)"; echo restored >/mnt/restored' |
+    ember boot --restore $d/snap/dir --timeout "$((LIMIT - 10))" >$d/con2 2>&1
+  rrc=$?
+  $b cat $d/con2
+  echo "@fs-restored-host $($b cat $d/share/restored 2>&1)"
+  echo "@fs-restore-rc $rrc"
+  return $rrc
+}
 vsock_connect() {
   for _ in 1 2 3 4 5 6 7 8 9 10; do
     { printf 'CONNECT 1234\n'; $b cat $d/h2g; } | socat - UNIX-CONNECT:$d/v.sock >$d/ok 2>>$d/err
@@ -330,6 +366,7 @@ run_case prefault-async 240 l2 "$vmlinux" 1 prefault \
 run_case prefault-async-events 30 sh -c 'cat /tmp/prefault.json; echo'
 run_case uart 120 uart
 run_case vsock 240 vsock_case
+run_case fs 300 fs_case
 
 # The appliance on the ember backend (ember-init and this cache, in L2).
 run_case appliance 120 ember run --backend ember --initramfs --timeout "$(inner 120)" -- sh -c 'uname -r; echo err >&2; exit 7'

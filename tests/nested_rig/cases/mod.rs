@@ -3,6 +3,7 @@
 
 mod appliance;
 mod boot;
+mod fs;
 mod lab;
 mod memory;
 mod snapshot;
