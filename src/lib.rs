@@ -15,5 +15,6 @@ pub mod container;
 pub mod exit;
 pub mod initramfs;
 pub mod lab;
+pub mod netns;
 pub mod passt;
 pub mod terminal;

@@ -274,22 +274,8 @@ fn resolv_conf(text: &str) -> (Vec<IpAddr>, Vec<String>) {
 
 /// The primary IPv4 address and prefix length of host interface `ifname`.
 fn interface_v4(ifname: &str) -> Option<(Ipv4Addr, u8)> {
-    if ifname.len() >= libc::IFNAMSIZ {
-        return None;
-    }
-    let sock = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
     let ask = |request: libc::Ioctl| -> Option<Ipv4Addr> {
-        // SAFETY: ifreq is plain data; all zeroes is a valid value.
-        let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-        for (d, s) in req.ifr_name.iter_mut().zip(ifname.bytes()) {
-            *d = s as libc::c_char;
-        }
-        // SAFETY: SIOCGIFADDR and SIOCGIFNETMASK read the name and write a
-        // sockaddr into the ifreq this call owns; the socket is open.
-        let r = unsafe { libc::ioctl(sock.as_raw_fd(), request, &mut req) };
-        if r != 0 {
-            return None;
-        }
+        let req = interface_request(ifname, request)?;
         // SAFETY: both requests fill the union's sockaddr member, which for
         // an AF_INET interface address is a sockaddr_in.
         let sin: libc::sockaddr_in =
@@ -301,6 +287,31 @@ fn interface_v4(ifname: &str) -> Option<(Ipv4Addr, u8)> {
     let addr = ask(libc::SIOCGIFADDR as libc::Ioctl)?;
     let mask = ask(libc::SIOCGIFNETMASK as libc::Ioctl)?;
     Some((addr, u32::from(mask).count_ones() as u8))
+}
+
+/// Interface `ifname`'s answer to a SIOCGIF* `request` (in the calling
+/// thread's network namespace); `None` if it has none.
+pub(crate) fn interface_request(ifname: &str, request: libc::Ioctl) -> Option<libc::ifreq> {
+    if ifname.len() >= libc::IFNAMSIZ {
+        return None;
+    }
+    let sock = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    // SAFETY: ifreq is plain data; all zeroes is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(ifname.bytes()) {
+        *d = s as libc::c_char;
+    }
+    // SAFETY: SIOCGIF* requests read the name and write into the ifreq this
+    // call owns; the socket is open.
+    let r = unsafe { libc::ioctl(sock.as_raw_fd(), request, &mut req) };
+    (r == 0).then_some(req)
+}
+
+/// The interface of the IPv4 default route (of the calling process's
+/// network namespace).
+pub(crate) fn default_interface() -> Option<String> {
+    let table = std::fs::read_to_string("/proc/net/route").ok()?;
+    default_route_v4(&table).map(|(ifname, _)| ifname)
 }
 
 /// A transport protocol a port is forwarded for.

@@ -365,7 +365,7 @@ pub(super) fn module_groups(
         (!spec.devices.pmem.is_empty(), "pmem"),
         (spec.devices.rng.is_some(), "rng"),
         (spec.devices.balloon.is_some(), "balloon"),
-        (spec.net_fd.is_some(), "net"),
+        (spec.net_fd.is_some() || !spec.devices.net.is_empty(), "net"),
     ] {
         if wanted {
             groups.push(group);

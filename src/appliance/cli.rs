@@ -123,6 +123,12 @@ pub struct RunArgs {
     /// port GUEST; implies `--net`. Repeatable.
     #[arg(long, value_name = "[ADDR:]HOST:GUEST[/tcp|/udp]")]
     pub publish: Vec<String>,
+    /// Give the guest the network namespace PATH's interface (one CNI made,
+    /// `/var/run/netns/NAME`): its address, routes, MTU and MAC, the
+    /// interface's traffic redirected to and from the guest with tc, as Kata
+    /// Containers does. Needs root. qemu backend for now.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["net", "publish"])]
+    pub netns: Option<PathBuf>,
     /// ember backend: boot the appliance cold instead of restoring (or
     /// making) its snapshot. Runs with disks, pmem, rng, a balloon,
     /// `--rootfs` or `--nested-kvm` always boot cold.

@@ -50,6 +50,9 @@ pub enum ApplianceError {
     /// The network (`--net`, `--publish`) cannot be set up.
     #[error(transparent)]
     Net(#[from] crate::passt::PasstError),
+    /// `--netns`: the namespace's interface cannot be joined.
+    #[error(transparent)]
+    Netns(#[from] crate::netns::NetnsError),
 }
 
 impl ApplianceError {

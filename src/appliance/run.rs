@@ -14,6 +14,7 @@ use crate::cleanup::{self, TempPath};
 use crate::exit::EXIT_TIMEOUT;
 use crate::passt::{GuestNet, Passt};
 use ember_frames::netconf::{self, NetConf};
+use ember_vmm::devices::virtio::net::{NetBackendConfig, NetConfig};
 use ember_vmm::error_chain;
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -129,6 +130,12 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
     if args.cpus == 0 {
         return Err(ApplianceError::BadArg("--cpus must be at least 1".into()));
     }
+    // First, before ember starts any thread or child: they all inherit the
+    // namespace (the VMM opens the tap there).
+    let pod_net = match &args.netns {
+        Some(path) if !args.prepare_only => Some(crate::netns::join(path)?),
+        _ => None,
+    };
     let timeout = cli::timeout(args)?;
     let mut extras = extras(args)?;
     // Check the backend before building anything.
@@ -141,12 +148,16 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
     // ember's device works with passt (`ember boot --net passt`), but the
     // appliance on it has not been seen through yet: its snapshot-making
     // boot with the device timed out under the PVM test kernel here.
-    if cli::wants_net(args) && backend.name() == "ember" {
-        return Err(ApplianceError::BadArg(
-            "ember run --net: not on the ember backend yet (use --backend qemu; \
+    if (cli::wants_net(args) || args.netns.is_some()) && backend.name() == "ember" {
+        let flag = if args.netns.is_some() {
+            "--netns"
+        } else {
+            "--net"
+        };
+        return Err(ApplianceError::BadArg(format!(
+            "ember run {flag}: not on the ember backend yet (use --backend qemu; \
              `ember boot --net passt` gives a booted guest passt's network)"
-                .into(),
-        ));
+        )));
     }
     // passt starts now, so it sets itself up while the appliance is made.
     let net = match cli::wants_net(args) && !args.prepare_only {
@@ -290,6 +301,22 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         }
         None => None,
     };
+    // Held until the run ends: the interface's filter goes with it.
+    let _pod_net = pod_net.inspect(|p| {
+        // In place of with_devices' placeholder (`ember run` has no other
+        // network device).
+        spec.devices.net.clear();
+        let mut dev = NetConfig::tap(crate::netns::TAP);
+        dev.backend = NetBackendConfig::Fd(p.tap.as_raw_fd());
+        dev.mac = Some(p.mac);
+        dev.mtu = Some(p.mtu);
+        spec.devices.net.push(dev);
+        job.inherit_fds.push(p.tap.as_raw_fd());
+        job.net = Some(net_payload(&p.guest));
+        if args.verbose {
+            eprintln!("ember: --netns gives the guest {}", describe(&p.guest));
+        }
+    });
     let restored_from = spec.restore.clone();
     let outcome = host::run(
         backend.as_ref(),
@@ -438,6 +465,12 @@ fn with_devices(args: &RunArgs, mut spec: GuestSpec) -> Result<GuestSpec, backen
     args.devices.apply(&mut spec);
     if cli::wants_net(args) {
         spec.net_fd = Some(-1);
+    }
+    if args.netns.is_some() {
+        // The tap comes with the namespace's join.
+        let mut dev = NetConfig::tap(crate::netns::TAP);
+        dev.backend = NetBackendConfig::Fd(-1);
+        spec.devices.net.push(dev);
     }
     if cli::prefault_fenced(args) {
         spec.devices.balloon.get_or_insert_with(Default::default);

@@ -432,9 +432,9 @@ impl Backend for QemuBackend {
                 NetBackendConfig::Tap(name) => format!(
                     "tap,id=n{i},ifname={name},script=no,downscript=no,vhost=off,vnet_hdr=on"
                 ),
-                NetBackendConfig::Fd(fd) => {
-                    format!("tap,id=n{i},fd={fd},script=no,downscript=no,vhost=off,vnet_hdr=on")
-                }
+                // QEMU takes the header from the descriptor's own flags and
+                // refuses script=, downscript= and vnet_hdr= beside fd=.
+                NetBackendConfig::Fd(fd) => format!("tap,id=n{i},fd={fd},vhost=off"),
                 // passt's framing is the stream netdev's.
                 NetBackendConfig::Socket(fd) => {
                     format!("stream,id=n{i},addr.type=fd,addr.str={fd}")
@@ -655,7 +655,10 @@ mod tests {
                 .into(),
             rng: Some(Default::default()),
             balloon: Some(Default::default()),
-            net: vec!["tap=tap7,mac=02:00:00:00:00:07,mtu=9000".parse().unwrap()],
+            net: vec![
+                "tap=tap7,mac=02:00:00:00:00:07,mtu=9000".parse().unwrap(),
+                "fd=5".parse().unwrap(),
+            ],
             ..Default::default()
         };
         spec.console = false;
@@ -679,6 +682,11 @@ mod tests {
                 "-netdev tap,id=n0,ifname=tap7,script=no,downscript=no,vhost=off,vnet_hdr=on \
                  -device virtio-net-pci,netdev=n0,mac=02:00:00:00:00:07,host_mtu=9000"
             ),
+            "{s}"
+        );
+        // A passed tap: QEMU refuses script=, downscript= and vnet_hdr= with fd=.
+        assert!(
+            s.contains("-netdev tap,id=n1,fd=5,vhost=off -device virtio-net-pci,netdev=n1"),
             "{s}"
         );
     }

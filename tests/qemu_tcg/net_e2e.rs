@@ -456,3 +456,94 @@ fn bad_network_input_is_one_line() {
     let out = ns.ember(&["--net", "--", "true"]).output().unwrap();
     one_line(out, "no default route");
 }
+
+/// `--netns A`, ember started outside A: the guest takes A's interface —
+/// its address, MAC, MTU and default routes — its traffic redirected to and
+/// from a tap in A with tc (as Kata does for a CNI-made pod namespace), and
+/// reaches B's server through it. Afterwards A has no tap and no filter left.
+#[test]
+fn netns_gives_the_guest_the_namespaces_interface() {
+    let Some(ns) = Netns::new("net_e2e::netns") else {
+        return;
+    };
+    let va = format!("ea{}", &ns.a["ember-na".len()..]);
+    ip(&["-n", &ns.a, "link", "set", &va, "mtu", "1400"]);
+    let show = |args: &[&str]| text(&Netns::exec(&ns.a, args).output().unwrap().stdout);
+    let mac = show(&["cat", &format!("/sys/class/net/{va}/address")])
+        .trim()
+        .to_owned();
+    let web = common::Scratch::new("netns-web");
+    let blob: Vec<u8> = (0..1u32 << 20)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    std::fs::write(web.path("blob"), &blob).unwrap();
+    let md5 = text(
+        &Command::new("md5sum")
+            .arg(web.path("blob"))
+            .output()
+            .unwrap()
+            .stdout,
+    );
+    let md5 = md5.split_whitespace().next().unwrap().to_owned();
+    let _web = ns.serve_in_b(7002, &web.0);
+    let script = format!(
+        "ip -o addr show dev eth0; ip -o link show dev eth0; ip route; \
+         echo v4 $(wget -q -O - http://{SERVER4}:7002/blob | md5sum); \
+         echo v6 $(wget -q -O - 'http://[{SERVER6}]:7002/blob' | md5sum)"
+    );
+    let mut run = common::ember();
+    run.env(
+        "EMBER_INIT",
+        common::init_binary().unwrap_or_else(|e| panic!("{e}")),
+    )
+    .args([
+        "run",
+        "--backend",
+        "qemu",
+        "--initramfs",
+        "--timeout",
+        "120",
+    ])
+    .arg("--netns")
+    .arg(Path::new("/run/netns").join(&ns.a))
+    .args(["--", "sh", "-c", &script]);
+    let out = checked(run.output().unwrap());
+    eprintln!("ember run --netns: the guest saw:\n{out}");
+    for want in [
+        format!("inet {A4}/24"),
+        format!("inet6 {A6}/64"),
+        "mtu 1400".into(),
+        format!("link/ether {mac}"),
+        format!("default via {GW4} dev eth0"),
+        format!("v4 {md5}"),
+        format!("v6 {md5}"),
+    ] {
+        assert!(out.contains(&want), "{want:?} missing from:\n{out}");
+    }
+    let links = show(&["ip", "-o", "link"]);
+    assert!(!links.contains("tap0_ember"), "a tap left in A:\n{links}");
+    let qdiscs = show(&["tc", "qdisc", "show", "dev", &va]);
+    assert!(
+        !qdiscs.contains("ingress"),
+        "a filter left on {va}:\n{qdiscs}"
+    );
+    // A bad namespace is one line.
+    let o = common::ember()
+        .args([
+            "run",
+            "--backend",
+            "qemu",
+            "--netns",
+            "/nonexistent/ns",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    let err = text(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("--netns /nonexistent/ns: cannot open it"),
+        "{err}"
+    );
+}

@@ -23,6 +23,7 @@ pub(crate) mod tap;
 
 pub use config::{MacAddr, NetBackendConfig, NetConfig};
 pub use rate_limiter::{BucketConfig, RateLimit};
+pub use tap::create_tap;
 
 use std::os::fd::RawFd;
 use std::sync::Arc;
@@ -113,6 +114,9 @@ pub enum Error {
     /// Another process has the tap open.
     #[error("tap `{0}` is in use by another process")]
     TapBusy(String),
+    /// An interface of that name exists already (making a tap).
+    #[error("an interface `{0}` exists already")]
+    InterfaceExists(String),
     /// An interface of that name that is no tap.
     #[error("`{0}` is not a tap interface")]
     NotATap(String),

@@ -34,19 +34,43 @@ fn ifreq(name: &str, flags: i32) -> libc::ifreq {
     req
 }
 
+/// Whether an interface `name` exists in this thread's network namespace.
+fn exists(name: &str) -> Result<bool, Error> {
+    let cname = CString::new(name).map_err(|_| Error::BadTapName(name.to_owned()))?;
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ {
+        return Err(Error::BadTapName(name.to_owned()));
+    }
+    // SAFETY: a valid NUL-terminated string.
+    Ok(unsafe { libc::if_nametoindex(cname.as_ptr()) } != 0)
+}
+
+/// Makes tap `name` in the calling thread's network namespace, for a caller
+/// that joins it to something before a VMM takes it as `fd=N` (`ember run
+/// --netns` ties it to a pod's interface). It has the virtio-net header on,
+/// and is not persistent: it goes when its last descriptor is closed, so
+/// nothing of it outlives the VM however that ends. An interface already
+/// called `name` is an error.
+pub fn create_tap(name: &str) -> Result<File, Error> {
+    if exists(name)? {
+        return Err(Error::InterfaceExists(name.to_owned()));
+    }
+    Tap::attach(name).map(|t| t.file)
+}
+
 impl Tap {
     /// Opens the existing tap interface `name` (in this process's network namespace).
     /// A missing one is an error, not created: a tap ember made would vanish with it
     /// and be configured by nobody.
     pub(crate) fn open(name: &str) -> Result<Self, Error> {
-        let cname = CString::new(name).map_err(|_| Error::BadTapName(name.to_owned()))?;
-        if name.is_empty() || name.len() >= libc::IFNAMSIZ {
-            return Err(Error::BadTapName(name.to_owned()));
-        }
-        // SAFETY: a valid NUL-terminated string.
-        if unsafe { libc::if_nametoindex(cname.as_ptr()) } == 0 {
+        if !exists(name)? {
             return Err(Error::NoSuchTap(name.to_owned()));
         }
+        Self::attach(name)
+    }
+
+    /// TUNSETIFF on a fresh `/dev/net/tun` descriptor: attaches to tap `name`,
+    /// or makes it (not persistent) if there is none.
+    fn attach(name: &str) -> Result<Self, Error> {
         // SAFETY: a valid path; the descriptor is checked and owned at once.
         let fd = unsafe {
             libc::open(
