@@ -43,6 +43,8 @@ pub struct PodConfig {
     pub shares: Vec<Share>,
     /// How long the boot may take until the agent answers.
     pub boot_timeout: Option<Duration>,
+    /// The pod's network namespace, whose interface the VM takes.
+    pub netns: Option<PathBuf>,
 }
 
 /// What a process's stdio is wired to.
@@ -89,6 +91,9 @@ impl Pod {
         }
         if let Some(c) = cfg.cpus {
             cmd.args(["--cpus", &c.to_string()]);
+        }
+        if let Some(ns) = &cfg.netns {
+            cmd.arg("--netns").arg(ns);
         }
         for s in &cfg.shares {
             cmd.arg("--share")

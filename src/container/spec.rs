@@ -4,7 +4,7 @@
 use super::ContainerError;
 use ember_agent::{Capabilities, ContainerSpec, Mount, ProcessSpec, Rlimit};
 use serde::Deserialize;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// A bundle's `config.json`, the fields ember reads.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -39,6 +39,20 @@ pub struct Linux {
     pub sysctl: std::collections::BTreeMap<String, String>,
     /// A seccomp filter (refused: not applied yet).
     pub seccomp: Option<serde_json::Value>,
+    /// The namespaces to join or make.
+    #[serde(default)]
+    pub namespaces: Vec<SpecNamespace>,
+}
+
+/// One of `linux.namespaces`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SpecNamespace {
+    /// `network`, `pid`, `mount`, …
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// An existing namespace to join (CNI's network namespace).
+    #[serde(default)]
+    pub path: Option<String>,
 }
 
 /// One of `process.rlimits`.
@@ -224,6 +238,18 @@ pub struct SpecMount {
 }
 
 impl Spec {
+    /// The network namespace to join, when the spec names one (a pod's,
+    /// made by CNI): the VM takes its interface (`ember run --netns`).
+    pub fn network_namespace(&self) -> Option<PathBuf> {
+        self.linux
+            .namespaces
+            .iter()
+            .find(|n| n.kind == "network")
+            .and_then(|n| n.path.as_deref())
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from)
+    }
+
     /// Reads `BUNDLE/config.json`.
     pub fn load(bundle: &Path) -> Result<Spec, ContainerError> {
         let bad = |why: String| ContainerError::Spec {
@@ -363,6 +389,8 @@ mod tests {
     fn a_ctr_spec_becomes_agent_requests() {
         let spec = Spec::parse(CTR_LIKE.as_bytes()).unwrap();
         let c = spec.container("c1", "/.ember-containers/c1").unwrap();
+        // No network namespace to join: the VM has no network.
+        assert_eq!(spec.network_namespace(), None);
         assert_eq!(c.hostname.as_deref(), Some("box"));
         assert_eq!(c.mounts.len(), 2);
         assert_eq!(c.mounts[1].options, ["nosuid", "mode=755"]);
@@ -376,6 +404,21 @@ mod tests {
         );
         assert_eq!(p.cwd, "/tmp");
         assert!(p.stdin && !p.terminal);
+    }
+
+    #[test]
+    fn a_network_namespace_path_is_the_pods_network() {
+        let spec = Spec::parse(
+            br#"{"linux": {"namespaces": [{"type": "pid"}, {"type": "network", "path": "/var/run/netns/cni-1"}]}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            spec.network_namespace(),
+            Some(PathBuf::from("/var/run/netns/cni-1"))
+        );
+        // A new, empty one (no path) gives the VM no network.
+        let spec = Spec::parse(br#"{"linux": {"namespaces": [{"type": "network"}]}}"#).unwrap();
+        assert_eq!(spec.network_namespace(), None);
     }
 
     #[test]

@@ -634,3 +634,161 @@ fn ctr_run_in_ember_vms() {
     let out = c.run(&["containers", "rm", "c4"], b"");
     assert!(out.status.success(), "containers rm: {}", text(&out.stderr));
 }
+
+/// A network namespace made by a test, and deleted with it.
+struct TestNetns(String);
+
+impl TestNetns {
+    fn new(name: String) -> TestNetns {
+        let out = Command::new("ip")
+            .args(["netns", "add", &name])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "ip netns add: {}", text(&out.stderr));
+        TestNetns(name)
+    }
+    fn path(&self) -> PathBuf {
+        Path::new("/run/netns").join(&self.0)
+    }
+    fn exec(&self, args: &[&str]) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.0]).args(args);
+        c
+    }
+}
+
+impl Drop for TestNetns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+/// A container in a pod network namespace CNI's bridge plugin made (the
+/// bridge in a "host" namespace the test also made, where its server runs)
+/// gets that namespace's interface in its VM — the address CNI gave it, its
+/// MAC — and fetches a file from the server, byte for byte.
+#[test]
+fn a_container_in_a_cni_namespace_reaches_a_server_in_another() {
+    let test = "shim_e2e::a_container_in_a_cni_namespace";
+    if let Some(why) = missing() {
+        ember_testing::skip(test, &why);
+        return;
+    }
+    let plugins = Path::new("/usr/lib/cni");
+    assert!(
+        plugins.join("bridge").exists(),
+        "{test}: CNI's bridge plugin is missing (containernetworking-plugins: scripts/install-deps --test)"
+    );
+    let tag = std::process::id() % 100_000;
+    let host = TestNetns::new(format!("ember-cnih{tag}"));
+    let pod = TestNetns::new(format!("ember-cnip{tag}"));
+    let dir = common::Scratch::new("cni");
+    let conf = format!(
+        r#"{{"cniVersion": "0.4.0", "name": "ember-test", "type": "bridge",
+            "bridge": "embr{tag}", "isGateway": true, "ipMasq": false,
+            "ipam": {{"type": "host-local", "subnet": "10.99.0.0/24",
+                     "dataDir": "{}", "routes": [{{"dst": "0.0.0.0/0"}}]}}}}"#,
+        dir.path("ipam").display()
+    );
+    let cni = |command: &str| {
+        let mut child = host
+            .exec(&[plugins.join("bridge").to_str().unwrap()])
+            .env("CNI_COMMAND", command)
+            .env("CNI_CONTAINERID", format!("ember-test-{tag}"))
+            .env("CNI_NETNS", pod.path())
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_PATH", plugins)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(conf.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let added = cni("ADD");
+    assert!(
+        added.status.success(),
+        "CNI ADD: {}{}",
+        text(&added.stdout),
+        text(&added.stderr)
+    );
+    let result: serde_json::Value = serde_json::from_slice(&added.stdout).unwrap();
+    let address = result["ips"][0]["address"].as_str().unwrap().to_owned();
+    let mac = text(
+        &pod.exec(&["cat", "/sys/class/net/eth0/address"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .trim()
+    .to_owned();
+    let web = dir.path("web");
+    std::fs::create_dir_all(&web).unwrap();
+    let blob: Vec<u8> = (0..256u32 << 10)
+        .map(|i| (i.wrapping_mul(2654435761) >> 11) as u8)
+        .collect();
+    std::fs::write(web.join("blob"), &blob).unwrap();
+    let md5 = text(
+        &Command::new("md5sum")
+            .arg(web.join("blob"))
+            .output()
+            .unwrap()
+            .stdout,
+    );
+    let md5 = md5.split_whitespace().next().unwrap().to_owned();
+    let mut server = host
+        .exec(&["busybox", "httpd", "-f", "-p", "10.99.0.1:8099", "-h"])
+        .arg(&web)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+
+    let bin = build_shim();
+    let c = Containerd::start(&bin);
+    import_image(&c);
+    let with_ns = format!("network:{}", pod.path().display());
+    let out = c.run(
+        &[
+            "run",
+            "--rm",
+            "--runtime",
+            RUNTIME,
+            "--with-ns",
+            &with_ns,
+            IMAGE,
+            "c-net",
+            "sh",
+            "-c",
+            "ip addr show eth0; echo got $(wget -q -O - http://10.99.0.1:8099/blob | md5sum)",
+        ],
+        b"",
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+    let stdout = text(&out.stdout);
+    let deleted = cni("DEL");
+    assert!(
+        out.status.success(),
+        "stdout {stdout} stderr {}\n{}",
+        text(&out.stderr),
+        c.log()
+    );
+    eprintln!("{test}: CNI gave {address}; the container saw:\n{stdout}");
+    assert!(stdout.contains(&format!("inet {address}")), "{stdout}");
+    assert!(stdout.contains(&mac), "the interface's MAC {mac}: {stdout}");
+    assert!(stdout.contains(&format!("got {md5}")), "{stdout}");
+    assert!(
+        deleted.status.success(),
+        "CNI DEL: {}",
+        text(&deleted.stderr)
+    );
+    let links = text(&pod.exec(&["ip", "-o", "link"]).output().unwrap().stdout);
+    assert!(!links.contains("tap0_ember"), "a tap left: {links}");
+}

@@ -438,6 +438,7 @@ impl Service {
                     guest: guest_root.clone(),
                 }],
                 boot_timeout: None,
+                netns: spec.network_namespace(),
             };
             let weak: Weak<Inner> = Arc::downgrade(&self.0);
             let pod = Pod::boot(&cfg, move |n| {
