@@ -113,6 +113,11 @@ impl<'a> TestQueue<'a> {
         self.mem.read_obj(GuestAddress(self.used)).unwrap()
     }
 
+    /// Where the used index is (for a test that watches it from another thread).
+    pub(crate) fn used_idx_addr(&self) -> u64 {
+        self.used + 2
+    }
+
     /// The used index the device has published.
     pub(crate) fn used_idx(&self) -> u16 {
         self.mem.read_obj(GuestAddress(self.used + 2)).unwrap()
