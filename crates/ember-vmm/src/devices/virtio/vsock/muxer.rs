@@ -19,7 +19,7 @@ use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
@@ -33,6 +33,10 @@ const MAX_HANDSHAKES: usize = 64;
 /// Most RSTs for unknown connections waiting for a receive buffer (each is
 /// advisory: dropping one only leaves a guest socket to its own timeout).
 const MAX_LOOSE_RSTS: usize = 256;
+/// How long a host program may take to send its `CONNECT <port>\n` line
+/// after connecting; then it is dropped, so one that never sends it cannot
+/// hold one of the `MAX_HANDSHAKES` places for good.
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest `CONNECT <port>\n` line.
 const MAX_CONNECT_LINE: usize = 32;
 /// Epoll token of the listener; a stream's token is `FD_TOKEN + fd`.
@@ -52,8 +56,9 @@ pub(crate) struct Key {
 /// What a host stream's fd is.
 #[derive(Debug)]
 enum Watch {
-    /// A host program that has not sent `CONNECT <port>\n` yet.
-    Handshake(UnixStream),
+    /// A host program that has not sent `CONNECT <port>\n` yet, and when
+    /// it is dropped if it still has not.
+    Handshake(UnixStream, Instant),
     /// A connection's stream.
     Conn(Key),
 }
@@ -115,13 +120,34 @@ impl Muxer {
         !self.loose_rsts.is_empty() || !self.ready.is_empty()
     }
 
-    /// The earliest time a connection times out.
+    /// The earliest time a connection or a handshake times out.
     pub(crate) fn deadline(&self) -> Option<Instant> {
-        self.conns.values().filter_map(|c| c.expiry).min()
+        let handshakes = self.fds.values().filter_map(|w| match w {
+            Watch::Handshake(_, until) => Some(*until),
+            Watch::Conn(_) => None,
+        });
+        self.conns
+            .values()
+            .filter_map(|c| c.expiry)
+            .chain(handshakes)
+            .min()
     }
 
-    /// Resets the connections whose time is up.
+    /// Resets the connections and drops the handshakes whose time is up.
     pub(crate) fn expire(&mut self, now: Instant) {
+        let slow: Vec<RawFd> = self
+            .fds
+            .iter()
+            .filter(|(_, w)| matches!(w, Watch::Handshake(_, until) if *until <= now))
+            .map(|(fd, _)| *fd)
+            .collect();
+        for fd in slow {
+            let _ = self
+                .epoll
+                .ctl(ControlOperation::Delete, fd, EpollEvent::default());
+            // Closing the stream tells the host program.
+            self.fds.remove(&fd);
+        }
         let late: Vec<Key> = self
             .conns
             .iter()
@@ -145,7 +171,7 @@ impl Muxer {
             return;
         };
         match self.fds.get(&fd) {
-            Some(Watch::Handshake(_)) => self.handshake(fd),
+            Some(Watch::Handshake(..)) => self.handshake(fd),
             Some(Watch::Conn(key)) => {
                 let key = *key;
                 let Some(c) = self.conns.get_mut(&key) else {
@@ -204,13 +230,14 @@ impl Muxer {
                 crate::guest_warn!("virtio-vsock: cannot watch a host connection: {e}");
                 continue;
             }
-            self.fds.insert(fd, Watch::Handshake(stream));
+            let until = Instant::now() + HANDSHAKE_TIMEOUT;
+            self.fds.insert(fd, Watch::Handshake(stream, until));
         }
     }
 
     /// A host program's `CONNECT <port>\n`, read without taking any byte past it.
     fn handshake(&mut self, fd: RawFd) {
-        let Some(Watch::Handshake(stream)) = self.fds.get(&fd) else {
+        let Some(Watch::Handshake(stream, _)) = self.fds.get(&fd) else {
             return;
         };
         let mut line = [0u8; MAX_CONNECT_LINE];
@@ -233,7 +260,7 @@ impl Muxer {
             None if n > 0 && n < MAX_CONNECT_LINE => return,
             None => None,
         };
-        let Some(Watch::Handshake(stream)) = self.fds.remove(&fd) else {
+        let Some(Watch::Handshake(stream, _)) = self.fds.remove(&fd) else {
             return;
         };
         let Some(peer) = port.filter(|_| self.conns.len() < MAX_CONNECTIONS) else {
@@ -581,6 +608,39 @@ mod tests {
         pump(&mut r.m);
         let end = r.m.recv(&mut buf).unwrap();
         assert_eq!(end.op, op::SHUTDOWN);
+    }
+
+    /// A host program that connects and never sends its line is dropped once
+    /// its time is up, and its place is free again; a handshake within its time
+    /// goes on.
+    #[test]
+    fn a_host_that_never_sends_connect_is_dropped_after_the_timeout() {
+        let mut r = rig("slow");
+        let mut silent: Vec<UnixStream> = (0..MAX_HANDSHAKES)
+            .map(|_| UnixStream::connect(&r.m.uds).unwrap())
+            .collect();
+        pump(&mut r.m);
+        let at = r.m.deadline().expect("the handshakes have a deadline");
+        assert!(at <= Instant::now() + HANDSHAKE_TIMEOUT);
+        // Every place is taken: one more is refused (closed at once).
+        let mut extra = UnixStream::connect(&r.m.uds).unwrap();
+        pump(&mut r.m);
+        let mut b = [0u8; 1];
+        assert_eq!(extra.read(&mut b).unwrap(), 0, "refused while full");
+        r.m.expire(at - Duration::from_millis(1));
+        assert_eq!(r.m.fds.len(), MAX_HANDSHAKES, "not yet");
+        r.m.expire(at + Duration::from_millis(1));
+        assert!(r.m.fds.is_empty() && r.m.deadline().is_none());
+        for s in &mut silent {
+            assert_eq!(s.read(&mut b).unwrap(), 0, "closed by the timeout");
+        }
+        // The places are free: a prompt host connects.
+        let mut host = UnixStream::connect(&r.m.uds).unwrap();
+        host.write_all(b"CONNECT 7\n").unwrap();
+        pump(&mut r.m);
+        pump(&mut r.m);
+        let mut buf = [0u8; 64];
+        assert_eq!(r.m.recv(&mut buf).unwrap().op, op::REQUEST);
     }
 
     #[test]
