@@ -71,8 +71,9 @@ pub fn command(
         "2",
     ]);
     c.args(["--timeout", &timeout_s.to_string()]);
-    // The vsock case's host side.
-    c.args(["--with", "socat"]);
+    // The vsock and net cases' host side (socat), and the net case's taps
+    // (iproute2's ip: busybox's makes none).
+    c.args(["--with", "socat", "--with", "ip"]);
     for (k, v) in [
         ("EMBER_INIT", "/rig/ember-init".to_owned()),
         ("RIG_VERSION", staged.version.clone()),

@@ -16,7 +16,12 @@ const L2_GROUPS: &[(&str, &[&str])] = &[
     ("balloon", &["virtio_balloon"]),
     ("vsock", &["vmw_vsock_virtio_transport"]),
     ("fs", &["virtiofs"]),
+    ("net", &["virtio_net"]),
 ];
+
+/// Modules the L1 itself loads for a case (the appliance loads only its own):
+/// `tun`, for the net case's taps.
+const L1_MODULES: &[&str] = &["tun"];
 
 /// What the L1 gets, staged.
 pub struct Staged {
@@ -59,6 +64,7 @@ pub fn stage() -> Result<Staged, String> {
         .map_err(|e| e.to_string())?;
     l2_initramfs(&rigdir.join("l2.cpio"), &k.tree)?;
     socat_initramfs(&rigdir.join("socat.cpio"))?;
+    l1_modules(&rigdir.join("ko"), &k.tree)?;
     symlink(&k.vmlinuz, &rigdir.join("vmlinuz"))?;
     symlink(&common::init_binary()?, &rigdir.join("ember-init"))?;
     let generic = match generic_kernel(&k.cache, &k.version) {
@@ -247,6 +253,22 @@ fn l2_initramfs(out: &Path, tree: &modules::ModuleTree) -> Result<(), String> {
     }
     w.finish().map_err(e)?;
     Ok(())
+}
+
+/// [`L1_MODULES`] with their dependencies in `dir`, and `dir/order`: their
+/// file names in load order.
+fn l1_modules(dir: &Path, tree: &modules::ModuleTree) -> Result<(), String> {
+    let all = tree
+        .resolve(L1_MODULES, &[])
+        .map_err(|err| format!("the kernel's modules: {err}"))?;
+    let mut order = String::new();
+    for p in &all {
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        symlink(p, &dir.join(&name))?;
+        order.push_str(&name);
+        order.push('\n');
+    }
+    std::fs::write(dir.join("order"), order).map_err(|e| e.to_string())
 }
 
 /// The host's socat and every library it needs, at their host paths: the

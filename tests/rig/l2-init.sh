@@ -189,6 +189,80 @@ if [ "$RIGCASE" = fs ]; then
   read -r cmd
   eval "$cmd"
 fi
+if [ "$RIGCASE" = net ]; then
+  # Debian's own virtio_net on ember's virtio-net, on a tap in the L1 (the
+  # L1 has no other network: nothing leaves it): eth0 up with IPv4 and a ULA,
+  # a ping each, TCP both ways over both (socat, appended to this initramfs
+  # by the suite), then a snapshot; the restore comes onto another tap and
+  # MAC, and the console brings `net_restored NEWMAC` (then a line to end
+  # on). Each side prints the checksums of what it sent and got; the harness
+  # compares them.
+  load core
+  load net
+  s=/usr/bin/socat
+  $b mkdir -p /tmp
+  md5() { $b md5sum "$1" | $b cut -d' ' -f1; }
+  # net_send TAG ADDRESS: 128 KiB of random bytes to a socat ADDRESS.
+  net_send() {
+    $b dd if=/dev/urandom of="/tmp/$1" bs=64k count=2 2>/dev/null
+    echo "@net-$1-md5 $(md5 "/tmp/$1")"
+    $s -u FILE:"/tmp/$1" "$2" && echo "@net-$1 sent"
+  }
+  # net_recv TAG ADDRESS: what the L1 sends once @net-TAG-listening shows.
+  net_recv() {
+    $s -u "$2" CREATE:"/tmp/$1" &
+    sp=$!
+    $b sleep 1
+    echo "@net-$1-listening"
+    wait $sp
+    echo "@net-$1-md5 $(md5 "/tmp/$1")"
+  }
+  for d in /sys/bus/virtio/devices/*; do
+    [ "$($b cat "$d/device")" = 0x0001 ] && echo "@net-features $($b cat "$d/features")"
+  done
+  n=/proc/sys/net/ipv6/conf/eth0
+  # The ULA usable at once (no duplicate detection), and kept over the
+  # address change after the restore.
+  echo 0 >$n/accept_dad
+  echo 1 >$n/keep_addr_on_down
+  $b ip link set lo up
+  $b ip link set eth0 up
+  $b ip addr add 10.0.2.2/24 dev eth0
+  $b ip -6 addr add fd00:2::2/64 dev eth0
+  $b ip addr show eth0 | $b sed 's/^/@net-addr /'
+  echo "@net-mtu $($b cat /sys/class/net/eth0/mtu)"
+  $b ping -c 1 -W 10 10.0.2.1 >/dev/null && echo "@net-ping ok"
+  $b ping6 -c 1 -W 10 fd00:2::1 >/dev/null && echo "@net-ping6 ok"
+  net_send up4 TCP4:10.0.2.1:5001
+  net_send up6 TCP6:[fd00:2::1]:5003
+  net_recv down4 TCP4-LISTEN:5002
+  net_recv down6 TCP6-LISTEN:5004
+  # The link's changes so far: the restore must add to them.
+  cc=$($b cat /sys/class/net/eth0/carrier_changes)
+  net_restored() {
+    i=0
+    while [ $i -lt 300 ] && { [ "$($b cat /sys/class/net/eth0/carrier_changes)" -le "$cc" ] ||
+      [ "$($b cat /sys/class/net/eth0/carrier)" != 1 ]; }; do
+      $b usleep 100000
+      i=$((i + 1))
+    done
+    echo "@net-link carrier_changes=$cc->$($b cat /sys/class/net/eth0/carrier_changes) carrier=$($b cat /sys/class/net/eth0/carrier) waited=$((i * 100))ms"
+    # What a guest agent would do on the link change: take the new MAC and
+    # forget the old tap's.
+    $b ip link set eth0 address "$1"
+    $b ip neigh flush dev eth0 >/dev/null 2>&1
+    $b ip addr show eth0 | $b sed 's/^/@net-addr-restored /'
+    $b ping -c 1 -W 10 10.0.2.1 >/dev/null && echo "@net-ping-restored ok"
+    $b ping6 -c 1 -W 10 fd00:2::1 >/dev/null && echo "@net-ping6-restored ok"
+    net_send up4r TCP4:10.0.2.1:5005
+    net_recv down6r TCP6-LISTEN:5006
+    # The L1 reads its neighbour table while the link is up, then says end.
+    read -r _
+  }
+  echo "@net-snapshot-ready"
+  read -r cmd
+  eval "$cmd"
+fi
 if [ "$RIGCASE" = uart ]; then
   # The console is COM1 (console=ttyS0): read what the host sends through
   # ember's stdin, without the tty echoing it back.

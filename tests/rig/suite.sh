@@ -232,6 +232,102 @@ vsock_connect() {
   echo "@vsock-no-ok"
   return 1
 }
+# Networking between the L2 (Debian's own virtio_net on ember's virtio-net)
+# and this L1, on taps in the L1's own network namespace (the L1 has no
+# other network: no traffic leaves it). The L2 pings both ways of addressing
+# (10.0.2.2 and fd00:2::2), sends 128 KiB over TCP to us over IPv4 and IPv6
+# and takes as much from us over each, then is snapshotted; the restore
+# comes onto another tap and MAC, and after the link change the guest pings
+# and moves data both ways again. Both sides print checksums; the harness
+# compares them.
+net_case() {
+  d=/tmp/net
+  $b rm -rf $d && $b mkdir -p $d
+  ip=
+  for p in /usr/sbin/ip /usr/bin/ip /sbin/ip /bin/ip; do
+    [ -z "$ip" ] && $p -V 2>/dev/null | $b grep -q iproute2 && ip=$p
+  done
+  [ -n "$ip" ] || { echo "@net-no-iproute2 (the L1 carries ip: --with ip)"; return 1; }
+  for m in $($b cat /rig/ko/order); do $b insmod /rig/ko/$m || echo "@net-insmod-failed $m"; done
+  # tap0 for the boot, tap1 (another host MAC too) for the restore.
+  for t in 0 1; do
+    $ip tuntap add tap$t mode tap && $ip link set tap$t address 02:00:00:00:00:a$t up || return 1
+  done
+  net_host_addrs tap0 || return 1
+  for t in down4 down6 down6r; do
+    $b dd if=/dev/urandom of=$d/$t bs=64k count=2 2>/dev/null
+    echo "@net-host-$t-src-md5 $($b md5sum $d/$t | $b cut -d' ' -f1)"
+  done
+  socat -u TCP4-LISTEN:5001,reuseaddr CREATE:$d/up4 &
+  l1=$!
+  socat -u TCP6-LISTEN:5003,reuseaddr CREATE:$d/up6 &
+  l2=$!
+  socat -u TCP4-LISTEN:5005,reuseaddr CREATE:$d/up4r &
+  l3=$!
+  $b cat /rig/l2.cpio /rig/socat.cpio >$d/l2.cpio
+  # shellcheck disable=SC2086 # RIG_L2_ARGS is a list of arguments
+  ember boot --kernel "$vmlinux" --initrd $d/l2.cpio --mem 256M --cpus 1 --timeout "$((LIMIT - 10))" \
+    --cmdline "$CMDLINE RIGCASE=net RIGTOKEN=$RIG_TOKEN" $RIG_L2_ARGS \
+    --net tap=tap0,mac=02:00:00:00:00:01 --api-socket $d/api </dev/null >$d/con 2>$d/err &
+  pid=$!
+  net_boot_steps
+  steps=$?
+  [ $steps = 0 ] || $b kill $pid 2>/dev/null
+  wait $pid
+  brc=$?
+  $b cat $d/con
+  $b sed 's/^/@stderr /' $d/err
+  echo "@net-snapshot-rc $src boot-rc=$brc"
+  rrc=1
+  if [ $steps = 0 ] && [ "$src" = 0 ]; then
+    $ip link del tap0
+    net_host_addrs tap1
+    # The guest's console: the command after the restore, then (once the
+    # download is in and the L1's neighbour table read, while the link is
+    # still up) the line that lets it end.
+    {
+      echo "net_restored 02:00:00:00:00:02"
+      {
+        wait_line $d/con2 '^@net-down6r-listening' && net_push down6r "TCP6:[fd00:2::2]:5006"
+        echo "@net-host-neigh $($ip neigh show dev tap1 | $b tr '\n' ' ')"
+      } >$d/host2
+      echo end
+    } | ember boot --restore $d/snap --timeout "$((LIMIT - 10))" \
+      --net tap=tap1,mac=02:00:00:00:00:02 >$d/con2 2>$d/err2
+    rrc=$?
+    $b cat $d/host2 $d/con2
+    $b sed 's/^/@stderr /' $d/err2
+  fi
+  echo "@net-restore-rc $rrc"
+  $b kill $l1 $l2 $l3 2>/dev/null
+  for t in up4 up6 up4r; do
+    echo "@net-host-$t-md5 $($b md5sum $d/$t 2>/dev/null | $b cut -d' ' -f1)"
+  done
+  [ "$brc" = 0 ] && [ "$rrc" = 0 ]
+}
+# net_host_addrs TAP: the L1's addresses, on TAP.
+net_host_addrs() {
+  $ip addr add 10.0.2.1/24 dev "$1" && $ip -6 addr add fd00:2::1/64 dev "$1" nodad
+}
+# The boot's side of net_case, to the first step that fails (so the guest's
+# console is still printed): the two downloads, then the snapshot (src).
+net_boot_steps() {
+  src=1
+  wait_line $d/con '^@net-down4-listening' && net_push down4 TCP4:10.0.2.2:5002 &&
+    wait_line $d/con '^@net-down6-listening' && net_push down6 "TCP6:[fd00:2::2]:5004" &&
+    wait_line $d/con '^@net-snapshot-ready' || return 1
+  ember snapshot --api-socket $d/api --to $d/snap
+  src=$?
+}
+# net_push TAG ADDRESS: the file TAG to the guest's listener at ADDRESS.
+net_push() {
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    socat -u FILE:$d/$1 "$2" 2>>$d/err && echo "@net-host-$1 sent" && return 0
+    $b sleep 1
+  done
+  echo "@net-host-$1-not-sent"
+  return 1
+}
 # wait_actual SOCKET PAGES: until the balloon holds PAGES pages, or the
 # case's time is up (as wait_line).
 wait_actual() {
@@ -367,6 +463,7 @@ run_case prefault-async-events 30 sh -c 'cat /tmp/prefault.json; echo'
 run_case uart 120 uart
 run_case vsock 240 vsock_case
 run_case fs 300 fs_case
+run_case net 300 net_case
 
 # The appliance on the ember backend (ember-init and this cache, in L2).
 run_case appliance 120 ember run --backend ember --initramfs --timeout "$(inner 120)" -- sh -c 'uname -r; echo err >&2; exit 7'

@@ -6,6 +6,7 @@ mod boot;
 mod fs;
 mod lab;
 mod memory;
+mod net;
 mod snapshot;
 mod virtio;
 mod vsock;
