@@ -63,7 +63,9 @@ pub fn stage() -> Result<Staged, String> {
     std::fs::write(rigdir.join("suite.sh"), include_bytes!("../rig/suite.sh"))
         .map_err(|e| e.to_string())?;
     l2_initramfs(&rigdir.join("l2.cpio"), &k.tree)?;
-    socat_initramfs(&rigdir.join("socat.cpio"))?;
+    let path = std::env::var("PATH").unwrap_or_default();
+    command_initramfs(&rigdir.join("socat.cpio"), "socat", &path)?;
+    command_initramfs(&rigdir.join("ethtool.cpio"), "ethtool", "/usr/sbin:/sbin")?;
     l1_modules(&rigdir.join("ko"), &k.tree)?;
     symlink(&k.vmlinuz, &rigdir.join("vmlinuz"))?;
     symlink(&common::init_binary()?, &rigdir.join("ember-init"))?;
@@ -271,17 +273,14 @@ fn l1_modules(dir: &Path, tree: &modules::ModuleTree) -> Result<(), String> {
     std::fs::write(dir.join("order"), order).map_err(|e| e.to_string())
 }
 
-/// The host's socat and every library it needs, at their host paths: the
-/// vsock case appends it to the L2's initramfs (the kernel unpacks both), so
-/// the other L2 boots do not carry its ~8 MB.
-fn socat_initramfs(out: &Path) -> Result<(), String> {
-    let exe = ember::appliance::closure::find_command(
-        "socat",
-        &std::env::var("PATH").unwrap_or_default(),
-        None,
-    )
-    .map_err(|e| format!("socat (scripts/install-deps --test): {e}"))?;
-    let files = ember::appliance::closure::closure(&exe).map_err(|e| format!("socat: {e}"))?;
+/// The host's command `cmd` (found on `path`) and every library it needs, at
+/// their host paths: the vsock and net cases append socat (and the net case
+/// ethtool) to the L2's initramfs (the kernel unpacks them all), so the
+/// other L2 boots do not carry their ~8 MB.
+fn command_initramfs(out: &Path, cmd: &str, path: &str) -> Result<(), String> {
+    let exe = ember::appliance::closure::find_command(cmd, path, None)
+        .map_err(|e| format!("{cmd} (scripts/install-deps --test): {e}"))?;
+    let files = ember::appliance::closure::closure(&exe).map_err(|e| format!("{cmd}: {e}"))?;
     let f = std::fs::File::create(out).map_err(|e| e.to_string())?;
     let mut w = ember::initramfs::NewcWriter::new(std::io::BufWriter::new(f));
     let e = |e: ember::initramfs::InitramfsError| e.to_string();

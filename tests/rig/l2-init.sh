@@ -193,10 +193,10 @@ if [ "$RIGCASE" = net ]; then
   # Debian's own virtio_net on ember's virtio-net, on a tap in the L1 (the
   # L1 has no other network: nothing leaves it): eth0 up with IPv4 and a ULA,
   # a ping each, TCP both ways over both (socat, appended to this initramfs
-  # by the suite), then a snapshot; the restore comes onto another tap and
-  # MAC, and the console brings `net_restored NEWMAC` (then a line to end
-  # on). Each side prints the checksums of what it sent and got; the harness
-  # compares them.
+  # by the suite, as is ethtool), then a snapshot; the restore comes onto
+  # another tap and MAC, and the console brings `net_restored NEWMAC` (then
+  # a line to end on). Each side prints the checksums of what it sent and
+  # got; the harness compares them.
   load core
   load net
   s=/usr/bin/socat
@@ -231,6 +231,10 @@ if [ "$RIGCASE" = net ]; then
   $b ip -6 addr add fd00:2::2/64 dev eth0
   $b ip addr show eth0 | $b sed 's/^/@net-addr /'
   echo "@net-mtu $($b cat /sys/class/net/eth0/mtu)"
+  # The offloads the kernel turned on for eth0 (ethtool, appended as socat).
+  for e in /usr/sbin/ethtool /sbin/ethtool; do
+    [ -x $e ] && $e -k eth0 | $b sed 's/^[[:space:]]*/@net-ethtool /' && break
+  done
   $b ping -c 1 -W 10 10.0.2.1 >/dev/null && echo "@net-ping ok"
   $b ping6 -c 1 -W 10 fd00:2::1 >/dev/null && echo "@net-ping6 ok"
   net_send up4 TCP4:10.0.2.1:5001

@@ -264,7 +264,7 @@ net_case() {
   l2=$!
   socat -u TCP4-LISTEN:5005,reuseaddr CREATE:$d/up4r &
   l3=$!
-  $b cat /rig/l2.cpio /rig/socat.cpio >$d/l2.cpio
+  $b cat /rig/l2.cpio /rig/socat.cpio /rig/ethtool.cpio >$d/l2.cpio
   # shellcheck disable=SC2086 # RIG_L2_ARGS is a list of arguments
   ember boot --kernel "$vmlinux" --initrd $d/l2.cpio --mem 256M --cpus 1 --timeout "$((LIMIT - 10))" \
     --cmdline "$CMDLINE RIGCASE=net RIGTOKEN=$RIG_TOKEN" $RIG_L2_ARGS \

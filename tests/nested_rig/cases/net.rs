@@ -78,6 +78,25 @@ fn debians_virtio_net_moves_tcp_both_ways_over_ipv4_and_ipv6_and_after_a_restore
     ] {
         assert!(addr.contains(want), "eth0 has `{want}`\n{}", c.dump());
     }
+    let ethtool = c.facts("net-ethtool");
+    for l in &ethtool {
+        eprintln!("nested rig: net: L2 ethtool -k eth0| {l}");
+    }
+    for on in [
+        "rx-checksumming: on",
+        "tx-checksumming: on",
+        "scatter-gather: on",
+        "tcp-segmentation-offload: on",
+        "tx-tcp-segmentation: on",
+        "tx-tcp6-segmentation: on",
+        "generic-receive-offload: on",
+    ] {
+        assert!(
+            ethtool.iter().any(|l| l.starts_with(on)),
+            "ethtool -k eth0 shows `{on}`\n{}",
+            c.dump()
+        );
+    }
     for fact in ["net-ping", "net-ping6"] {
         assert_eq!(c.fact(fact), Some("ok"), "{fact}\n{}", c.dump());
     }
