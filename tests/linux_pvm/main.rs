@@ -15,6 +15,7 @@ mod linux_balloon;
 mod linux_disk;
 mod linux_fs;
 mod linux_pvm;
+mod net_linux;
 mod snapshot_balloon;
 mod snapshot_linux;
 mod virtio_linux;
