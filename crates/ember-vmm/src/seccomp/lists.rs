@@ -466,6 +466,8 @@ pub fn rules(thread: Thread) -> Rules {
                 &mut r,
                 &[libc::SYS_timerfd_create, libc::SYS_timerfd_settime],
             );
+            // A tap's frames go straight between guest memory and the tap.
+            allow(&mut r, &[libc::SYS_readv, libc::SYS_writev]);
             // passt's stream socket: a frame waits a little for room
             // (glibc's poll is poll, musl's ppoll where poll is missing).
             allow(&mut r, &[libc::SYS_poll, libc::SYS_ppoll]);

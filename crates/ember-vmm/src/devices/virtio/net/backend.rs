@@ -23,6 +23,53 @@ pub(crate) trait Backend: Send + Sync + std::fmt::Debug {
     fn send(&self, frame: &[u8]) -> io::Result<()>;
     /// The descriptor that becomes readable when a frame may be waiting.
     fn fd(&self) -> RawFd;
+    /// Whether frames may cross in pieces ([`send_gather`](Self::send_gather),
+    /// [`recv_scatter`](Self::recv_scatter)): straight between the guest's buffers
+    /// and the backend, one system call a frame and no copy in the device.
+    fn scatters(&self) -> bool {
+        false
+    }
+    /// Sends one frame (as [`send`](Self::send)) given as pieces, in order.
+    ///
+    /// # Safety
+    /// Each `iovec` must be valid for reads of its length for the call.
+    unsafe fn send_gather(&self, _iov: &[libc::iovec]) -> io::Result<()> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+    /// Receives one frame (as [`recv`](Self::recv)) into the pieces, in order:
+    /// its length. The pieces must together hold any frame.
+    ///
+    /// # Safety
+    /// Each `iovec` must be valid for writes of its length for the call.
+    unsafe fn recv_scatter(&self, _iov: &[libc::iovec]) -> io::Result<usize> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
+/// `readv` on `fd`: its byte count.
+///
+/// # Safety
+/// As [`Backend::recv_scatter`].
+pub(crate) unsafe fn readv(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> {
+    // SAFETY: the caller vouches for the buffers; the count is the slice's.
+    let n = unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as libc::c_int) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// `writev` on `fd`, a whole frame or an error.
+///
+/// # Safety
+/// As [`Backend::send_gather`].
+pub(crate) unsafe fn writev(fd: RawFd, iov: &[libc::iovec]) -> io::Result<()> {
+    // SAFETY: the caller vouches for the buffers; the count is the slice's.
+    let n = unsafe { libc::writev(fd, iov.as_ptr(), iov.len() as libc::c_int) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// A backend for tests: frames in and out over a datagram socket pair, which keeps
@@ -32,6 +79,8 @@ pub(crate) trait Backend: Send + Sync + std::fmt::Debug {
 pub(crate) struct SocketBackend {
     pub(crate) sock: std::os::unix::net::UnixDatagram,
     pub(crate) vnet_hdr: bool,
+    /// Whether frames cross in pieces (a tap's way) or through the device's copy.
+    pub(crate) scatter: bool,
 }
 
 #[cfg(any(test, fuzzing))]
@@ -40,7 +89,14 @@ impl SocketBackend {
     pub(crate) fn pair(vnet_hdr: bool) -> (Self, std::os::unix::net::UnixDatagram) {
         let (a, b) = std::os::unix::net::UnixDatagram::pair().expect("socketpair");
         a.set_nonblocking(true).expect("nonblocking");
-        (SocketBackend { sock: a, vnet_hdr }, b)
+        (
+            SocketBackend {
+                sock: a,
+                vnet_hdr,
+                scatter: true,
+            },
+            b,
+        )
     }
 }
 
@@ -60,5 +116,16 @@ impl Backend for SocketBackend {
     }
     fn fd(&self) -> RawFd {
         std::os::fd::AsRawFd::as_raw_fd(&self.sock)
+    }
+    fn scatters(&self) -> bool {
+        self.scatter
+    }
+    unsafe fn send_gather(&self, iov: &[libc::iovec]) -> io::Result<()> {
+        // SAFETY: as the caller promised.
+        unsafe { writev(self.fd(), iov) }
+    }
+    unsafe fn recv_scatter(&self, iov: &[libc::iovec]) -> io::Result<usize> {
+        // SAFETY: as the caller promised.
+        unsafe { readv(self.fd(), iov) }
     }
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::backend::Backend;
 use super::rate_limiter::Limiter;
@@ -27,6 +27,58 @@ const NUM_BUFFERS: usize = 10;
 /// How long the receive side rests after a backend error other than "nothing waiting",
 /// so that a broken backend costs no busy loop.
 const ERROR_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The most pieces one readv or writev takes (`IOV_MAX`).
+const MAX_PIECES: usize = 1024;
+
+/// How `receive_direct` went.
+enum Direct {
+    /// A frame went into the guest's buffers.
+    Delivered,
+    /// A frame was read but waits in `rx_buf` (no room in place, or the rate
+    /// limit): deliver it by copying.
+    Held,
+    /// Nothing this time, but look again.
+    Again,
+    /// No frame, no buffers, or the device broke.
+    Stop,
+}
+
+/// Pieces of guest memory (or of the device's buffers) for one readv or
+/// writev: raw pointers, so not `Send` by themselves.
+struct Pieces(Vec<libc::iovec>);
+
+// SAFETY: the pointers are filled in and used by the one thread that owns the
+// handler, within one frame's handling; between frames they are stale and never
+// read.
+unsafe impl Send for Pieces {}
+
+impl std::ops::Deref for Pieces {
+    type Target = Vec<libc::iovec>;
+    fn deref(&self) -> &Vec<libc::iovec> {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Pieces {
+    fn deref_mut(&mut self) -> &mut Vec<libc::iovec> {
+        &mut self.0
+    }
+}
+
+/// The pieces without their first `n` bytes (they hold at least `n`).
+fn skip_front(iov: &mut [libc::iovec], mut n: usize) -> &[libc::iovec] {
+    let mut i = 0;
+    while i < iov.len() && n >= iov[i].iov_len {
+        n -= iov[i].iov_len;
+        i += 1;
+    }
+    if n > 0 {
+        iov[i].iov_base = iov[i].iov_base.cast::<u8>().wrapping_add(n).cast();
+        iov[i].iov_len -= n;
+    }
+    &iov[i..]
+}
 
 /// Queue indices.
 pub(crate) const RX: usize = 0;
@@ -71,6 +123,13 @@ pub(crate) struct NetHandler {
     /// Receive chains used since the driver was last asked about an interrupt.
     rx_added: u16,
     segs: Vec<(GuestAddress, u32)>,
+    /// The current frame's pieces for readv/writev, and (receiving) the guest
+    /// address of each.
+    iov: Pieces,
+    iov_addr: Vec<GuestAddress>,
+    /// How many bytes the last frame received had: how much buffer the next
+    /// read straight into the guest's buffers offers.
+    rx_want: usize,
     counters: Arc<NetCounters>,
 }
 
@@ -106,6 +165,9 @@ impl NetHandler {
             chains: Vec::new(),
             rx_added: 0,
             segs: Vec::new(),
+            iov: Pieces(Vec::new()),
+            iov_addr: Vec::new(),
+            rx_want: 1,
             counters,
         }
     }
@@ -194,24 +256,24 @@ impl NetHandler {
             let head = chain.head_index();
             let mut len = 0usize;
             let mut bad = None;
+            self.segs.clear();
             for d in chain {
                 if d.is_write_only() {
                     bad = Some("a device-writable descriptor in a transmit chain");
                     break;
                 }
-                let dl = d.len() as usize;
-                let Some(dst) = self.tx_buf.get_mut(len..len + dl) else {
+                len += d.len() as usize;
+                if len > MAX_BUFFER {
                     bad = Some("a transmit chain longer than any frame");
                     break;
-                };
-                if mem.read_slice(dst, d.addr()).is_err() {
-                    bad = Some("a transmit buffer outside guest memory");
-                    break;
                 }
-                len += dl;
+                self.segs.push((d.addr(), d.len()));
             }
             if bad.is_none() && len < HDR_LEN {
                 bad = Some("a transmit chain shorter than the header");
+            }
+            if bad.is_none() {
+                bad = self.gather_tx(len);
             }
             if let Some(why) = bad {
                 self.fail(format_args!("chain {head}: {why}"));
@@ -222,12 +284,24 @@ impl NetHandler {
                 self.tx_wait = Some(Instant::now() + wait);
                 break;
             }
-            let frame = if hdr {
-                &self.tx_buf[..len]
+            let sent = if self.iov.is_empty() {
+                let frame = if hdr {
+                    &self.tx_buf[..len]
+                } else {
+                    &self.tx_buf[HDR_LEN..len]
+                };
+                self.backend.send(frame)
             } else {
-                &self.tx_buf[HDR_LEN..len]
+                let iov = if hdr {
+                    &self.iov[..]
+                } else {
+                    skip_front(&mut self.iov, HDR_LEN)
+                };
+                // SAFETY: each piece is a checked range of guest memory
+                // (`gather_tx`), mapped while `self.mem` lives.
+                unsafe { self.backend.send_gather(iov) }
             };
-            match self.backend.send(frame) {
+            match sent {
                 Ok(()) => self.counters.tx(len - HDR_LEN),
                 Err(e) => {
                     self.counters.tx_dropped();
@@ -241,6 +315,50 @@ impl NetHandler {
             returned = true;
         }
         returned
+    }
+
+    /// Prepares the chain in `segs` (`len` bytes) for sending: as pieces of guest
+    /// memory in `iov` when the backend takes them, else copied into `tx_buf`
+    /// (`iov` left empty). Why the chain is unusable, if it is.
+    fn gather_tx(&mut self, len: usize) -> Option<&'static str> {
+        const OUTSIDE: &str = "a transmit buffer outside guest memory";
+        self.iov.clear();
+        if self.backend.scatters() {
+            'gather: for &(addr, dl) in &self.segs {
+                for piece in self.mem.get_slices(addr, dl as usize) {
+                    let Ok(piece) = piece else {
+                        return Some(OUTSIDE);
+                    };
+                    if self.iov.len() == MAX_PIECES {
+                        // More pieces than a writev takes (no driver of ours
+                        // makes them): the copy below serves.
+                        self.iov.clear();
+                        break 'gather;
+                    }
+                    self.iov.push(libc::iovec {
+                        iov_base: piece.ptr_guard().as_ptr().cast_mut().cast(),
+                        iov_len: piece.len(),
+                    });
+                }
+            }
+            if !self.iov.is_empty() {
+                return None;
+            }
+        }
+        let mut off = 0usize;
+        for &(addr, dl) in &self.segs {
+            let dl = dl as usize;
+            if self
+                .mem
+                .read_slice(&mut self.tx_buf[off..off + dl], addr)
+                .is_err()
+            {
+                return Some(OUTSIDE);
+            }
+            off += dl;
+        }
+        debug_assert_eq!(off, len);
+        None
     }
 
     /// Delivers waiting frames into the receive queue's buffers, reading more from the
@@ -257,7 +375,18 @@ impl NetHandler {
                         break;
                     }
                 }
-                if !self.read_frame() {
+                if self.backend.scatters() && self.backend.vnet_hdr() {
+                    match self.receive_direct() {
+                        Direct::Delivered => {
+                            returned = true;
+                            continue;
+                        }
+                        Direct::Again => continue,
+                        Direct::Stop => break,
+                        // In `rx_buf` now: on as a copied frame.
+                        Direct::Held => {}
+                    }
+                } else if !self.read_frame() {
                     break;
                 }
             }
@@ -292,6 +421,185 @@ impl NetHandler {
             .rx
             .avail_idx(&self.mem, std::sync::atomic::Ordering::Acquire)?;
         Ok(avail.0 != self.rx.next_avail())
+    }
+
+    /// Reads one frame from the backend straight into the receive buffers: as
+    /// many chains as the last frame needed (at least one) and, behind them,
+    /// `rx_buf` for what does not fit. A frame that fits is used in place;
+    /// one that does not (or that the rate limit holds) is moved whole into
+    /// `rx_buf` and the chains are given back to the ring, to go the copying
+    /// way.
+    fn receive_direct(&mut self) -> Direct {
+        let start = self.rx.next_avail();
+        self.chains.clear();
+        self.iov.clear();
+        self.iov_addr.clear();
+        let mut capacity = 0usize;
+        let want = self.rx_want.clamp(1, MAX_BUFFER);
+        while capacity < want && (self.chains.is_empty() || self.mrg_rxbuf) {
+            let mem = &self.mem;
+            let chain = match Self::pop(&mut self.rx, mem) {
+                Ok(Some(c)) => c,
+                Ok(None) => break,
+                Err(e) => {
+                    self.fail(format_args!("unusable receive ring ({e})"));
+                    return Direct::Stop;
+                }
+            };
+            let head = chain.head_index();
+            let before = capacity;
+            let mut bad = None;
+            'chain: for d in chain {
+                if !d.is_write_only() {
+                    bad = Some("a device-readable descriptor in a receive chain");
+                    break;
+                }
+                let mut addr = d.addr();
+                for piece in mem.get_slices(addr, d.len() as usize) {
+                    let Ok(piece) = piece else {
+                        bad = Some("a receive buffer outside guest memory");
+                        break 'chain;
+                    };
+                    if self.iov.len() == MAX_PIECES - 1 {
+                        // The rest of this chain stays unused (readv's limit;
+                        // one piece is kept for `rx_buf`).
+                        break 'chain;
+                    }
+                    self.iov.push(libc::iovec {
+                        iov_base: piece.ptr_guard_mut().as_ptr().cast(),
+                        iov_len: piece.len(),
+                    });
+                    self.iov_addr.push(addr);
+                    addr = addr.unchecked_add(piece.len() as u64);
+                    capacity += piece.len();
+                }
+            }
+            if bad.is_none() && capacity == before {
+                bad = Some("an empty receive chain");
+            }
+            if let Some(why) = bad {
+                self.fail(format_args!("chain {head}: {why}"));
+                return Direct::Stop;
+            }
+            self.chains.push((head, self.iov.len()));
+            if self.iov.len() == MAX_PIECES - 1 {
+                break;
+            }
+        }
+        if self.chains.is_empty() {
+            return Direct::Stop;
+        }
+        self.iov.push(libc::iovec {
+            iov_base: self.rx_buf.as_mut_ptr().cast(),
+            iov_len: self.rx_buf.len(),
+        });
+        // SAFETY: the pieces before the last are checked ranges of guest memory,
+        // mapped while `self.mem` lives; the last is `rx_buf`.
+        let got = unsafe { self.backend.recv_scatter(&self.iov) };
+        let n = match got {
+            Ok(n) if (HDR_LEN..=MAX_BUFFER).contains(&n) => n,
+            Ok(_) => {
+                // Nothing a tap sends; skip it.
+                self.rx.set_next_avail(start);
+                self.counters.rx_dropped();
+                return Direct::Again;
+            }
+            Err(e) => {
+                self.rx.set_next_avail(start);
+                return match e.kind() {
+                    io::ErrorKind::WouldBlock => Direct::Stop,
+                    io::ErrorKind::Interrupted => Direct::Again,
+                    _ => {
+                        crate::guest_warn!("{DEVICE}: reading from the backend failed: {e}");
+                        self.rx_wait = Some(Instant::now() + ERROR_BACKOFF);
+                        Direct::Stop
+                    }
+                };
+            }
+        };
+        self.rx_want = n;
+        if n > capacity || self.rx_limit.consume(n - HDR_LEN).is_err() {
+            return self.hold_direct(start, n, capacity);
+        }
+        // The chains the frame filled go back, together (head, bytes written);
+        // the rest stay available.
+        let mut off = 0usize;
+        let mut piece = 0usize;
+        let mut used = 0usize;
+        while off < n {
+            let end = self.chains[used].1;
+            let mut len = 0usize;
+            while piece < end && off < n {
+                let take = self.iov[piece].iov_len.min(n - off);
+                off += take;
+                len += take;
+                piece += 1;
+            }
+            self.chains[used].1 = len;
+            used += 1;
+        }
+        if self.write_num_buffers(used as u16).is_err() {
+            self.fail(format_args!("a receive buffer outside guest memory"));
+            return Direct::Stop;
+        }
+        self.rx.set_next_avail(start.wrapping_add(used as u16));
+        self.chains.truncate(used);
+        if !self.use_together() {
+            self.broken = true;
+            return Direct::Stop;
+        }
+        self.counters.rx(n - HDR_LEN);
+        Direct::Delivered
+    }
+
+    /// Writes `num_buffers` into the header at the front of the pieces.
+    fn write_num_buffers(&self, n: u16) -> Result<(), vm_memory::GuestMemoryError> {
+        let mut skip = NUM_BUFFERS;
+        let mut bytes = &n.to_le_bytes()[..];
+        for (i, addr) in self.iov_addr.iter().enumerate() {
+            let len = self.iov[i].iov_len;
+            if skip >= len {
+                skip -= len;
+                continue;
+            }
+            let take = (len - skip).min(bytes.len());
+            self.mem
+                .write_slice(&bytes[..take], addr.unchecked_add(skip as u64))?;
+            bytes = &bytes[take..];
+            skip = 0;
+            if bytes.is_empty() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// The frame (`n` bytes) read by `receive_direct` did not go in place: it
+    /// moves whole into `rx_buf` (what is in the guest's buffers after what
+    /// overflowed into it), and its chains go back to the ring.
+    fn hold_direct(&mut self, start: u16, n: usize, capacity: usize) -> Direct {
+        let in_guest = n.min(capacity);
+        self.rx_buf.copy_within(0..n - in_guest, in_guest);
+        let mut off = 0usize;
+        for (i, &addr) in self.iov_addr.iter().enumerate() {
+            if off == in_guest {
+                break;
+            }
+            let take = self.iov[i].iov_len.min(in_guest - off);
+            if self
+                .mem
+                .read_slice(&mut self.rx_buf[off..off + take], addr)
+                .is_err()
+            {
+                self.fail(format_args!("a receive buffer outside guest memory"));
+                return Direct::Stop;
+            }
+            off += take;
+        }
+        self.rx.set_next_avail(start);
+        self.rx_len = n;
+        self.rx_paid = false;
+        Direct::Held
     }
 
     /// Reads one frame from the backend into `rx_buf`; whether there was one.
@@ -552,6 +860,119 @@ mod tests {
         assert_eq!(used(&t.txq), [(0, 0)]);
         assert_eq!(t.line.count(), 1);
         assert_eq!(t.txq.used_flags(), 0, "notifications back on once drained");
+    }
+
+    #[test]
+    fn frames_go_in_place_one_chain_each_and_the_rest_stay_available() {
+        let mem = memory();
+        let mut t = rig(&mem, true, true, RateLimit::default());
+        for i in 0..3u16 {
+            add_chain(&t.rxq, i, &[w(DATA_START + u64::from(i) * 0x1000, 2048)]);
+        }
+        let a = frame(HDR_LEN + 100, 4);
+        let b = frame(HDR_LEN + 1500, 5);
+        t.peer.send(&a).unwrap();
+        t.peer.send(&b).unwrap();
+        t.h.process_rx();
+        assert_eq!(
+            used(&t.rxq),
+            [(0, a.len() as u32), (1, b.len() as u32)],
+            "one chain a frame, the third left"
+        );
+        for (i, f) in [(0u64, &a), (1, &b)] {
+            let got = read(&mem, DATA_START + i * 0x1000, f.len());
+            assert_eq!(&got[NUM_BUFFERS..NUM_BUFFERS + 2], &1u16.to_le_bytes());
+            assert_eq!(&got[HDR_LEN..], &f[HDR_LEN..]);
+        }
+        // The third chain still takes the next frame.
+        t.peer.send(&a).unwrap();
+        t.h.process_rx();
+        assert_eq!(used(&t.rxq).len(), 3);
+        assert_eq!(used(&t.rxq)[2], (2, a.len() as u32));
+    }
+
+    #[test]
+    fn a_big_frame_after_a_big_one_goes_in_place_with_its_count_across_pieces() {
+        let mem = memory();
+        let mut t = rig(&mem, true, true, RateLimit::default());
+        let f = frame(HDR_LEN + 20_000, 6);
+        // The header itself split 6 + 6: num_buffers lands in the second piece.
+        let chain = |t: &Rig<'_>, id: u16, at: u64| {
+            add_chain(&t.rxq, id, &[w(at, 6), w(at + 6, 4090)]);
+        };
+        for round in 0..2u64 {
+            for i in 0..5u16 {
+                // Two descriptors a chain: heads at even indices.
+                chain(
+                    &t,
+                    2 * (5 * round as u16 + i),
+                    DATA_START + u64::from(i) * 0x1000,
+                );
+            }
+            t.peer.send(&f).unwrap();
+            t.h.process_rx();
+            let u = used(&t.rxq);
+            assert_eq!(u.len(), 5 * (round as usize + 1), "round {round}");
+            let got = read(&mem, DATA_START, 6);
+            let mut whole = got.clone();
+            for i in 0..5u64 {
+                let at = DATA_START + i * 0x1000;
+                let n = (f.len() - whole.len()).min(if i == 0 { 4090 } else { 4096 });
+                whole.extend(read(&mem, at + if i == 0 { 6 } else { 0 }, n));
+            }
+            assert_eq!(&whole[NUM_BUFFERS..NUM_BUFFERS + 2], &5u16.to_le_bytes());
+            assert_eq!(&whole[HDR_LEN..], &f[HDR_LEN..], "round {round}");
+        }
+    }
+
+    #[test]
+    fn a_backend_that_does_not_scatter_gets_and_gives_copies() {
+        let mem = memory();
+        let mut t = rig(&mem, true, false, RateLimit::default());
+        let (mut backend, peer) = SocketBackend::pair(false);
+        backend.scatter = false;
+        t.h.backend = Arc::new(backend);
+        let f = frame(HDR_LEN + 300, 7);
+        mem.write_slice(&f, GuestAddress(DATA_START)).unwrap();
+        add_chain(
+            &t.txq,
+            0,
+            &[r(DATA_START, 4), r(DATA_START + 4, f.len() as u32 - 4)],
+        );
+        t.h.process_tx();
+        let mut got = vec![0; 1000];
+        let n = peer.recv(&mut got).unwrap();
+        assert_eq!(&got[..n], &f[HDR_LEN..]);
+        peer.send(&f[HDR_LEN..]).unwrap();
+        add_chain(&t.rxq, 0, &[w(DATA_START + 0x1000, 2048)]);
+        t.h.process_rx();
+        assert_eq!(used(&t.rxq), [(0, f.len() as u32)]);
+        assert_eq!(
+            read(&mem, DATA_START + 0x1000 + HDR_LEN as u64, 300),
+            &f[HDR_LEN..]
+        );
+    }
+
+    #[test]
+    fn a_headerless_backend_gets_the_frame_alone_even_with_the_header_in_pieces() {
+        let mem = memory();
+        let mut t = rig(&mem, true, false, RateLimit::default());
+        let f = frame(HDR_LEN + 60, 8);
+        mem.write_slice(&f, GuestAddress(DATA_START)).unwrap();
+        add_chain(
+            &t.txq,
+            0,
+            &[
+                r(DATA_START, 5),
+                r(DATA_START + 5, 7),
+                r(DATA_START + 12, 10),
+                r(DATA_START + 22, 50),
+            ],
+        );
+        t.h.process_tx();
+        let mut got = vec![0; 100];
+        let n = t.peer.recv(&mut got).unwrap();
+        assert_eq!(&got[..n], &f[HDR_LEN..]);
     }
 
     #[test]

@@ -409,7 +409,9 @@ pub(crate) fn fuzz_queues(
     input: &[u8],
     mrg_rxbuf: bool,
 ) {
-    let (backend, peer) = backend::SocketBackend::pair(true);
+    let (mut backend, peer) = backend::SocketBackend::pair(true);
+    // Both ways through the device: straight from and into guest memory, and copied.
+    backend.scatter = input.first().is_none_or(|b| b & 1 == 0);
     peer.set_nonblocking(true).ok();
     for frame in input.chunks(1500) {
         let _ = peer.send(frame);
