@@ -63,6 +63,13 @@ pub fn net(
     crate::devices::virtio::net::fuzz_queues(mem, rx, tx, irq, input, mrg_rxbuf);
 }
 
+/// Target `net_stream`: passt's stream framing (a 4-byte length, then the
+/// frame) cut out of arbitrary bytes arriving in arbitrary pieces, and frames
+/// sent to a peer that has gone.
+pub fn net_stream(input: &[u8]) {
+    crate::devices::virtio::net::fuzz_stream(input);
+}
+
 /// Target `vsock`: a restored device's TRANSPORT_RESET, then the transmit
 /// queue twice (answers go to the receive queue), on arbitrary memory.
 pub fn vsock(mem: GuestMemory, queues: [Queue; 3], irq: VirtioInterrupt) {

@@ -397,6 +397,12 @@ impl VirtioDevice for Net {
     }
 }
 
+/// For the fuzz target `net_stream`: passt's framing, see `stream`.
+#[cfg(fuzzing)]
+pub(crate) fn fuzz_stream(input: &[u8]) {
+    stream::fuzz_stream(input);
+}
+
 /// For the fuzz target `net` (fuzz/, built by scripts/fuzz with `--cfg fuzzing`):
 /// transmit, receive (with `input` frames waiting in the backend), and both again,
 /// on arbitrary memory, with and without mergeable buffers.

@@ -228,6 +228,54 @@ impl Backend for Stream {
     }
 }
 
+/// For the fuzz target `net_stream` (fuzz/, built by scripts/fuzz with `--cfg
+/// fuzzing`): `input` as everything passt sent, arriving in pieces of the size its
+/// first byte picks, cut into frames into a buffer of the size its second byte
+/// picks; then the same bytes as frames the guest sends. A length prefix may say
+/// anything: the backend must neither crash, hand back more than the buffer, nor
+/// hold more than its two frames' worth.
+#[cfg(fuzzing)]
+pub(crate) fn fuzz_stream(input: &[u8]) {
+    use std::os::unix::net::UnixStream;
+    let Ok((ours, mut peer)) = UnixStream::pair() else {
+        return;
+    };
+    if ours.set_nonblocking(true).is_err() || peer.set_nonblocking(true).is_err() {
+        return;
+    }
+    let s = Stream::new(File::from(std::os::fd::OwnedFd::from(ours)));
+    let piece = 1 + usize::from(input.first().copied().unwrap_or(0)) * 97;
+    let mut out = vec![0u8; 1 + usize::from(input.get(1).copied().unwrap_or(255)) * 300];
+    let body = input.get(2..).unwrap_or_default();
+    let mut drain = |s: &Stream| {
+        loop {
+            match s.recv(&mut out) {
+                Ok(n) => assert!(n <= out.len()),
+                Err(_) => break,
+            }
+            let rx = s.rx.lock().unwrap_or_else(|e| e.into_inner());
+            assert!(rx.start <= rx.end && rx.end <= RX_CAP);
+        }
+    };
+    for p in body.chunks(piece) {
+        let mut p = p;
+        while !p.is_empty() {
+            match peer.write(p) {
+                Ok(n) => p = &p[n..],
+                Err(_) => drain(&s),
+            }
+        }
+        drain(&s);
+    }
+    drop(peer);
+    drain(&s);
+    // The guest's side: frames of the lengths the input gives, into a peer that
+    // has gone (an error, never half a frame kept forever or a crash).
+    for p in body.chunks(piece) {
+        let _ = s.send(p);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
