@@ -19,6 +19,9 @@ pub mod spec;
 
 use thiserror::Error;
 
+/// Where containers' roots are shared in the guest (`GUEST_ROOTS/ID`).
+pub const GUEST_ROOTS: &str = "/run/ember-containers";
+
 /// Container errors.
 #[derive(Debug, Error)]
 pub enum ContainerError {

@@ -45,6 +45,12 @@ pub struct PodConfig {
     pub boot_timeout: Option<Duration>,
     /// The pod's network namespace, whose interface the VM takes.
     pub netns: Option<PathBuf>,
+    /// A network (`ember run --net`: passt, configured as the caller's
+    /// network namespace is).
+    pub net: bool,
+    /// Ports forwarded from the caller's network namespace into the guest
+    /// (`ember run --publish`), which imply `net`.
+    pub publish: Vec<String>,
 }
 
 /// What a process's stdio is wired to.
@@ -94,6 +100,12 @@ impl Pod {
         }
         if let Some(ns) = &cfg.netns {
             cmd.arg("--netns").arg(ns);
+        }
+        if cfg.net && cfg.publish.is_empty() {
+            cmd.arg("--net");
+        }
+        for p in &cfg.publish {
+            cmd.args(["--publish", p]);
         }
         for s in &cfg.shares {
             cmd.arg("--share")
@@ -335,6 +347,27 @@ impl Pod {
             .map(drop)
     }
 
+    /// Freezes (or thaws) the whole VM: its VMM and helpers (virtiofsd,
+    /// passt) are stopped with SIGSTOP, so the guest's clock and processes
+    /// stand still until SIGCONT.
+    pub fn freeze(&self, frozen: bool) -> Result<(), ContainerError> {
+        if self.has_ended() {
+            return Err(ContainerError::AgentGone);
+        }
+        let signal = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
+        // The VMM's helpers first when stopping, last when resuming, so the
+        // VMM never runs without them.
+        let mut pids = descendants(self.vm_pid);
+        if !frozen {
+            pids.reverse();
+        }
+        for pid in pids {
+            // SAFETY: kill has no memory effects.
+            unsafe { libc::kill(pid as i32, signal) };
+        }
+        Ok(())
+    }
+
     /// Whether the VM has ended.
     pub fn has_ended(&self) -> bool {
         self.exit
@@ -388,4 +421,29 @@ impl Pod {
             self.wait_exit(Duration::from_secs(10));
         }
     }
+}
+
+/// `pid` and every process below it, deepest first.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter_map(|p| {
+                    let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+                    let ppid = stat.rsplit(')').next()?.split_whitespace().nth(1)?.parse().ok()?;
+                    Some((p, ppid))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut out = vec![pid];
+    let mut i = 0;
+    while i < out.len() {
+        let parent = out[i];
+        out.extend(parents.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
+        i += 1;
+    }
+    out.reverse();
+    out
 }

@@ -22,7 +22,77 @@ pub struct Spec {
     /// `linux`.
     #[serde(default)]
     pub linux: Linux,
+    /// Hooks (run by `ember-oci` on the host, as runc does).
+    #[serde(default)]
+    pub hooks: Hooks,
+    /// Annotations.
+    #[serde(default)]
+    pub annotations: std::collections::BTreeMap<String, String>,
 }
+
+/// `hooks`: programs run on the host at points of the container's life.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Hooks {
+    /// After the container is created, before its process starts (old name).
+    #[serde(default)]
+    pub prestart: Vec<Hook>,
+    /// After the runtime created the container's namespaces.
+    #[serde(default)]
+    pub create_runtime: Vec<Hook>,
+    /// After its process started.
+    #[serde(default)]
+    pub poststart: Vec<Hook>,
+    /// After it was deleted.
+    #[serde(default)]
+    pub poststop: Vec<Hook>,
+}
+
+/// One hook.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Hook {
+    /// The program.
+    pub path: String,
+    /// argv (argv\[0\] included).
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Its environment.
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// Seconds it may take.
+    pub timeout: Option<u64>,
+}
+
+/// `linux.resources`, the parts that size a container's VM.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Resources {
+    /// Memory.
+    pub memory: Option<MemoryResources>,
+    /// CPU.
+    pub cpu: Option<CpuResources>,
+}
+
+/// `linux.resources.memory`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct MemoryResources {
+    /// Bytes.
+    pub limit: Option<i64>,
+}
+
+/// `linux.resources.cpu`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CpuResources {
+    /// Microseconds per period.
+    pub quota: Option<i64>,
+    /// The period, microseconds.
+    pub period: Option<u64>,
+}
+
+/// The smallest VM a memory limit gives: below this the guest kernel and
+/// agent do not fit.
+pub const MIN_VM_MIB: u64 = 128;
+/// Where bind mounts' host directories are shared in the guest.
+pub const GUEST_BINDS: &str = "/run/ember-binds";
 
 /// `linux`, the fields ember reads.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -42,6 +112,8 @@ pub struct Linux {
     /// The namespaces to join or make.
     #[serde(default)]
     pub namespaces: Vec<SpecNamespace>,
+    /// Resources: a memory limit and CPU quota size the VM.
+    pub resources: Option<Resources>,
 }
 
 /// One of `linux.namespaces`.
@@ -266,10 +338,59 @@ impl Spec {
         serde_json::from_slice(json).map_err(|e| format!("config.json: {e}"))
     }
 
+    /// The VM's size from `linux.resources`: memory (`--mem`, MiB, at least
+    /// [`MIN_VM_MIB`]) from the memory limit, vCPUs from the CPU quota
+    /// (rounded up), as Docker's `-m` and `--cpus` set them.
+    pub fn vm_size(&self) -> (Option<String>, Option<u32>) {
+        let Some(r) = &self.linux.resources else {
+            return (None, None);
+        };
+        let mem = r
+            .memory
+            .as_ref()
+            .and_then(|m| m.limit)
+            .filter(|l| *l > 0)
+            .map(|l| format!("{}M", (l as u64).div_ceil(1 << 20).max(MIN_VM_MIB)));
+        let cpus = r.cpu.as_ref().and_then(|c| {
+            let quota = c.quota.filter(|q| *q > 0)? as u64;
+            let period = c.period.filter(|p| *p > 0).unwrap_or(100_000);
+            Some(quota.div_ceil(period).max(1) as u32)
+        });
+        (mem, cpus)
+    }
+
+    fn is_bind(m: &SpecMount) -> bool {
+        m.fstype == "bind" || m.options.iter().any(|o| o == "bind" || o == "rbind")
+    }
+
+    /// The host directories bind mounts need shared with the guest: a
+    /// directory itself, a file's parent (several files of one directory
+    /// share it), each at its own place under [`GUEST_BINDS`].
+    pub fn bind_shares(&self, id: &str) -> Vec<super::pod::Share> {
+        let mut shares: Vec<super::pod::Share> = Vec::new();
+        for m in self.mounts.iter().filter(|m| Self::is_bind(m)) {
+            let src = Path::new(&m.source);
+            let dir = if src.is_dir() {
+                src.to_path_buf()
+            } else {
+                match src.parent() {
+                    Some(p) => p.to_path_buf(),
+                    None => continue,
+                }
+            };
+            if !shares.iter().any(|s| s.host == dir) {
+                let guest = format!("{GUEST_BINDS}/{id}/{}", shares.len());
+                shares.push(super::pod::Share { host: dir, guest });
+            }
+        }
+        shares
+    }
+
     /// The agent's description of the container whose root the guest sees
-    /// at `guest_rootfs`. Mounts of host paths (bind mounts) cannot reach
-    /// the guest yet: refused in one line.
+    /// at `guest_rootfs`. Bind mounts of host paths come through the
+    /// shares [`Spec::bind_shares`] names (which the VM must have).
     pub fn container(&self, id: &str, guest_rootfs: &str) -> Result<ContainerSpec, ContainerError> {
+        let shares = self.bind_shares(id);
         if self.root.as_ref().is_some_and(|r| r.readonly) {
             return Err(ContainerError::NotImplemented(
                 "a read-only root (root.readonly)".into(),
@@ -277,12 +398,30 @@ impl Spec {
         }
         let mut mounts = Vec::new();
         for m in &self.mounts {
-            let bind = m.fstype == "bind" || m.options.iter().any(|o| o == "bind" || o == "rbind");
-            if bind {
-                return Err(ContainerError::NotImplemented(format!(
-                    "bind mount of host path {} at {}",
-                    m.source, m.destination
-                )));
+            if Self::is_bind(m) {
+                let src = Path::new(&m.source);
+                let found = shares.iter().find_map(|s| {
+                    if src == s.host {
+                        Some(s.guest.clone())
+                    } else {
+                        let rest = src.strip_prefix(&s.host).ok()?;
+                        (rest.components().count() == 1)
+                            .then(|| format!("{}/{}", s.guest, rest.display()))
+                    }
+                });
+                let Some(source) = found else {
+                    return Err(ContainerError::NotImplemented(format!(
+                        "bind mount of host path {} at {} (no such file or directory)",
+                        m.source, m.destination
+                    )));
+                };
+                mounts.push(Mount {
+                    destination: m.destination.clone(),
+                    fstype: "bind".into(),
+                    source,
+                    options: m.options.clone(),
+                });
+                continue;
             }
             mounts.push(Mount {
                 destination: m.destination.clone(),
@@ -422,16 +561,39 @@ mod tests {
     }
 
     #[test]
-    fn bind_mounts_and_a_readonly_root_are_refused_in_one_line() {
+    fn bind_mounts_go_through_shares_of_their_directories() {
         let spec = Spec::parse(
-            br#"{"mounts": [{"destination": "/etc/hosts", "type": "bind", "source": "/etc/hosts", "options": ["rbind"]}]}"#,
+            br#"{"mounts": [{"destination": "/etc/hosts", "type": "bind", "source": "/etc/hosts", "options": ["rbind", "ro"]},
+                            {"destination": "/etc/passwd", "type": "bind", "source": "/etc/passwd"},
+                            {"destination": "/data", "type": "none", "source": "/usr/share", "options": ["rbind"]},
+                            {"destination": "/gone", "type": "bind", "source": "/nonexistent/x/y"}]}"#,
         )
         .unwrap();
-        let e = spec.container("c", "/r").unwrap_err().to_string();
-        assert_eq!(
-            e,
-            "not implemented: bind mount of host path /etc/hosts at /etc/hosts"
-        );
+        let shares = spec.bind_shares("c");
+        let hosts: Vec<_> = shares.iter().map(|s| s.host.to_str().unwrap()).collect();
+        assert_eq!(hosts, ["/etc", "/usr/share", "/nonexistent/x"]);
+        assert_eq!(shares[1].guest, "/run/ember-binds/c/1");
+        let c = spec.container("c", "/r").unwrap();
+        assert_eq!(c.mounts[0].source, "/run/ember-binds/c/0/hosts");
+        assert_eq!(c.mounts[0].fstype, "bind");
+        assert_eq!(c.mounts[1].source, "/run/ember-binds/c/0/passwd");
+        assert_eq!(c.mounts[2].source, "/run/ember-binds/c/1");
+    }
+
+    #[test]
+    fn resources_size_the_vm() {
+        let spec = Spec::parse(
+            br#"{"linux": {"resources": {"memory": {"limit": 314572800}, "cpu": {"quota": 150000, "period": 100000}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(spec.vm_size(), (Some("300M".into()), Some(2)));
+        let tiny = Spec::parse(br#"{"linux": {"resources": {"memory": {"limit": 6291456}}}}"#).unwrap();
+        assert_eq!(tiny.vm_size(), (Some("128M".into()), None));
+        assert_eq!(Spec::default().vm_size(), (None, None));
+    }
+
+    #[test]
+    fn a_readonly_root_is_refused_in_one_line() {
         let spec = Spec::parse(br#"{"root": {"path": "rootfs", "readonly": true}}"#).unwrap();
         assert!(
             spec.container("c", "/r")

@@ -23,7 +23,7 @@ use ember::container::agent::{Note, Sink};
 use ember::container::pod::{Pod, PodConfig, ProcIo, Share};
 use ember::container::rootfs::{self, RootMount};
 use ember::container::spec::{Process, Spec};
-use ember::container::{ContainerError, rootfs::is_mounted};
+use ember::container::{ContainerError, GUEST_ROOTS, rootfs::is_mounted};
 use shim::api::{self, Status};
 use shim::publisher::RemotePublisher;
 use shim::{Config, DeleteResponse, ExitSignal, Flags, TtrpcContext, TtrpcResult};
@@ -37,8 +37,6 @@ use std::time::SystemTime;
 
 /// containerd's name for this runtime.
 const RUNTIME_ID: &str = "io.containerd.ember.v2";
-/// Where a container's root is in the guest.
-const GUEST_ROOTS: &str = "/run/ember-containers";
 
 fn main() {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
@@ -433,12 +431,15 @@ impl Service {
                 cpus: std::env::var("EMBER_SHIM_CPUS")
                     .ok()
                     .and_then(|c| c.parse().ok()),
-                shares: vec![Share {
+                shares: std::iter::once(Share {
                     host: root.clone(),
                     guest: guest_root.clone(),
-                }],
+                })
+                .chain(spec.bind_shares(&req.id))
+                .collect(),
                 boot_timeout: None,
                 netns: spec.network_namespace(),
+                ..Default::default()
             };
             let weak: Weak<Inner> = Arc::downgrade(&self.0);
             let pod = Pod::boot(&cfg, move |n| {

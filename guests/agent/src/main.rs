@@ -936,6 +936,7 @@ fn mount_in(rootfs: &Path, m: &Mount) -> Result<Vec<PathBuf>, AgentError> {
         // VM's devices are in it.
         "proc" | "sysfs" | "tmpfs" | "devpts" | "mqueue" => (m.source.as_str(), m.fstype.as_str()),
         "cgroup" | "cgroup2" => ("cgroup2", "cgroup2"),
+        "bind" => return bind_in(&target, m, flags),
         _ => {
             return Err(AgentError::MountType {
                 fstype: m.fstype.clone(),
@@ -1002,6 +1003,68 @@ fn mount_in(rootfs: &Path, m: &Mount) -> Result<Vec<PathBuf>, AgentError> {
         }
     }
     Ok(vec![target])
+}
+
+/// A bind mount: its source is a guest path (a share of the host's
+/// directory, or a file in one), bound at `target` and made read-only by a
+/// remount if asked.
+fn bind_in(target: &Path, m: &Mount, flags: libc::c_ulong) -> Result<Vec<PathBuf>, AgentError> {
+    let source = Path::new(&m.source);
+    let is_dir = std::fs::metadata(source)
+        .map_err(io_err(format!("bind source {}", m.source)))?
+        .is_dir();
+    if is_dir {
+        std::fs::create_dir_all(target).map_err(io_err(format!("mkdir {}", target.display())))?;
+    } else {
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(io_err(format!("mkdir {}", parent.display())))?;
+        }
+        if !target.exists() {
+            std::fs::File::create(target).map_err(io_err(format!("create {}", target.display())))?;
+        }
+    }
+    let rec = if m.options.iter().any(|o| o == "rbind") {
+        libc::MS_REC
+    } else {
+        0
+    };
+    let src = CString::new(source.as_os_str().as_bytes()).map_err(|_| AgentError::NoArgs)?;
+    let tgt = CString::new(target.as_os_str().as_bytes()).map_err(|_| AgentError::NoArgs)?;
+    // SAFETY: both are NUL-terminated paths alive for the call.
+    let r = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            tgt.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND | rec,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        return Err(io_err(format!("bind {} on {}", m.source, m.destination))(
+            io::Error::last_os_error(),
+        ));
+    }
+    let extra = flags & (libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC);
+    if extra != 0 {
+        // SAFETY: as above; a remount ignores the source and type.
+        let r = unsafe {
+            libc::mount(
+                std::ptr::null(),
+                tgt.as_ptr(),
+                std::ptr::null(),
+                libc::MS_REMOUNT | libc::MS_BIND | rec | extra,
+                std::ptr::null(),
+            )
+        };
+        if r != 0 {
+            return Err(io_err(format!("remount {} {extra:#x}", m.destination))(
+                io::Error::last_os_error(),
+            ));
+        }
+    }
+    Ok(vec![target.to_path_buf()])
 }
 
 fn unmount_all(points: &[PathBuf]) {
