@@ -611,6 +611,13 @@ fn create_in(
     if let Some(b) = &cli.backend {
         cmd.args(["--backend", b]);
     }
+    if spec.process.as_ref().is_some_and(|p| p.terminal) {
+        // The terminal is the container's stdio; ours is a pipe whose
+        // reader (containerd's runc shim) waits for its end.
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+    }
     cmd.arg("supervise")
         .arg("--bundle")
         .arg(bundle)
