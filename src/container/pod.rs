@@ -431,7 +431,13 @@ pub fn descendants(pid: u32) -> Vec<u32> {
                 .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
                 .filter_map(|p| {
                     let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
-                    let ppid = stat.rsplit(')').next()?.split_whitespace().nth(1)?.parse().ok()?;
+                    let ppid = stat
+                        .rsplit(')')
+                        .next()?
+                        .split_whitespace()
+                        .nth(1)?
+                        .parse()
+                        .ok()?;
                     Some((p, ppid))
                 })
                 .collect()
@@ -441,7 +447,12 @@ pub fn descendants(pid: u32) -> Vec<u32> {
     let mut i = 0;
     while i < out.len() {
         let parent = out[i];
-        out.extend(parents.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
+        out.extend(
+            parents
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
         i += 1;
     }
     out.reverse();

@@ -587,7 +587,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(spec.vm_size(), (Some("300M".into()), Some(2)));
-        let tiny = Spec::parse(br#"{"linux": {"resources": {"memory": {"limit": 6291456}}}}"#).unwrap();
+        let tiny =
+            Spec::parse(br#"{"linux": {"resources": {"memory": {"limit": 6291456}}}}"#).unwrap();
         assert_eq!(tiny.vm_size(), (Some("128M".into()), None));
         assert_eq!(Spec::default().vm_size(), (None, None));
     }

@@ -12,6 +12,7 @@
 mod common;
 
 mod appliance_e2e;
+mod docker_e2e;
 mod hostroot_e2e;
 mod lab_qemu;
 mod net_e2e;

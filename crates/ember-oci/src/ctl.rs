@@ -76,7 +76,8 @@ pub struct Conn {
 impl Conn {
     /// Sends `req` (with `fds`) to the supervisor at `sock`.
     pub fn send(sock: &Path, req: &Request, fds: &[RawFd]) -> std::io::Result<Conn> {
-        let s = UnixStream::connect(sock)?;
+        let (_dir, short) = crate::state::socket_path(sock)?;
+        let s = UnixStream::connect(short)?;
         let mut line = serde_json::to_vec(req).map_err(std::io::Error::other)?;
         line.push(b'\n');
         fdpass::send(s.as_raw_fd(), &line, fds)?;

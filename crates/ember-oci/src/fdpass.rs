@@ -150,6 +150,7 @@ pub fn send_console(socket: &str, master: &OwnedFd) -> io::Result<()> {
     let name = std::fs::read_link(format!("/proc/self/fd/{}", master.as_raw_fd()))
         .map(|p| p.display().to_string())
         .unwrap_or_else(|_| "/dev/ptmx".into());
-    let s = std::os::unix::net::UnixStream::connect(socket)?;
+    let (_dir, short) = crate::state::socket_path(std::path::Path::new(socket))?;
+    let s = std::os::unix::net::UnixStream::connect(short)?;
     send(s.as_raw_fd(), name.as_bytes(), &[master.as_raw_fd()])
 }

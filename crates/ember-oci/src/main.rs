@@ -248,7 +248,9 @@ impl log::Log for FileLog {
 fn main() {
     let mut cli = Cli::parse();
     if cli.backend.is_none() {
-        cli.backend = std::env::var("EMBER_OCI_BACKEND").ok().filter(|b| !b.is_empty());
+        cli.backend = std::env::var("EMBER_OCI_BACKEND")
+            .ok()
+            .filter(|b| !b.is_empty());
     }
     let logged = match &cli.log {
         Some(p) => std::fs::OpenOptions::new()
@@ -352,7 +354,9 @@ fn run(cli: Cli) -> Result<()> {
             args,
         } => {
             let process = match process {
-                Some(p) => std::fs::read_to_string(p).with_context(|| format!("{}", p.display()))?,
+                Some(p) => {
+                    std::fs::read_to_string(p).with_context(|| format!("{}", p.display()))?
+                }
                 None => {
                     if args.is_empty() {
                         bail!("exec: no --process and no command");
@@ -401,11 +405,7 @@ fn run(cli: Cli) -> Result<()> {
             interval,
             id,
         } => events(&cli.root, id, *stats, interval),
-        Cmd::Supervise {
-            bundle,
-            ctl_fd,
-            id,
-        } => supervisor::run(supervisor::Opts {
+        Cmd::Supervise { bundle, ctl_fd, id } => supervisor::run(supervisor::Opts {
             root: cli.root.clone(),
             id: id.clone(),
             bundle: bundle.clone(),
@@ -542,7 +542,8 @@ fn create(
     if id.is_empty() || id.contains('/') || id.starts_with('.') {
         bail!("invalid container id {id:?}");
     }
-    let bundle = std::fs::canonicalize(bundle).with_context(|| format!("bundle {}", bundle.display()))?;
+    let bundle =
+        std::fs::canonicalize(bundle).with_context(|| format!("bundle {}", bundle.display()))?;
     let spec = ember::container::spec::Spec::load(&bundle)?;
     let process = spec
         .process
@@ -575,7 +576,11 @@ fn create_in(
     console_socket: Option<String>,
     id: &str,
 ) -> Result<()> {
-    let rootfs = spec.root.as_ref().map(|r| r.path.clone()).unwrap_or_default();
+    let rootfs = spec
+        .root
+        .as_ref()
+        .map(|r| r.path.clone())
+        .unwrap_or_default();
     let mut st = State {
         id: id.to_owned(),
         pid: 0,
@@ -591,7 +596,8 @@ fn create_in(
     };
     st.save(&cli.root)?;
     let ctl = state::ctl(&cli.root, id);
-    let listener = std::os::unix::net::UnixListener::bind(&ctl)
+    let (_dir, short) = state::socket_path(&ctl)?;
+    let listener = std::os::unix::net::UnixListener::bind(&short)
         .with_context(|| format!("listen on {}", ctl.display()))?;
     let netns = network_namespace(spec);
     let netns_file = match netns.as_deref() {
@@ -606,7 +612,9 @@ fn create_in(
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.arg("--root").arg(&cli.root);
     if let Some(l) = &cli.log {
-        cmd.arg("--log").arg(l).args(["--log-format", &cli.log_format]);
+        cmd.arg("--log")
+            .arg(l)
+            .args(["--log-format", &cli.log_format]);
     }
     if let Some(b) = &cli.backend {
         cmd.args(["--backend", b]);
@@ -686,7 +694,10 @@ fn delete(root: &Path, id: &str, force: bool) -> Result<()> {
     };
     if st.alive() {
         if !force && st.status != "created" {
-            bail!("cannot delete container {id} that is not stopped: {}", st.status);
+            bail!(
+                "cannot delete container {id} that is not stopped: {}",
+                st.status
+            );
         }
         // Its VM goes with it (the parent-death signal ember run has).
         // SAFETY: kill has no memory effects.
@@ -721,7 +732,8 @@ fn exec(
     let fds: Vec<i32> = if terminal {
         let socket = console_socket.ok_or_else(|| anyhow!("a terminal needs --console-socket"))?;
         let (master, slave) = fdpass::pty()?;
-        fdpass::send_console(socket, &master).with_context(|| format!("console socket {socket}"))?;
+        fdpass::send_console(socket, &master)
+            .with_context(|| format!("console socket {socket}"))?;
         let fd = slave.as_raw_fd();
         held.push(slave);
         vec![fd]
@@ -786,7 +798,8 @@ fn wait_status(conn: &mut Conn) -> i32 {
 
 fn relay(fd: i32, _id: &str) -> Result<()> {
     // SAFETY: `exec` passed this connected socket for us to own.
-    let stream = unsafe { <std::os::unix::net::UnixStream as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let stream =
+        unsafe { <std::os::unix::net::UnixStream as std::os::fd::FromRawFd>::from_raw_fd(fd) };
     let mut conn = ctl::Conn::from_stream(stream);
     std::process::exit(wait_status(&mut conn));
 }
@@ -813,8 +826,11 @@ fn update(
     } else {
         serde_json::from_str(&json)?
     };
-    let sizes = r.pointer("/memory/limit").is_some_and(|v| v.as_i64().unwrap_or(0) > 0)
-        || r.pointer("/cpu/quota").is_some_and(|v| v.as_i64().unwrap_or(0) > 0)
+    let sizes = r
+        .pointer("/memory/limit")
+        .is_some_and(|v| v.as_i64().unwrap_or(0) > 0)
+        || r.pointer("/cpu/quota")
+            .is_some_and(|v| v.as_i64().unwrap_or(0) > 0)
         || memory.is_some()
         || cpu_quota.is_some();
     if sizes {
@@ -833,7 +849,12 @@ fn stats(st: &State) -> serde_json::Value {
     let (mut cpu, mut rss) = (0u64, 0u64);
     for p in &pids {
         if let Ok(s) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
-            let f: Vec<&str> = s.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+            let f: Vec<&str> = s
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .split_whitespace()
+                .collect();
             let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
             cpu += t(11) + t(12);
             rss += t(21) * page;

@@ -37,6 +37,26 @@ pub fn ctl(root: &Path, id: &str) -> PathBuf {
     dir(root, id).join("ctl.sock")
 }
 
+/// A Unix socket's path short enough for `sun_path` (108 bytes: Docker's
+/// state directories plus a 64-digit id are not): through its directory
+/// opened here, `/proc/self/fd/N/NAME`. The directory's handle must be
+/// kept while the path is used.
+pub fn socket_path(path: &Path) -> std::io::Result<(Option<std::fs::File>, PathBuf)> {
+    if path.as_os_str().len() < 100 {
+        return Ok((None, path.to_path_buf()));
+    }
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return Ok((None, path.to_path_buf()));
+    };
+    let d = std::fs::File::open(parent)?;
+    let short = PathBuf::from(format!(
+        "/proc/self/fd/{}",
+        std::os::fd::AsRawFd::as_raw_fd(&d)
+    ))
+    .join(name);
+    Ok((Some(d), short))
+}
+
 impl State {
     /// Reads it; `None` if there is no such container.
     pub fn load(root: &Path, id: &str) -> Option<State> {
@@ -48,7 +68,10 @@ impl State {
     pub fn save(&self, root: &Path) -> std::io::Result<()> {
         let d = dir(root, &self.id);
         let tmp = d.join(format!("state.json.{}", std::process::id()));
-        std::fs::write(&tmp, serde_json::to_vec(self).map_err(std::io::Error::other)?)?;
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec(self).map_err(std::io::Error::other)?,
+        )?;
         std::fs::rename(tmp, d.join("state.json"))
     }
 
@@ -72,7 +95,13 @@ fn supervisor_alive(pid: u32, id: &str) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return false;
     };
-    if stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z') {
+    if stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .trim_start()
+        .starts_with('Z')
+    {
         return false;
     }
     std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
@@ -114,7 +143,10 @@ mod tests {
     fn times_are_rfc3339() {
         let t = SystemTime::UNIX_EPOCH + Duration::new(1_795_959_444, 5);
         assert_eq!(rfc3339(t), "2026-11-29T13:37:24.000000005Z");
-        assert_eq!(rfc3339(SystemTime::UNIX_EPOCH), "1970-01-01T00:00:00.000000000Z");
+        assert_eq!(
+            rfc3339(SystemTime::UNIX_EPOCH),
+            "1970-01-01T00:00:00.000000000Z"
+        );
         let leap = SystemTime::UNIX_EPOCH + Duration::from_secs(951_782_400);
         assert_eq!(rfc3339(leap), "2000-02-29T00:00:00.000000000Z");
     }

@@ -179,7 +179,10 @@ fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup
     let mut spec = Spec::load(&o.bundle)?;
     if spec.linux.seccomp.take().is_some() {
         // As Kata's default (disable_guest_seccomp): the VM is the boundary.
-        log::warn!("{}: the spec's seccomp filter is not applied in the guest", o.id);
+        log::warn!(
+            "{}: the spec's seccomp filter is not applied in the guest",
+            o.id
+        );
     }
     let process = spec.process.clone().ok_or_else(|| ContainerError::Spec {
         bundle: o.bundle.display().to_string(),
@@ -199,7 +202,11 @@ fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup
     let agent_spec = spec.container(&o.id, &guest_root)?;
     let (mem, cpus) = spec.vm_size();
     let net = ember::passt::GuestNet::from_host().is_ok();
-    let publish = if net { published_ports(&spec) } else { Vec::new() };
+    let publish = if net {
+        published_ports(&spec)
+    } else {
+        Vec::new()
+    };
     let cfg = PodConfig {
         backend: o.backend.clone(),
         mem,
@@ -235,9 +242,8 @@ fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup
     }
     let tty = if process.terminal {
         let made = (|| {
-            let socket = console.ok_or_else(|| {
-                ContainerError::Agent("a terminal needs --console-socket".into())
-            })?;
+            let socket = console
+                .ok_or_else(|| ContainerError::Agent("a terminal needs --console-socket".into()))?;
             let (master, slave) = fdpass::pty().map_err(ContainerError::io("openpty"))?;
             fdpass::send_console(&socket, &master)
                 .map_err(ContainerError::io(format!("console socket {socket}")))?;
@@ -292,7 +298,11 @@ fn published_ports(spec: &Spec) -> Vec<String> {
         .mounts
         .iter()
         .find(|m| m.destination == "/etc/hosts")
-        .and_then(|m| Path::new(&m.source).parent().map(|d| d.join(DOCKER_HOSTCONFIG)));
+        .and_then(|m| {
+            Path::new(&m.source)
+                .parent()
+                .map(|d| d.join(DOCKER_HOSTCONFIG))
+        });
     if let Some(v) = hostconfig
         .and_then(|p| std::fs::read(p).ok())
         .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
@@ -314,7 +324,10 @@ impl Sup {
 
     fn note(&self, note: Note) {
         match note {
-            Note::Exited { handle: INIT, status } => self.finish(status),
+            Note::Exited {
+                handle: INIT,
+                status,
+            } => self.finish(status),
             Note::Exited { handle, status } => {
                 if let Some(tx) = lock(&self.execs).remove(&handle) {
                     let _ = tx.send(status);
@@ -482,7 +495,9 @@ impl Sup {
         let done = Arc::new(AtomicBool::new(false));
         let io = match (process.terminal, fds.as_slice()) {
             (true, [slave]) => self.terminal_io(handle, slave.as_raw_fd(), done.clone()),
-            (false, [i, o, e]) => stdio_io([i.as_raw_fd(), o.as_raw_fd(), e.as_raw_fd()], done.clone()),
+            (false, [i, o, e]) => {
+                stdio_io([i.as_raw_fd(), o.as_raw_fd(), e.as_raw_fd()], done.clone())
+            }
             _ => return fail(format!("exec: {} descriptors do not fit", fds.len())),
         };
         let io = match io {

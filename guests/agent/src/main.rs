@@ -1021,7 +1021,8 @@ fn bind_in(target: &Path, m: &Mount, flags: libc::c_ulong) -> Result<Vec<PathBuf
                 .map_err(io_err(format!("mkdir {}", parent.display())))?;
         }
         if !target.exists() {
-            std::fs::File::create(target).map_err(io_err(format!("create {}", target.display())))?;
+            std::fs::File::create(target)
+                .map_err(io_err(format!("create {}", target.display())))?;
         }
     }
     let rec = if m.options.iter().any(|o| o == "rbind") {

@@ -1,0 +1,564 @@
+//! End-to-end: Debian's Docker (20.10) runs `docker run --runtime ember`
+//! through `ember-oci`, registered in its `daemon.json` `runtimes`; each
+//! container in an ember VM on the QEMU backend.
+//!
+//! The test starts its own dockerd (data-root, exec-root, socket and its
+//! managed containerd in a temp directory) inside a network namespace it
+//! makes, so Docker's bridge, veths and published ports live there: the
+//! port is reached on that namespace's loopback. The image is a busybox
+//! root file system made here and `docker import`ed (no registry).
+//! Everything is stopped, unmounted and removed whatever happens, and the
+//! test checks nothing was left (processes, /proc/mounts, ip link).
+//! Needs root, dockerd (`docker.io`), busybox (static), QEMU, passt, a
+//! virtiofsd and `ember setup`'s kernel (`scripts/install-deps --test`).
+
+use crate::common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const IMAGE: &str = "ember-oci-test:latest";
+const MESSAGE: &str = "hello from the image";
+/// A command's timeout: a VM's cold boot under TCG on a loaded host, and then some.
+const TIMEOUT: &str = "240";
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Builds ember-oci and the agent (debug, beside the test's `ember`).
+fn build() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "-p", "ember-oci", "-p", "ember-agent"])
+        .current_dir(&root)
+        .status()
+        .expect("run cargo");
+    assert!(status.success(), "building ember-oci and the agent failed");
+    let ember = PathBuf::from(env!("CARGO_BIN_EXE_ember"));
+    let dir = ember.parent().expect("ember's directory").to_path_buf();
+    for b in ["ember-oci", "ember-agent"] {
+        assert!(dir.join(b).is_file(), "{b} missing in {}", dir.display());
+    }
+    dir
+}
+
+/// What this test needs, or why it cannot run.
+fn missing() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("dockerd needs root".into());
+    }
+    for tool in [
+        "dockerd",
+        "containerd",
+        "docker-proxy",
+        "busybox",
+        "qemu-system-x86_64",
+        "passt",
+        "ip",
+        "nsenter",
+        "script",
+    ] {
+        if ember::backend::find_binary(tool).is_none() {
+            return Some(format!(
+                "`{tool}` is not installed (scripts/install-deps --test)"
+            ));
+        }
+    }
+    None
+}
+
+/// Processes whose command line mentions `needle`, but not this one.
+fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
+    let me = std::process::id();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| *p != me)
+        .filter_map(|p| {
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).ok()?;
+            let cmd = text(&cmd).replace('\0', " ");
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+            let zombie = stat.rsplit(')').next()?.trim_start().starts_with('Z');
+            (!zombie && cmd.contains(needle)).then_some((p, cmd))
+        })
+        .collect()
+}
+
+/// Mount points below `dir`.
+fn mounts_below(dir: &Path) -> Vec<String> {
+    let prefix = dir.display().to_string();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|p| p.starts_with(&prefix))
+        .map(str::to_owned)
+        .collect()
+}
+
+fn links() -> Vec<String> {
+    let out = Command::new("ip").args(["-o", "link"]).output().unwrap();
+    text(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split(':').nth(1).map(|n| n.trim().to_owned()))
+        .collect()
+}
+
+/// A dockerd of the test's own, in a network namespace of its own.
+struct Docker {
+    child: Child,
+    netns: String,
+    sock: PathBuf,
+    dir: ember_testing::TempDir,
+}
+
+impl Docker {
+    fn start(bin: &Path) -> Docker {
+        let dir = ember_testing::TempDir::new("docker");
+        let netns = format!("ember-oci-{}", std::process::id());
+        let ip = |args: &[&str]| {
+            let out = Command::new("ip").args(args).output().unwrap();
+            assert!(out.status.success(), "ip {args:?}: {}", text(&out.stderr));
+        };
+        ip(&["netns", "add", &netns]);
+        ip(&["-n", &netns, "link", "set", "lo", "up"]);
+        let sock = dir.join("docker.sock");
+        let config = dir.join("daemon.json");
+        std::fs::write(
+            &config,
+            serde_json::json!({
+                "runtimes": {"ember": {
+                    "path": bin.join("ember-oci"),
+                    "runtimeArgs": ["--backend", "qemu"],
+                }},
+            })
+            .to_string(),
+        )
+        .unwrap();
+        let log = std::fs::File::create(dir.join("dockerd.log")).unwrap();
+        let path = format!(
+            "{}:{}",
+            bin.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        // nsenter, not `ip netns exec`: that one remounts /sys, hiding
+        // the cgroup mounts dockerd needs.
+        let child = Command::new("nsenter")
+            .arg(format!("--net=/var/run/netns/{netns}"))
+            .arg("dockerd")
+            .arg("--config-file")
+            .arg(&config)
+            .arg("--data-root")
+            .arg(dir.join("data"))
+            .arg("--exec-root")
+            .arg(dir.join("exec"))
+            .arg("--pidfile")
+            .arg(dir.join("docker.pid"))
+            .arg("-H")
+            .arg(format!("unix://{}", sock.display()))
+            .args([
+                "--iptables=false",
+                "--ip-masq=false",
+                "--bip",
+                "10.213.7.1/24",
+            ])
+            .env("PATH", path)
+            .env(
+                "EMBER_INIT",
+                common::init_binary().unwrap_or_else(|e| panic!("{e}")),
+            )
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start dockerd");
+        let d = Docker {
+            child,
+            netns,
+            sock,
+            dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while !d.docker(&["version"]).output().unwrap().status.success() {
+            assert!(
+                Instant::now() < deadline,
+                "dockerd did not come up: {}",
+                d.log()
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        d
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("dockerd.log")).unwrap_or_default()
+    }
+
+    /// `docker ARGS` against this daemon, within the time a boot may take.
+    fn docker(&self, args: &[&str]) -> Command {
+        let mut c = Command::new("timeout");
+        // Debian's client: another one on PATH may be newer than the daemon.
+        let client = ["/usr/bin/docker"]
+            .into_iter()
+            .find(|p| Path::new(p).is_file())
+            .unwrap_or("docker");
+        c.args([TIMEOUT, client, "-H"])
+            .arg(format!("unix://{}", self.sock.display()))
+            .args(args);
+        c
+    }
+
+    /// Runs `docker ARGS`, `stdin` as its input.
+    fn run(&self, args: &[&str], stdin: &[u8]) -> Output {
+        let mut child = self
+            .docker(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(stdin).unwrap();
+        child.wait_with_output().unwrap()
+    }
+
+    /// `docker ARGS`, which must succeed; its stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args, b"");
+        assert!(
+            out.status.success(),
+            "docker {args:?}: {} {}\n{}",
+            out.status,
+            text(&out.stderr),
+            self.tail()
+        );
+        text(&out.stdout)
+    }
+
+    /// The last of dockerd's and the runtime's logs, for a failure.
+    fn tail(&self) -> String {
+        let mut s = String::new();
+        let log = self.log();
+        let lines: Vec<&str> = log.lines().collect();
+        s.push_str(&lines[lines.len().saturating_sub(15)..].join("\n"));
+        let tasks = self
+            .dir
+            .join("exec/containerd/daemon/io.containerd.runtime.v2.task/moby");
+        for e in std::fs::read_dir(tasks).into_iter().flatten().flatten() {
+            let l = std::fs::read_to_string(e.path().join("log.json")).unwrap_or_default();
+            let lines: Vec<&str> = l.lines().collect();
+            s.push_str("\n--- ember-oci log:\n");
+            s.push_str(&lines[lines.len().saturating_sub(25)..].join("\n"));
+        }
+        s
+    }
+
+    /// Runs `CMD` in the daemon's network namespace.
+    fn in_netns(&self, cmd: &[&str]) -> Output {
+        Command::new("nsenter")
+            .arg(format!("--net=/var/run/netns/{}", self.netns))
+            .args(["timeout", "60"])
+            .args(cmd)
+            .output()
+            .unwrap()
+    }
+}
+
+impl Drop for Docker {
+    fn drop(&mut self) {
+        let here = self.dir.display().to_string();
+        // dockerd stops its containerd; containers' shims and supervisors
+        // (reparented away from it) go by what they mention: this directory.
+        // SAFETY: kill has no memory effects; the pid is our child's.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for _ in 0..50 {
+            let left = processes_mentioning(&here);
+            if left.is_empty() {
+                break;
+            }
+            for (p, _) in left {
+                // SAFETY: as above; a process of this test's daemon.
+                unsafe { libc::kill(p as i32, libc::SIGKILL) };
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let mut points = mounts_below(&self.dir);
+        points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        for p in points {
+            if let Ok(c) = std::ffi::CString::new(p) {
+                // SAFETY: c is a NUL-terminated path alive for the call.
+                unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+            }
+        }
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.netns])
+            .status();
+    }
+}
+
+/// A busybox image imported into the daemon.
+fn import_image(d: &Docker) {
+    let tree = ember_testing::TempDir::new("docker-image");
+    let rootfs = tree.join("rootfs");
+    for sub in ["bin", "etc", "tmp", "www", "proc", "sys", "dev"] {
+        std::fs::create_dir_all(rootfs.join(sub)).unwrap();
+    }
+    let busybox = ember::backend::find_binary("busybox").unwrap();
+    std::fs::copy(busybox, rootfs.join("bin/busybox")).unwrap();
+    for applet in [
+        "sh", "cat", "echo", "grep", "uname", "nproc", "sleep", "httpd", "hostname", "stty", "pwd",
+        "tty",
+    ] {
+        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
+    }
+    std::fs::write(rootfs.join("etc/message"), format!("{MESSAGE}\n")).unwrap();
+    std::fs::write(rootfs.join("www/index.html"), "served from the VM\n").unwrap();
+    let tar = Command::new("tar")
+        .arg("-C")
+        .arg(&rootfs)
+        .args(["-c", "."])
+        .output()
+        .unwrap();
+    assert!(tar.status.success(), "tar: {}", text(&tar.stderr));
+    let out = d.run(&["import", "-", IMAGE], &tar.stdout);
+    assert!(out.status.success(), "docker import: {}", text(&out.stderr));
+}
+
+/// `docker run --runtime ember` with -d, -m, --cpus, -e, -w, -v and -p in
+/// one container; `docker logs`, `exec` (-i, status), `top`, `pause`,
+/// `unpause`, `stop` (a trapped TERM: its status) on it; then `-i -t
+/// --rm` on a terminal and its status; nothing left behind.
+#[test]
+fn docker_runs_containers_in_ember_vms() {
+    if let Some(why) = missing() {
+        panic!("cannot run: {why}");
+    }
+    let bin = build();
+    let host_release = text(&Command::new("uname").arg("-r").output().unwrap().stdout);
+    let links_before = links();
+    let vol = ember_testing::TempDir::new("docker-vol");
+    std::fs::write(vol.join("in"), "from the host\n").unwrap();
+    let here;
+    {
+        let d = Docker::start(&bin);
+        here = d.dir.display().to_string();
+        import_image(&d);
+        let script = "cat /etc/message; echo kernel=$(uname -r); echo A=$A; echo cwd=$(pwd); \
+             echo cpus=$(nproc); grep MemTotal /proc/meminfo; cat /data/in; \
+             echo written > /data/out; httpd -p 80 -h /www; \
+             trap 'echo got TERM; exit 5' TERM; echo ready; \
+             while true; do sleep 1; done";
+        let vol_arg = format!("{}:/data", vol.display());
+        let id = d
+            .ok(&[
+                "run",
+                "-d",
+                "--runtime",
+                "ember",
+                "--name",
+                "main",
+                "-m",
+                "300m",
+                "--cpus",
+                "2",
+                "-e",
+                "A=b",
+                "-w",
+                "/tmp",
+                "-v",
+                &vol_arg,
+                "-p",
+                "127.0.0.1:18080:80",
+                IMAGE,
+                "sh",
+                "-c",
+                script,
+            ])
+            .trim()
+            .to_owned();
+        assert_eq!(id.len(), 64, "docker run -d printed {id:?}");
+        let deadline = Instant::now() + Duration::from_secs(240);
+        let logs = loop {
+            let logs = d.ok(&["logs", "main"]);
+            if logs.contains("ready") {
+                break logs;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the container never got ready: {logs}\n{}",
+                d.tail()
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        };
+        assert!(logs.contains(MESSAGE), "{logs}");
+        let kernel = logs
+            .lines()
+            .find_map(|l| l.strip_prefix("kernel="))
+            .unwrap_or_default();
+        assert!(
+            !kernel.is_empty() && kernel != host_release.trim(),
+            "the guest's kernel is {kernel:?}, the host's {host_release:?}"
+        );
+        assert!(logs.contains("A=b\ncwd=/tmp\ncpus=2\n"), "{logs}");
+        let mem_kib: u64 = logs
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0);
+        // -m 300m sizes the VM: less than the default 256M would give
+        // would fail this, and so would more than 300M.
+        assert!(
+            (256 * 1024..300 * 1024).contains(&mem_kib),
+            "MemTotal {mem_kib} kB with -m 300m: {logs}"
+        );
+        assert!(logs.contains("from the host"), "{logs}");
+        assert_eq!(
+            std::fs::read_to_string(vol.join("out")).unwrap_or_default(),
+            "written\n"
+        );
+        // -p: the port, published on the daemon namespace's loopback.
+        let got = d.in_netns(&["busybox", "wget", "-qO-", "http://127.0.0.1:18080/"]);
+        assert_eq!(
+            text(&got.stdout),
+            "served from the VM\n",
+            "wget: {}",
+            text(&got.stderr)
+        );
+        // exec: its output, its stdin (-i) and its status.
+        let out = d.run(
+            &[
+                "exec",
+                "-i",
+                "main",
+                "sh",
+                "-c",
+                "read x; echo exec got $x; exit 4",
+            ],
+            b"typed\n",
+        );
+        assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), "exec got typed\n");
+        // top: the container's host processes, the VM's among them.
+        let top = d.ok(&["top", "main"]);
+        assert!(
+            top.contains("supervise") && top.contains("qemu-system"),
+            "{top}"
+        );
+        d.ok(&["pause", "main"]);
+        assert_eq!(
+            d.ok(&["inspect", "-f", "{{.State.Status}}", "main"]).trim(),
+            "paused"
+        );
+        d.ok(&["unpause", "main"]);
+        assert_eq!(d.ok(&["exec", "main", "echo", "thawed"]), "thawed\n");
+        d.ok(&["stop", "-t", "60", "main"]);
+        assert_eq!(
+            d.ok(&["inspect", "-f", "{{.State.ExitCode}}", "main"])
+                .trim(),
+            "5"
+        );
+        assert!(d.ok(&["logs", "main"]).contains("got TERM"));
+        d.ok(&["rm", "main"]);
+
+        // -i -t --rm: typed into a terminal, its status the command's.
+        let client = format!(
+            "stty cols 91 rows 33; timeout {TIMEOUT} /usr/bin/docker -H unix://{} \
+             run -it --rm --runtime ember {IMAGE} sh",
+            d.sock.display()
+        );
+        let mut typist = Command::new("script")
+            .args(["-qec", &client, "/dev/null"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut keys = typist.stdin.take().unwrap();
+        let reader = typist.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut r = reader;
+            let mut buf = [0u8; 4096];
+            let mut all = Vec::new();
+            while let Ok(n) = std::io::Read::read(&mut r, &mut buf) {
+                if n == 0 {
+                    break;
+                }
+                all.extend_from_slice(&buf[..n]);
+                let _ = tx.send(text(&all));
+            }
+        });
+        let wait_for = |want: &str| {
+            let deadline = Instant::now() + Duration::from_secs(240);
+            loop {
+                match rx.recv_timeout(Duration::from_secs(1)) {
+                    Ok(seen) if seen.contains(want) => return seen,
+                    _ => assert!(
+                        Instant::now() < deadline,
+                        "no {want:?} on the terminal\n{}",
+                        d.tail()
+                    ),
+                }
+            }
+        };
+        wait_for("# ");
+        keys.write_all(b"stty size; tty; echo typed-$((6*7))\n")
+            .unwrap();
+        let seen = wait_for("typed-42");
+        assert!(seen.contains("33 91"), "the terminal's size: {seen:?}");
+        assert!(seen.contains("/dev/pts/"), "{seen:?}");
+        keys.write_all(b"exit 6\n").unwrap();
+        let status = typist.wait().unwrap();
+        assert_eq!(status.code(), Some(6), "docker run -it's status");
+        // --rm removed it.
+        assert_eq!(d.ok(&["ps", "-aq"]).trim(), "");
+        // With the daemon still up: no container's shim, supervisor, VM
+        // or virtiofsd is left, and nothing is mounted but the daemon's
+        // own data-root.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let left: Vec<(u32, String)> = processes_mentioning(&here)
+                .into_iter()
+                .filter(|(_, c)| !c.starts_with("dockerd ") && !c.starts_with("containerd "))
+                .collect();
+            if left.is_empty() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "left running: {left:?}");
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        let data_root = d.dir.join("data").display().to_string();
+        let mounted: Vec<String> = mounts_below(&d.dir)
+            .into_iter()
+            .filter(|m| *m != data_root)
+            .collect();
+        assert!(mounted.is_empty(), "left mounted: {mounted:?}");
+    }
+    // And after the daemon: nothing anywhere.
+    assert!(
+        processes_mentioning(&here).is_empty(),
+        "left running: {:?}",
+        processes_mentioning(&here)
+    );
+    assert!(
+        mounts_below(Path::new(&here)).is_empty(),
+        "left mounted: {:?}",
+        mounts_below(Path::new(&here))
+    );
+    let new_links: Vec<String> = links()
+        .into_iter()
+        .filter(|l| !links_before.contains(l))
+        .collect();
+    assert!(new_links.is_empty(), "links left: {new_links:?}");
+    assert!(!Path::new(&here).exists(), "{here} left");
+}
