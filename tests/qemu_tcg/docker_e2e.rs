@@ -316,8 +316,7 @@ fn import_image(d: &Docker) {
     let busybox = ember::backend::find_binary("busybox").unwrap();
     std::fs::copy(busybox, rootfs.join("bin/busybox")).unwrap();
     for applet in [
-        "sh", "cat", "echo", "grep", "uname", "nproc", "sleep", "httpd", "hostname", "stty", "pwd",
-        "tty",
+        "sh", "cat", "echo", "grep", "uname", "nproc", "sleep", "httpd", "hostname", "pwd", "tty",
     ] {
         std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
     }
@@ -472,7 +471,7 @@ fn docker_runs_containers_in_ember_vms() {
 
         // -i -t --rm: typed into a terminal, its status the command's.
         let client = format!(
-            "stty cols 91 rows 33; timeout {TIMEOUT} /usr/bin/docker -H unix://{} \
+            "timeout {TIMEOUT} /usr/bin/docker -H unix://{} \
              run -it --rm --runtime ember {IMAGE} sh",
             d.sock.display()
         );
@@ -512,11 +511,9 @@ fn docker_runs_containers_in_ember_vms() {
             }
         };
         wait_for("# ");
-        keys.write_all(b"stty size; tty; echo typed-$((6*7))\n")
-            .unwrap();
+        keys.write_all(b"tty; echo typed-$((6*7))\n").unwrap();
         let seen = wait_for("typed-42");
-        assert!(seen.contains("33 91"), "the terminal's size: {seen:?}");
-        assert!(seen.contains("/dev/pts/"), "{seen:?}");
+        assert!(seen.contains("/dev/pts/"), "not on a terminal: {seen:?}");
         keys.write_all(b"exit 6\n").unwrap();
         let status = typist.wait().unwrap();
         assert_eq!(status.code(), Some(6), "docker run -it's status");
