@@ -463,12 +463,11 @@ impl Sup {
             let mut last = None;
             while !stop.load(Ordering::Relaxed) {
                 let now = fdpass::window_size(watch.as_raw_fd());
-                if now.is_some() && now != last {
-                    if let Some((w, h)) = now
-                        && pod.resize(handle, w, h).is_ok()
-                    {
-                        last = now;
-                    }
+                if now != last
+                    && let Some((w, h)) = now
+                    && pod.resize(handle, w, h).is_ok()
+                {
+                    last = now;
                 }
                 std::thread::sleep(Duration::from_millis(200));
             }
