@@ -18,6 +18,28 @@
 //! host's own choice and are crossed like directories (virtiofsd does the
 //! same); the guest cannot create one.
 //!
+//! # Whose request
+//!
+//! Every request carries the uid and gid of the guest process behind it.
+//! When ember runs as root, the I/O thread serves each request as that
+//! caller: its fsuid and fsgid become the caller's (`setfsuid`/`setfsgid`,
+//! which change the calling thread's credentials only), so what the guest
+//! creates is owned by the guest's user and the host's own permission checks
+//! (modes, ACLs, sticky and setgid directories, clearing set-user-ID bits on
+//! a write) are made for that user too. Leaving fsuid 0 drops the thread's
+//! file capabilities (`CAP_DAC_OVERRIDE`, `CAP_FOWNER`, `CAP_CHOWN`...), and
+//! going back to 0 regains them. The request carries no supplementary
+//! groups, so the thread drops its own (ember's) the first time it serves
+//! a caller other than root. Creating as root and `fchownat` afterwards would
+//! check nothing (root may write anywhere) and leave a moment where the new
+//! file is root's; a switch costs two `setfsuid`/`setfsgid` pairs and is
+//! made only when the caller differs from the last request's, so a guest
+//! whose work is done by one user pays nothing per request. A request whose
+//! switch fails (a uid not mapped in ember's user namespace) is refused with
+//! `EPERM` rather than served as root. When ember is not root, the thread
+//! cannot switch and every request is served as ember's user: files the
+//! guest creates belong to the user who started ember.
+//!
 //! # Node IDs across a snapshot
 //!
 //! A node ID is the server's, not the kernel's: the guest's FUSE client keeps
@@ -287,11 +309,71 @@ pub(crate) enum Reply {
     None,
 }
 
+/// The identity a request is served as: (fsuid, fsgid).
+type Ids = (u32, u32);
+
+thread_local! {
+    /// The caller this thread now serves requests as (`None`: its own
+    /// identity), and whether it has dropped its supplementary groups.
+    static SERVING_AS: std::cell::Cell<(Option<Ids>, bool)> =
+        const { std::cell::Cell::new((None, false)) };
+}
+
+/// The calling thread's file-system identity becomes `ids` (`None`: `own`,
+/// ember's). Checked: a switch the kernel refused is `EPERM`.
+fn serve_as(ids: Option<Ids>, own: Ids) -> Res<()> {
+    let (current, groups_dropped) = SERVING_AS.get();
+    if current == ids {
+        return Ok(());
+    }
+    let (uid, gid) = ids.unwrap_or(own);
+    if !groups_dropped && ids.is_some_and(|(u, _)| u != 0) {
+        // The raw syscall, not libc's setgroups: that one changes every
+        // thread of the process.
+        // SAFETY: an empty list (no pointer read).
+        check(unsafe { libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) })
+            .map_err(|_| libc::EPERM)?;
+        SERVING_AS.set((current, true));
+    }
+    // Neither call reports failure: each returns the previous value, so
+    // the result is read back with an invalid id (which changes nothing).
+    // SAFETY: plain syscalls changing this thread's credentials only.
+    let (u, g) = unsafe {
+        libc::syscall(libc::SYS_setfsgid, gid);
+        libc::syscall(libc::SYS_setfsuid, uid);
+        (
+            libc::syscall(libc::SYS_setfsuid, u32::MAX) as u32,
+            libc::syscall(libc::SYS_setfsgid, u32::MAX) as u32,
+        )
+    };
+    let (_, groups_dropped) = SERVING_AS.get();
+    if (u, g) != (uid, gid) {
+        // Whatever it is now, it is not what was asked.
+        SERVING_AS.set((Some((u, g)), groups_dropped));
+        return Err(libc::EPERM);
+    }
+    SERVING_AS.set((ids, groups_dropped));
+    Ok(())
+}
+
+/// The calling thread serves as ember's own user again (after a run of
+/// requests on a thread that goes on doing other things: the fuzz target,
+/// the unit tests).
+#[cfg(any(test, fuzzing))]
+pub(crate) fn serve_as_self() {
+    // SAFETY: geteuid/getegid cannot fail.
+    let own = unsafe { (libc::geteuid(), libc::getegid()) };
+    let _ = serve_as(None, own);
+}
+
 /// The passthrough file system over one directory.
 pub(crate) struct Server {
     root: OwnedFd,
     proc_fd: OwnedFd,
     read_only: bool,
+    /// ember's (euid, egid) when it is root: requests are served as their
+    /// guest caller (see the module's doc); `None` when it is not.
+    switch_from: Option<Ids>,
     inodes: HashMap<u64, Inode>,
     ids: HashMap<(u64, u64), u64>,
     next_node: u64,
@@ -327,10 +409,13 @@ impl Server {
         let proc_fd = open_path(Path::new("/proc/self/fd"))?;
         let st = fstat(root.as_raw_fd()).map_err(std::io::Error::from_raw_os_error)?;
         let id = (st.st_dev, st.st_ino);
+        // SAFETY: geteuid/getegid cannot fail.
+        let own = unsafe { (libc::geteuid(), libc::getegid()) };
         let mut server = Server {
             root,
             proc_fd,
             read_only,
+            switch_from: (own.0 == 0).then_some(own),
             inodes: HashMap::new(),
             ids: HashMap::new(),
             next_node: ROOT_ID + 1,
@@ -438,6 +523,21 @@ impl Server {
     ) -> Res<Reply> {
         out.clear();
         let node = h.nodeid;
+        let touches_files = !matches!(
+            h.opcode,
+            abi::INIT
+                | abi::DESTROY
+                | abi::FORGET
+                | abi::BATCH_FORGET
+                | abi::INTERRUPT
+                | abi::RELEASE
+                | abi::RELEASEDIR
+                | abi::FLUSH
+        );
+        if let (Some(own), true) = (self.switch_from, touches_files) {
+            let caller = (h.uid, h.gid);
+            serve_as((caller != own).then_some(caller), own)?;
+        }
         match h.opcode {
             abi::INIT => self.init(arg, out)?,
             abi::DESTROY => self.forget_all(),

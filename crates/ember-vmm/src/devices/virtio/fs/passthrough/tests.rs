@@ -69,6 +69,15 @@ impl T {
     fn call(&mut self, op: u32, node: u64, arg: &[u8]) -> Res<Reply> {
         self.s.handle(&hdr(op, node), arg, &mut self.out, 1 << 21)
     }
+    /// A request from the guest's `uid`/`gid`.
+    fn call_as(&mut self, (uid, gid): (u32, u32), op: u32, node: u64, arg: &[u8]) -> Res<Reply> {
+        let h = InHeader {
+            uid,
+            gid,
+            ..hdr(op, node)
+        };
+        self.s.handle(&h, arg, &mut self.out, 1 << 21)
+    }
     fn lookup(&mut self, parent: u64, name: &str) -> Res<EntryOut> {
         self.call(LOOKUP, parent, &with_name(&[], name))?;
         Ok(EntryOut::read_from_prefix(&self.out).unwrap().0)
@@ -382,4 +391,125 @@ fn mkdir_create_and_rename_a_directory() {
         std::fs::read(tree.share().join("e/f")).unwrap(),
         b"guest-data\n"
     );
+}
+
+/// Root, or a loud skip.
+fn root(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        ember_testing::skip(test, "needs root (CI runs as root)");
+    }
+    root
+}
+
+/// Puts the test thread back as root when the test ends, passed or not
+/// (before its scratch tree is removed).
+struct AsSelf;
+
+impl Drop for AsSelf {
+    fn drop(&mut self) {
+        serve_as_self();
+    }
+}
+
+fn owner(p: &Path) -> (u32, u32) {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(p).unwrap();
+    (m.uid(), m.gid())
+}
+
+#[test]
+fn requests_are_served_as_their_guest_caller() {
+    use std::os::unix::fs::PermissionsExt;
+    if !root("requests_are_served_as_their_guest_caller") {
+        return;
+    }
+    let tree = Tree::new();
+    let share = tree.share();
+    std::fs::set_permissions(&share, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let _as_self = AsSelf;
+    let mut t = T::new(&share, false);
+    let user = (1000, 1000);
+
+    // What the guest's user makes is the user's.
+    let c = CreateIn {
+        flags: libc::O_RDWR as u32,
+        mode: libc::S_IFREG | 0o644,
+        umask: 0o022,
+        ..Default::default()
+    };
+    t.call_as(user, CREATE, ROOT_ID, &with_name(c.as_bytes(), "mine"))
+        .unwrap();
+    let m = MkdirIn {
+        mode: 0o755,
+        umask: 0o022,
+    };
+    t.call_as(user, MKDIR, ROOT_ID, &with_name(m.as_bytes(), "dir"))
+        .unwrap();
+    t.call_as(user, SYMLINK, ROOT_ID, b"link\0mine\0").unwrap();
+    for name in ["mine", "dir", "link"] {
+        assert_eq!(owner(&share.join(name)), user, "{name}");
+    }
+
+    // It cannot write root's 0644 file, nor change its mode or owner...
+    let e = t.lookup(ROOT_ID, "hello.txt").unwrap();
+    let o = OpenIn {
+        flags: libc::O_WRONLY as u32,
+        open_flags: 0,
+    };
+    assert_eq!(
+        t.call_as(user, OPEN, e.nodeid, o.as_bytes()).unwrap_err(),
+        libc::EACCES
+    );
+    let chmod = SetattrIn {
+        valid: FATTR_MODE,
+        mode: 0o666,
+        ..Default::default()
+    };
+    assert_eq!(
+        t.call_as(user, SETATTR, e.nodeid, chmod.as_bytes())
+            .unwrap_err(),
+        libc::EPERM
+    );
+    let chown = SetattrIn {
+        valid: FATTR_UID,
+        uid: 1000,
+        ..Default::default()
+    };
+    assert_eq!(
+        t.call_as(user, SETATTR, e.nodeid, chown.as_bytes())
+            .unwrap_err(),
+        libc::EPERM
+    );
+    // ...nor make a file in a directory of root's (not the guest kernel's
+    // check: this is the host's).
+    let sub = t.lookup(ROOT_ID, "sub").unwrap();
+    assert_eq!(
+        t.call_as(user, CREATE, sub.nodeid, &with_name(c.as_bytes(), "x"))
+            .unwrap_err(),
+        libc::EACCES
+    );
+    // Reading is allowed, as the mode says.
+    let o = OpenIn {
+        flags: libc::O_RDONLY as u32,
+        open_flags: 0,
+    };
+    t.call_as(user, OPEN, e.nodeid, o.as_bytes()).unwrap();
+
+    // Another user, then root again: each request as its own caller.
+    t.call_as((1001, 1002), SYMLINK, ROOT_ID, b"other\0mine\0")
+        .unwrap();
+    assert_eq!(owner(&share.join("other")), (1001, 1002));
+    let o = OpenIn {
+        flags: libc::O_WRONLY as u32,
+        open_flags: 0,
+    };
+    t.call_as((0, 0), OPEN, e.nodeid, o.as_bytes()).unwrap();
+    t.call_as((0, 0), SETATTR, e.nodeid, chown.as_bytes())
+        .unwrap();
+    assert_eq!(owner(&share.join("hello.txt")).0, 1000);
+    t.call_as((0, 0), SYMLINK, ROOT_ID, b"roots\0mine\0")
+        .unwrap();
+    assert_eq!(owner(&share.join("roots")), (0, 0));
 }
