@@ -513,3 +513,103 @@ fn requests_are_served_as_their_guest_caller() {
         .unwrap();
     assert_eq!(owner(&share.join("roots")), (0, 0));
 }
+
+/// Bind mounts made in this thread's own mount namespace, undone when
+/// dropped (and gone with the thread in any case).
+struct Binds(Vec<PathBuf>);
+
+impl Binds {
+    /// This thread in a mount namespace of its own, with no propagation to
+    /// the host's: nothing mounted here is seen outside the test.
+    fn new() -> Self {
+        // SAFETY: plain syscalls; unshare(CLONE_NEWNS) gives the calling
+        // thread its own copy of the namespace (and of its fs_struct).
+        unsafe {
+            assert_eq!(libc::unshare(libc::CLONE_NEWNS), 0, "unshare");
+            let r = libc::mount(
+                std::ptr::null(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            );
+            assert_eq!(r, 0, "mount --make-rprivate /");
+        }
+        Binds(Vec::new())
+    }
+    fn bind(&mut self, from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        let (f, t) = (
+            CString::new(from.as_os_str().as_encoded_bytes()).unwrap(),
+            CString::new(to.as_os_str().as_encoded_bytes()).unwrap(),
+        );
+        // SAFETY: both paths are NUL-terminated.
+        let r = unsafe {
+            libc::mount(
+                f.as_ptr(),
+                t.as_ptr(),
+                std::ptr::null(),
+                libc::MS_BIND,
+                std::ptr::null(),
+            )
+        };
+        assert_eq!(r, 0, "bind {from:?} on {to:?}");
+        self.0.push(to.to_owned());
+    }
+}
+
+impl Drop for Binds {
+    fn drop(&mut self) {
+        for p in self.0.iter().rev() {
+            let p = CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: NUL-terminated.
+            unsafe { libc::umount2(p.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+}
+
+#[test]
+fn bind_mounts_in_a_share_and_a_share_of_one() {
+    if !root("bind_mounts_in_a_share_and_a_share_of_one") {
+        return;
+    }
+    let tree = Tree::new();
+    let share = tree.share();
+    let mut binds = Binds::new();
+    // The host puts `outside/` into the share: its choice, crossed like a
+    // directory (the guest cannot mount anything on the host).
+    binds.bind(&tree.top.join("outside"), &share.join("sub/bound"));
+    // The share bound inside itself: one directory, so one node.
+    binds.bind(&share, &share.join("sub/loop"));
+    // A share whose directory is itself a bind mount (of `share/sub`).
+    binds.bind(&share.join("sub"), &tree.top.join("view"));
+
+    let mut t = T::new(&share, false);
+    let sub = t.lookup(ROOT_ID, "sub").unwrap();
+    let bound = t.lookup(sub.nodeid, "bound").unwrap();
+    assert_eq!(bound.attr.mode & libc::S_IFMT, libc::S_IFDIR);
+    let secret = t.lookup(bound.nodeid, "secret").unwrap();
+    let fh = t.open(secret.nodeid, libc::O_RDONLY).unwrap();
+    assert_eq!(t.read(fh, 0, 100).unwrap(), b"host secret");
+    // Still one component at a time: `..` of the mount is not a name.
+    assert_eq!(t.lookup(bound.nodeid, "..").unwrap_err(), libc::EINVAL);
+    let lp = t.lookup(sub.nodeid, "loop").unwrap();
+    assert_eq!(lp.nodeid, ROOT_ID, "the share inside itself is its root");
+    assert!(t.names(lp.nodeid).contains(&"hello.txt".to_string()));
+
+    let mut v = T::new(&tree.top.join("view"), false);
+    assert_eq!(v.names(ROOT_ID), [".", "..", "bound", "deeper", "loop", "up"]);
+    let up = v.lookup(ROOT_ID, "up").unwrap();
+    // The link's text as it is; never followed here.
+    assert_eq!(v.readlink(up.nodeid), b"../../outside");
+    assert_eq!(v.lookup(up.nodeid, "secret").unwrap_err(), libc::ENOTDIR);
+    assert_eq!(v.lookup(ROOT_ID, "..").unwrap_err(), libc::EINVAL);
+    let (_, fh) = v.create(ROOT_ID, "via-view").unwrap();
+    assert_eq!(v.write(fh, 0, b"seen in sub").unwrap(), 11);
+    assert_eq!(
+        std::fs::read(share.join("sub/via-view")).unwrap(),
+        b"seen in sub"
+    );
+    drop(binds);
+    assert!(!share.join("sub/bound/secret").exists(), "unmounted");
+}
