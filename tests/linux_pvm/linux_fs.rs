@@ -63,6 +63,8 @@ impl Host {
         std::os::unix::fs::symlink("../outside/secret", share.join("rel")).unwrap();
         std::os::unix::fs::symlink(dir.path("outside/secret"), share.join("abs_secret")).unwrap();
         std::fs::write(share.join("before"), "from the host\n").unwrap();
+        // root's, 0644: not the guest's user's to write.
+        std::fs::write(share.join("roots"), "root's own\n").unwrap();
         Host { dir }
     }
 
@@ -167,12 +169,19 @@ fn linux_reads_writes_and_stays_inside_its_shares() {
         echo \"REL=$($B cat /mnt/rel 2>&1)\"\n\
         echo \"ABS=$($B cat /mnt/abs_secret 2>&1)\"\n\
         echo \"ABSROOT=$($B ls /mnt/abs/ 2>&1 | $B tr '\\n' ' ')\"\n\
+        for t in 1 2 3; do a=$($B ls /mnt/abs/ 2>&1); r=$($B ls / 2>&1);\
+          if [ \"$a\" = \"$r\" ]; then echo ABS-IS-ROOT-$t; break; fi;\
+          echo \"ABS-TRY-$t=$(echo $a)|$(echo $r)\"; $B sleep 1; done\n\
         echo \"DOTDOT=$($B ls /mnt/.. | $B tr '\\n' ' ')\"\n\
         echo \"BEFORE=$($B cat /mnt/before)\"\n\
         echo \"ROTOUCH=$($B touch /ro/new 2>&1)\"\n\
         echo \"ROAPPEND=$( (echo x >> /ro/a/page) 2>&1)\"\n\
         echo \"RORM=$($B rm /ro/big 2>&1)\"\n\
         $B mkdir /mnt/d && echo guest-data > /mnt/d/f && $B mv /mnt/d /mnt/e\n\
+        $B mkdir -p /etc && echo u:x:1000:1000::/:/bin/sh > /etc/passwd && $B ln -s busybox /bin/sh\n\
+        $B mkdir /mnt/pub && $B chmod 777 /mnt/pub\n\
+        echo \"USERMADE=$($B su u -c '/bin/busybox touch /mnt/pub/mine && /bin/busybox stat -c %u:%g /mnt/pub/mine' 2>&1)\"\n\
+        echo \"USERWRITE=$($B su u -c 'echo x >> /mnt/roots' 2>&1)\"\n\
         $B ln -s target /mnt/link && $B rm /mnt/before\n\
         echo \"STAT=$($B stat -c %s /mnt/copy/big)\"\n\
         $B sync\n\
@@ -198,17 +207,32 @@ fn linux_reads_writes_and_stays_inside_its_shares() {
         "{log}"
     );
     let line = |what: &str| log.lines().find(|l| l.starts_with(what)).unwrap_or("");
-    eprintln!("{test}: {}\n{test}: {}", line("ABSROOT="), line("DOTDOT="));
+    eprintln!(
+        "{test}: {}\n{test}: {}\n{test}: {}",
+        line("ABSROOT="),
+        line("ABS-IS-ROOT"),
+        line("DOTDOT=")
+    );
     // An absolute link is resolved by the guest: `/` is the guest's own
     // root (its initramfs: `init`, `mnt`, `ro`), as `..` is, never the host's.
+    // Compared in the guest (`ls /mnt/abs/` against `ls /`): a line of the
+    // console can be cut by the kernel's own messages on a loaded host. One
+    // run in five here once saw ABSROOT= empty (not reproduced since, not
+    // explained): the guest tries three times, 1 s apart, and says so.
     assert!(
         !line("ABSROOT=").contains(" usr ") && !line("ABSROOT=").contains(" etc "),
         "the host's root leaked:\n{log}"
     );
     assert!(
-        line("ABSROOT=").contains(" mnt ") && line("ABSROOT=").contains(" ro "),
+        line("ABS-IS-ROOT").starts_with("ABS-IS-ROOT-"),
         "the guest's own /:\n{log}"
     );
+    if !line("ABS-TRY-").is_empty() {
+        eprintln!(
+            "\n!!!!!!!! {test}: /mnt/abs/ was not / at once: {} !!!!!!!!\n",
+            line("ABS-TRY-")
+        );
+    }
     assert!(
         line("DOTDOT=").contains(" mnt "),
         "the guest's own /:\n{log}"
@@ -229,6 +253,28 @@ fn linux_reads_writes_and_stays_inside_its_shares() {
         Path::new("target")
     );
     assert!(!share.join("before").exists());
+    // A guest process as uid 1000: what it makes is 1000's on the host too,
+    // and root's 0644 file refuses it.
+    use std::os::unix::fs::MetadataExt;
+    assert!(line("USERMADE=").ends_with("=1000:1000"), "{log}");
+    let mine = std::fs::metadata(share.join("pub/mine")).unwrap();
+    // SAFETY: geteuid has no preconditions.
+    let expect = if unsafe { libc::geteuid() } == 0 {
+        (1000, 1000)
+    } else {
+        // SAFETY: as above.
+        unsafe { (libc::geteuid(), libc::getegid()) }
+    };
+    assert_eq!(
+        (mine.uid(), mine.gid()),
+        expect,
+        "the host's owner of pub/mine"
+    );
+    assert!(line("USERWRITE=").contains("Permission denied"), "{log}");
+    assert_eq!(
+        std::fs::read_to_string(share.join("roots")).unwrap(),
+        "root's own\n"
+    );
     let left = left_holding(&share);
     assert!(
         left.is_empty(),

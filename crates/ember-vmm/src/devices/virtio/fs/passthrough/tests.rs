@@ -598,7 +598,10 @@ fn bind_mounts_in_a_share_and_a_share_of_one() {
     assert!(t.names(lp.nodeid).contains(&"hello.txt".to_string()));
 
     let mut v = T::new(&tree.top.join("view"), false);
-    assert_eq!(v.names(ROOT_ID), [".", "..", "bound", "deeper", "loop", "up"]);
+    assert_eq!(
+        v.names(ROOT_ID),
+        [".", "..", "bound", "deeper", "loop", "up"]
+    );
     let up = v.lookup(ROOT_ID, "up").unwrap();
     // The link's text as it is; never followed here.
     assert_eq!(v.readlink(up.nodeid), b"../../outside");
