@@ -117,7 +117,7 @@ pub struct BootArgs {
     /// memory size and backing, devices, ACPI) are refused with it.
     #[arg(long, value_name = "DIR", conflicts_with_all = [
         "kernel", "initrd", "cmdline", "disk", "rng", "balloon", "cpus", "mem", "mem_boot", "hugepages",
-        "prefault", "no_acpi", "balloon_target", "balloon_no_reporting", "vsock", "fs",
+        "prefault", "no_acpi", "balloon_target", "balloon_no_reporting", "vsock",
     ])]
     pub restore: Option<PathBuf>,
     /// Seccomp filters on every thread (allow-lists in ember-vmm's seccomp/):
@@ -285,6 +285,7 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
                 channel: args.channel.clone(),
                 pmem: devices.pmem,
                 net: devices.net,
+                fs: devices.fs,
                 before_go: Some(before_go),
             };
             restore::restore(cfg, recorder.clone())?

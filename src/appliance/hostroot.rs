@@ -152,6 +152,7 @@ fn unservable(args: &RunArgs, backend: &dyn Backend) -> Option<String> {
                 return Some(e.to_string());
             }
         }
+        ShareSupport::InProcess => {}
     }
     // A kernel or module tree that cannot be used at all is the assembly's
     // error to report, not a reason to fall back.

@@ -72,8 +72,6 @@ enum Cold {
     /// Disks, pmem, rng or a balloon: a snapshot's devices are fixed when it
     /// is taken.
     Devices,
-    /// The host's root: its shares are not in the appliance's snapshot.
-    HostRoot,
 }
 
 impl std::fmt::Display for Cold {
@@ -87,7 +85,6 @@ impl std::fmt::Display for Cold {
             Cold::Prefault => "--prefault",
             Cold::NoAcpi => "--no-acpi",
             Cold::Devices => "devices of its own",
-            Cold::HostRoot => "the host's root",
         })
     }
 }
@@ -179,19 +176,19 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         Root::Host(_) => hostroot::environment(&args.env)?,
         Root::Initramfs => cli::environment(&args.env)?,
     };
-    let plan = match Plan::of(args, backend.as_ref()) {
-        Plan::Snapshot if root != Root::Initramfs => Plan::ColdBoot {
-            why: Cold::HostRoot,
-        },
-        plan => plan,
-    };
+    let plan = Plan::of(args, backend.as_ref());
+    let host_root = root != Root::Initramfs;
     let mut cold_groups = module_groups(&asked, backend.as_ref(), args.nested_kvm);
     if root != Root::Initramfs {
         cold_groups.push(hostroot::FS_GROUP);
     }
     let mut carried = cold_groups.clone();
     if plan == Plan::Snapshot {
-        carried.extend(warm_groups(backend.as_ref(), cli::wants_net(args)));
+        carried.extend(warm_groups(
+            backend.as_ref(),
+            cli::wants_net(args),
+            host_root,
+        ));
     }
     let carried: Vec<String> = carried.iter().map(|g| (*g).to_owned()).collect();
     let (a, shares) = match &root {
@@ -253,9 +250,15 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
     let mut held: Vec<Arc<File>> = Vec::new();
     let warm = match plan {
         Plan::Snapshot => {
-            let groups = warm_groups(backend.as_ref(), cli::wants_net(args));
-            let cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &groups);
-            warm_spec(args, &a, cmdline, &mut job, &mut temps, &mut held)?
+            let groups = warm_groups(backend.as_ref(), cli::wants_net(args), host_root);
+            let mut cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &groups);
+            let vmm_shares = shares.as_ref().map(|(vmm, _)| vmm.as_slice());
+            if let Some(vmm) = vmm_shares {
+                cmdline.push_str(&premount_words(vmm));
+            }
+            warm_spec(
+                args, &a, cmdline, vmm_shares, &mut job, &mut temps, &mut held,
+            )?
         }
         Plan::ColdBoot { why } => {
             log::debug!("appliance boots cold: {why}");
@@ -483,13 +486,18 @@ fn with_devices(args: &RunArgs, mut spec: GuestSpec) -> Result<GuestSpec, backen
 }
 
 /// The module groups of the appliance's snapshot: it is taken with the pmem
-/// group loaded (its command tree comes on a pmem slot), and with `net` for
-/// `--net` (another snapshot: its machine has the network device); a cold
-/// boot loads only its devices'.
-fn warm_groups(backend: &dyn Backend, net: bool) -> Vec<&'static str> {
+/// group loaded (its command tree comes on a pmem slot), or, on the host's
+/// root, the virtio-fs one (no slot: the command is the host's), and with
+/// `net` for `--net` (another snapshot: its machine has the network
+/// device); a cold boot loads only its devices'.
+fn warm_groups(backend: &dyn Backend, net: bool, host_root: bool) -> Vec<&'static str> {
     let mut g = vec!["core"];
     g.extend(backend.virtio_transports());
-    g.push("pmem");
+    g.push(if host_root {
+        hostroot::FS_GROUP
+    } else {
+        "pmem"
+    });
     if net {
         g.push("net");
     }
@@ -597,6 +605,23 @@ fn appliance_cmdline(
     cmdline
 }
 
+/// The kernel arguments that have the appliance mount the host's root (the
+/// first of `shares`) and the other shares before READY, so its snapshot
+/// holds them mounted: a restored run only binds each share to its path.
+/// The shares' count is in the snapshot's key through them (the machine has
+/// a device each); their directories are not: a restore opens this run's.
+fn premount_words(shares: &[backend::Share]) -> String {
+    let Some((root, rest)) = shares.split_first() else {
+        return String::new();
+    };
+    let mut words = format!(" EMBER_HOSTROOT={}", root.tag);
+    if !rest.is_empty() {
+        let tags: Vec<&str> = rest.iter().map(|s| s.tag.as_str()).collect();
+        words.push_str(&format!(" EMBER_SHARES={}", tags.join(",")));
+    }
+    words
+}
+
 /// The appliance restored from its snapshot, or booted to make that
 /// snapshot at READY (see [`warm`]): the spec to run and, in `job`, how the
 /// job is handed over. `None` when this run cannot use one (no mkfs.ext4,
@@ -605,6 +630,7 @@ fn warm_spec(
     args: &RunArgs,
     a: &Assembled,
     cmdline: String,
+    shares: Option<&[backend::Share]>,
     job: &mut host::Job,
     temps: &mut Vec<TempPath>,
     held: &mut Vec<Arc<File>>,
@@ -625,25 +651,33 @@ fn warm_spec(
         cmdline: &cmdline,
     });
     let dir = warm::snapshot_dir(&cache, &key);
-    // The per-run image holds the command's files (a 0600 `--file` too): a
-    // 0600 file with no name, which the VMM opens through its descriptor.
-    let tmp = std::env::temp_dir();
-    let image = cleanup::Nameless::new(&tmp).map_err(|e| {
-        ApplianceError::BadArg(format!("cannot make a file in {}: {e}", tmp.display()))
-    })?;
-    let staging = unique_temp("root", "d");
-    if let Err(e) = warm::root_image(&userland::with_links(&a.tree), &image, &staging) {
-        if args.verbose {
-            eprintln!("ember: booting cold: {}", error_chain(&e));
-        }
-        return Ok(None);
-    }
     let mut spec = GuestSpec::new(&a.kernel.image);
-    spec.devices.pmem = vec![ember_vmm::devices::virtio::PmemConfig::new(image.path())];
-    job.inherit_fds.push(image.fd());
-    held.push(Arc::new(image.into_file()));
     spec.events = args.devices.events.clone();
-    job.root = Some(warm::SLOT_DEVICE.into());
+    match shares {
+        // The host's root and this run's shares: the snapshot's are made
+        // with them and restored onto them (their directories this run's).
+        Some(shares) => spec.shares = shares.to_vec(),
+        None => {
+            // The per-run image holds the command's files (a 0600 `--file`
+            // too): a 0600 file with no name, which the VMM opens through
+            // its descriptor.
+            let tmp = std::env::temp_dir();
+            let image = cleanup::Nameless::new(&tmp).map_err(|e| {
+                ApplianceError::BadArg(format!("cannot make a file in {}: {e}", tmp.display()))
+            })?;
+            let staging = unique_temp("root", "d");
+            if let Err(e) = warm::root_image(&userland::with_links(&a.tree), &image, &staging) {
+                if args.verbose {
+                    eprintln!("ember: booting cold: {}", error_chain(&e));
+                }
+                return Ok(None);
+            }
+            spec.devices.pmem = vec![ember_vmm::devices::virtio::PmemConfig::new(image.path())];
+            job.inherit_fds.push(image.fd());
+            held.push(Arc::new(image.into_file()));
+            job.root = Some(warm::SLOT_DEVICE.into());
+        }
+    }
     // A damaged snapshot, or one of another format, is made again, as a
     // damaged cached appliance is (a failed restore checks the rest).
     let sound = dir.exists()

@@ -107,7 +107,8 @@ pub struct DeviceArgs {
     pub balloon: bool,
     /// Share a host directory (virtio-fs; in the guest: `mount -t virtiofs
     /// TAG DIR`), confined to DIR, `ro` refusing writes. ember's VMM only.
-    /// Repeatable, one tag each.
+    /// Repeatable, one tag each. With `ember boot --restore`: the snapshot's
+    /// share of that tag serves DIR instead.
     #[arg(long, value_name = "tag=TAG,dir=DIR[,ro]")]
     pub fs: Vec<FsConfig>,
     /// Describe devices with an MP table and the command line only (no ACPI tables).
@@ -207,6 +208,8 @@ pub enum ShareSupport {
     /// Through a `virtiofsd` per share, which the caller starts
     /// ([`virtiofsd`]) and names in [`Share::socket`].
     Virtiofsd,
+    /// Through the VMM's own virtio-fs device: nothing to start.
+    InProcess,
     /// Not at all; why, in a few words.
     Unsupported(&'static str),
 }
@@ -313,22 +316,25 @@ impl Backend for EmberBackend {
     }
 
     fn share_support(&self) -> ShareSupport {
-        ShareSupport::Unsupported("ember's own virtio-fs device is not there yet")
+        ShareSupport::InProcess
     }
 
     fn command(&self, spec: &GuestSpec) -> Result<Command, BackendError> {
-        if let ShareSupport::Unsupported(why) = self.share_support()
-            && !spec.shares.is_empty()
-        {
-            return Err(BackendError::Unsupported {
-                backend: "the ember backend".into(),
-                what: format!("share host directories ({why})"),
-            });
-        }
         let mut c = Command::new(&self.binary);
         c.arg("boot");
         // passt's socket: the first network device, booted or restored.
         let mut devices = spec.devices.clone();
+        // The shares are ember's own virtio-fs devices; restored, they name
+        // the directories the snapshot's shares serve this time.
+        for share in &spec.shares {
+            let fs = FsConfig::new(&share.tag, &share.dir, share.read_only).map_err(|e| {
+                BackendError::Unsupported {
+                    backend: "the ember backend".into(),
+                    what: format!("share {}: {e}", share.dir.display()),
+                }
+            })?;
+            devices.fs.push(fs);
+        }
         if let Some(fd) = spec.net_fd {
             let mut n = ember_vmm::devices::virtio::NetConfig::tap("");
             n.backend = ember_vmm::devices::virtio::net::NetBackendConfig::Socket(fd);
@@ -346,6 +352,7 @@ impl Backend for EmberBackend {
             let pmem = DeviceSet {
                 pmem: spec.devices.pmem.clone(),
                 net: spec.devices.net.clone(),
+                fs: spec.devices.fs.clone(),
                 ..DeviceSet::default()
             };
             hand_over(&mut c, &pmem);
@@ -594,6 +601,47 @@ mod tests {
                 ember_vmm::devices::virtio::net::NetBackendConfig::Socket(9)
             );
         }
+    }
+
+    /// Shares become ember's own virtio-fs devices, booted or restored (a
+    /// restore's name the directories the snapshot's shares serve now).
+    #[test]
+    fn shares_are_embers_own_fs_devices_booted_or_restored() {
+        let b = EmberBackend {
+            binary: "/bin/ember".into(),
+        };
+        let mut spec = GuestSpec::new("/k");
+        spec.shares.push(Share {
+            tag: "root".into(),
+            dir: "/".into(),
+            read_only: true,
+            socket: None,
+        });
+        spec.shares.push(Share {
+            tag: "data".into(),
+            dir: "/srv/data".into(),
+            read_only: false,
+            socket: None,
+        });
+        for restore in [None, Some("/snap".into())] {
+            spec.restore = restore;
+            let args: Vec<_> = b
+                .command(&spec)
+                .unwrap()
+                .get_args()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect();
+            let at = args.iter().position(|a| a == BOOT_DEVICES_ARG).unwrap();
+            let handed: DeviceSet = serde_json::from_str(&args[at + 1]).unwrap();
+            assert_eq!(
+                handed.fs,
+                [
+                    FsConfig::new("root", "/", true).unwrap(),
+                    FsConfig::new("data", "/srv/data", false).unwrap()
+                ]
+            );
+        }
+        assert_eq!(b.share_support(), ShareSupport::InProcess);
     }
 
     #[test]

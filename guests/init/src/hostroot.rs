@@ -26,6 +26,10 @@ type Mount = (
 );
 /// Longest path built here (a share's mount point inside the root).
 const PATH_LEN: usize = 4096;
+/// Where shares mounted before READY wait for their `SHARE` frame (one
+/// directory per tag): the appliance's snapshot holds them mounted, so a
+/// restored guest only binds each to its path.
+const STAGING_DIR: &[u8] = b"/.ember/shares\0";
 
 /// Mounts the host's root (virtio-fs tag `tag`, NUL-terminated) at `root`
 /// (NUL-terminated), overlaid, with the guest's own /dev (and /dev/pts,
@@ -78,10 +82,41 @@ pub fn mount(tag: &[u8], root: &[u8]) -> Result<(), &'static [u8]> {
     Ok(())
 }
 
+/// Mounts the shares tagged in `tags` (a comma list, NUL-terminated) in
+/// their staging directories, read-write (the device refuses writes to a
+/// read-only one; the bind in [`mount_share`] says `ro` too), each with its
+/// root's attributes fetched, so no request of the mount is in flight when
+/// the snapshot is taken.
+pub fn premount_shares(tags: &[u8]) -> Result<(), &'static [u8]> {
+    let _ = sys::mkdir(STAGING_DIR, 0o755);
+    for tag in tags[..tags.len() - 1].split(|&b| b == b',') {
+        if tag.is_empty() {
+            continue;
+        }
+        let mut tag_z = [0u8; 256];
+        if tag.len() >= tag_z.len() {
+            return Err(b"a share's tag is too long");
+        }
+        tag_z[..tag.len()].copy_from_slice(tag);
+        let mut path = [0u8; PATH_LEN];
+        let len = staging(&mut path, tag).ok_or(&b"a share's tag is too long"[..])?;
+        let _ = sys::mkdir(&path[..=len], 0o755);
+        sys::mount_with(&tag_z[..=tag.len()], &path[..=len], b"virtiofs\0", 0, b"\0")
+            .map_err(|_| &b"cannot mount a --share over virtio-fs"[..])?;
+        sys::stat(&path[..=len]).map_err(|_| &b"cannot reach a --share's directory"[..])?;
+    }
+    Ok(())
+}
+
 /// Mounts the share a `SHARE` payload names (`ro|rw TAG PATH`, no NUL) at
 /// PATH inside `root` (NUL-terminated), making PATH's directories in the
-/// overlay where the host has none.
-pub fn mount_share(share: &[u8], root: &[u8]) -> Result<(), &'static [u8]> {
+/// overlay where the host has none: a bind of its staging mount when
+/// `premounted` (the tags [`premount_shares`] mounted) has its tag.
+pub fn mount_share(
+    share: &[u8],
+    root: &[u8],
+    premounted: Option<&[u8]>,
+) -> Result<(), &'static [u8]> {
     const BAD: &[u8] = b"bad SHARE frame";
     let mut words = share.splitn(3, |&b| b == b' ');
     let flags = match words.next() {
@@ -107,6 +142,26 @@ pub fn mount_share(share: &[u8], root: &[u8]) -> Result<(), &'static [u8]> {
         }
     }
     let _ = sys::mkdir(&path[..=len], 0o755);
+    let staged =
+        premounted.is_some_and(|p| p[..p.len() - 1].split(|&b| b == b',').any(|t| t == tag));
+    if staged {
+        let mut from = [0u8; PATH_LEN];
+        let n = staging(&mut from, tag).ok_or(BAD)?;
+        let failed = &b"cannot mount a --share in the command's root"[..];
+        sys::mount_with(&from[..=n], &path[..=len], b"\0", sys::MS_BIND, b"\0")
+            .map_err(|_| failed)?;
+        if flags & sys::MS_RDONLY != 0 {
+            sys::mount_with(
+                b"\0",
+                &path[..=len],
+                b"\0",
+                sys::MS_REMOUNT | sys::MS_BIND | sys::MS_RDONLY,
+                b"\0",
+            )
+            .map_err(|_| failed)?;
+        }
+        return Ok(());
+    }
     sys::mount_with(
         &tag_z[..=tag.len()],
         &path[..=len],
@@ -116,6 +171,19 @@ pub fn mount_share(share: &[u8], root: &[u8]) -> Result<(), &'static [u8]> {
     )
     .map_err(|_| &b"cannot mount a --share over virtio-fs"[..])?;
     Ok(())
+}
+
+/// Writes the staging directory of share `tag` (no NUL), NUL-terminated,
+/// into `out`; returns its length without the NUL.
+fn staging(out: &mut [u8; PATH_LEN], tag: &[u8]) -> Option<usize> {
+    let len = join(out, STAGING_DIR, b"/")?;
+    let end = len + tag.len();
+    if end >= out.len() || tag.contains(&0) || tag.contains(&b'/') {
+        return None;
+    }
+    out[len..end].copy_from_slice(tag);
+    out[end] = 0;
+    Some(end)
 }
 
 /// Writes `root` (NUL-terminated) without its NUL, then `rel`, then a NUL

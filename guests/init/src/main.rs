@@ -31,6 +31,12 @@ const MODULE_LIST: &[u8] = b"/.ember/modules\0";
 const CHANNEL_VAR: &[u8] = b"EMBER_CHANNEL=";
 /// Which module groups to load (comma-separated; all when absent).
 const MODULES_VAR: &[u8] = b"EMBER_MODULES=";
+/// The virtio-fs tag of the host's root, to mount before READY (the
+/// appliance's snapshot then holds it mounted); `HOSTROOT` names it again.
+const HOSTROOT_VAR: &[u8] = b"EMBER_HOSTROOT=";
+/// Tags of shares to mount before READY, comma-separated (see
+/// [`hostroot::premount_shares`]).
+const SHARES_VAR: &[u8] = b"EMBER_SHARES=";
 /// How long to wait for the channel device node to appear (2 ms steps, 20 s):
 /// virtio-serial adds ports asynchronously, after its control queue talks to
 /// the device, which takes long on a busy TCG host.
@@ -108,6 +114,17 @@ fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
         ch.error_with(b"cannot load module ", name);
         return Ok(());
     }
+    let host_root = env_value(envp, HOSTROOT_VAR);
+    let premounted = env_value(envp, SHARES_VAR);
+    let staged = match host_root {
+        Some(tag) => hostroot::mount(tag, ROOT_DIR)
+            .and_then(|()| premounted.map_or(Ok(()), hostroot::premount_shares)),
+        None => Ok(()),
+    };
+    if let Err(msg) = staged {
+        ch.error_with(msg, b"");
+        return Ok(());
+    }
     ch.send(ft::READY, &[]);
 
     let mut arena = Arena::new();
@@ -129,7 +146,8 @@ fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
         }
     }
     if !cmd.host_root.is_null() {
-        if let Err(msg) = mount_host_root(&cmd) {
+        let premounted = host_root.map(|_| premounted);
+        if let Err(msg) = mount_host_root(&cmd, premounted) {
             ch.error_with(msg, b"");
             return Ok(());
         }
@@ -361,16 +379,21 @@ fn mount_root(dev: &[u8]) -> Result<(), &'static [u8]> {
     Ok(())
 }
 
-/// Mounts the host's root (`HOSTROOT`) at [`ROOT_DIR`] and the `SHARE`s into it.
-fn mount_host_root(cmd: &Command) -> Result<(), &'static [u8]> {
-    // SAFETY: host_root is a NUL-terminated string in the arena.
-    let tag = unsafe { sys::cstr(cmd.host_root) };
-    // SAFETY: as above; the slice includes the NUL.
-    let tag = unsafe { core::slice::from_raw_parts(tag.as_ptr(), tag.len() + 1) };
-    hostroot::mount(tag, ROOT_DIR)?;
+/// Mounts the host's root (`HOSTROOT`) at [`ROOT_DIR`] and the `SHARE`s
+/// into it; `premounted` when the root was mounted before READY, with the
+/// tags of the shares mounted then.
+fn mount_host_root(cmd: &Command, premounted: Option<Option<&[u8]>>) -> Result<(), &'static [u8]> {
+    if premounted.is_none() {
+        // SAFETY: host_root is a NUL-terminated string in the arena.
+        let tag = unsafe { sys::cstr(cmd.host_root) };
+        // SAFETY: as above; the slice includes the NUL.
+        let tag = unsafe { core::slice::from_raw_parts(tag.as_ptr(), tag.len() + 1) };
+        hostroot::mount(tag, ROOT_DIR)?;
+    }
     for &share in &cmd.shares[..cmd.nshares] {
         // SAFETY: every share is a NUL-terminated string in the arena.
-        hostroot::mount_share(unsafe { sys::cstr(share) }, ROOT_DIR)?;
+        let share = unsafe { sys::cstr(share) };
+        hostroot::mount_share(share, ROOT_DIR, premounted.flatten())?;
     }
     Ok(())
 }

@@ -28,6 +28,8 @@ pub const ENOTTY: Errno = 25;
 pub const MS_RDONLY: usize = 1;
 pub const MS_NOSUID: usize = 2;
 pub const MS_NODEV: usize = 4;
+pub const MS_REMOUNT: usize = 32;
+pub const MS_BIND: usize = 4096;
 
 pub const POLLIN: i16 = 0x1;
 pub const POLLOUT: i16 = 0x4;
@@ -57,6 +59,7 @@ const SYS_SYNC: usize = 162;
 const SYS_MOUNT: usize = 165;
 const SYS_REBOOT: usize = 169;
 const SYS_INIT_MODULE: usize = 175;
+const SYS_NEWFSTATAT: usize = 262;
 const SYS_PIPE2: usize = 293;
 const SYS_FINIT_MODULE: usize = 313;
 
@@ -281,6 +284,25 @@ pub fn symlink(target: &[u8], link: &[u8]) -> Result<usize, Errno> {
     call(
         SYS_SYMLINK,
         [target.as_ptr() as usize, link.as_ptr() as usize, 0, 0, 0, 0],
+    )
+}
+
+/// Whether `path` (NUL-terminated) can be stat'ed; its attributes are
+/// thrown away.
+pub fn stat(path: &[u8]) -> Result<usize, Errno> {
+    const AT_FDCWD: isize = -100;
+    // Larger than x86-64's `struct stat` (144 bytes).
+    let mut buf = [0u8; 256];
+    call(
+        SYS_NEWFSTATAT,
+        [
+            AT_FDCWD as usize,
+            path.as_ptr() as usize,
+            buf.as_mut_ptr() as usize,
+            0,
+            0,
+            0,
+        ],
     )
 }
 

@@ -38,8 +38,8 @@ use crate::builder::{self, BuildError};
 use crate::device_manager::{DeviceManager, transport_for};
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::{
-    Balloon, BalloonHandle, Block, Console, Fs, MemHandle, Net, NetConfig, Pmem, PmemConfig,
-    PmemRegion, Rng, VirtioMem, Vsock,
+    Balloon, BalloonHandle, Block, Console, Fs, FsConfig, MemHandle, Net, NetConfig, Pmem,
+    PmemConfig, PmemRegion, Rng, VirtioMem, Vsock,
 };
 use crate::devices::vmgenid::VmGenId;
 use crate::events::{Recorder, kind};
@@ -68,6 +68,12 @@ pub struct RestoreConfig {
     /// where given. A device whose backend or MAC changes shows its guest the link
     /// going down and up.
     pub net: Vec<NetConfig>,
+    /// Directories for the snapshot's virtio-fs shares, by tag, instead of
+    /// the recorded ones (and `ro` as given): a share's directory may
+    /// differ per restore. The guest's node IDs are the snapshot's; the
+    /// device opens them again by path beneath the new directory, as it
+    /// would the recorded one. A tag the snapshot lacks is an error.
+    pub fs: Vec<FsConfig>,
     /// Run once the VM is complete, before the vCPUs start
     /// ([`builder::BeforeGo`]).
     pub before_go: Option<builder::BeforeGo>,
@@ -269,6 +275,7 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Arc<Machin
         &pmem_regions,
         channel,
         &cfg.net,
+        &cfg.fs,
     )?;
     if let Some(b) = &balloon {
         restore_fence(b, &mem);
@@ -448,7 +455,19 @@ fn restore_virtio(
     pmem_regions: &[PmemRegion],
     mut channel: Option<Console>,
     net: &[NetConfig],
+    fs: &[FsConfig],
 ) -> Result<Attached, SnapshotError> {
+    for given in fs {
+        let recorded = states
+            .iter()
+            .any(|d| matches!(&d.config, DeviceConfig::Fs(s) if s.tag == given.tag));
+        if !recorded {
+            return Err(SnapshotError::Step(format!(
+                "the snapshot has no virtio-fs share tagged {:?}",
+                given.tag
+            )));
+        }
+    }
     let mut attached = Vec::new();
     let mut net_iter = net.iter();
     let mut pmem_iter = pmem_regions.iter();
@@ -517,7 +536,12 @@ fn restore_virtio(
                 hotplug = Some(h);
                 transport_for(dev)
             }
-            DeviceConfig::Fs(share) => {
+            DeviceConfig::Fs(recorded) => {
+                let share = fs
+                    .iter()
+                    .find(|f| f.tag == recorded.tag)
+                    .unwrap_or(recorded);
+                config = DeviceConfig::Fs(share.clone());
                 let dev = match &d.fs {
                     Some(state) => Fs::from_state(share, state),
                     None => Fs::new(share),
