@@ -10,6 +10,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod appliance_hostroot;
 mod appliance_snapshot;
 mod linux_balloon;
 mod linux_disk;
