@@ -13,7 +13,7 @@ Then ROUNDS rounds, each restoring both once (order alternating) with
 with the share on another directory each round (`--fs tag=,dir=`: the
 device opens it on restore), the other with a pmem slot of the recorded
 size. Both connect their channel to a socket listening here and are stopped
-by `--timeout` 0.05 s. The figure is the `first_guest_entry` event (us from
+by `--timeout` 0.5 s. The figure is the `first_guest_entry` event (us from
 ember's start, vCPU 0's first KVM_RUN), with the steps before it.
 
 Usage: bench/restore-share.py [ROUNDS]   (default 30)
@@ -108,7 +108,7 @@ def restore(snap, extra):
     if os.path.exists(ev):
         os.remove(ev)
     done = subprocess.run([EMBER, "boot", "--restore", snap, "--channel", CHANNEL,
-                           "--console", "none", "--timeout", "0.05", "--events", ev, *extra],
+                           "--console", "none", "--timeout", "0.5", "--events", ev, *extra],
                           capture_output=True)
     # 124: the timeout ended the guest (waiting for its command), as meant.
     if done.returncode != 124 or not os.path.exists(ev):
