@@ -364,6 +364,7 @@ pub(super) fn module_groups(
         (!spec.devices.disks.is_empty(), "blk"),
         (!spec.devices.pmem.is_empty(), "pmem"),
         (spec.devices.rng.is_some(), "rng"),
+        (spec.devices.mem.is_some(), modules::MEM_GROUP),
         (spec.devices.balloon.is_some(), "balloon"),
         (spec.net_fd.is_some() || !spec.devices.net.is_empty(), "net"),
     ] {

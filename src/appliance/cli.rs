@@ -35,6 +35,13 @@ pub struct RunArgs {
     /// whole number of MiB.
     #[arg(long, default_value = "256M", value_parser = backend::parse_mem_mib)]
     pub mem: u64,
+    /// Boot with this much RAM and offer the rest of `--mem` as a
+    /// virtio-mem region that the guest plugs and onlines as it boots
+    /// (its driver loaded before any other device's): a large `--mem`
+    /// then costs the boot no more than a small one. On QEMU a
+    /// `virtio-mem-pci` device (q35).
+    #[arg(long, value_name = "SIZE", value_parser = backend::parse_mem_mib)]
+    pub mem_boot: Option<u64>,
     /// Number of vCPUs.
     #[arg(long, default_value_t = 1)]
     pub cpus: u32,
@@ -137,6 +144,24 @@ pub struct RunArgs {
     /// The command to run in the guest, and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
+}
+
+/// The virtio-mem region `--mem-boot` asks for: the rest of `--mem`.
+pub fn mem_region(
+    args: &RunArgs,
+) -> Result<Option<ember_vmm::devices::virtio::MemConfig>, ApplianceError> {
+    let Some(boot) = args.mem_boot else {
+        return Ok(None);
+    };
+    if boot >= args.mem {
+        return Err(ApplianceError::BadArg(format!(
+            "--mem-boot {boot}M must be less than --mem {}M",
+            args.mem
+        )));
+    }
+    ember_vmm::devices::virtio::MemConfig::new((args.mem - boot) << 20)
+        .map(Some)
+        .map_err(|e| ApplianceError::BadArg(format!("--mem {}M --mem-boot {boot}M: {e}", args.mem)))
 }
 
 /// Arguments of `ember setup`.

@@ -20,13 +20,15 @@ use thiserror::Error;
 /// are the two virtio transports, loaded per backend (see
 /// `Backend::virtio_transports`: q35 has no virtio-mmio device, and loading
 /// `virtio_mmio` there cost ~0.8 M guest instructions for nothing). The init
-/// loads them in this order: the balloon comes right after the transports
-/// because with `--prefault async` it is the fence that keeps the guest on
+/// loads them in this order: virtio-mem (`ember run --mem-boot`) comes right
+/// after the transports so that the guest plugs its memory while the rest
+/// boots, then the balloon, because with `--prefault async` it is the fence that keeps the guest on
 /// committed memory, which holds only once its driver is up.
 pub const MODULE_GROUPS: &[(&str, &[&str])] = &[
     ("core", &["virtio_console"]),
     ("pci", &["virtio_pci"]),
     ("mmio", &["virtio_mmio"]),
+    (MEM_GROUP, &["virtio_mem"]),
     ("balloon", &["virtio_balloon"]),
     ("blk", &["virtio_blk"]),
     ("rng", &["virtio_rng"]),
@@ -34,6 +36,9 @@ pub const MODULE_GROUPS: &[(&str, &[&str])] = &[
     ("vsock", &["vmw_vsock_virtio_transport"]),
     ("net", &["virtio_net"]),
 ];
+
+/// The group of the virtio-mem driver (`ember run --mem-boot`).
+pub const MEM_GROUP: &str = "mem";
 
 /// Every module of [`MODULE_GROUPS`]: virtio transports, disks, the console
 /// channel, entropy, the balloon, DAX-capable pmem and vsock.
@@ -44,6 +49,7 @@ pub const APPLIANCE_MODULES: &[&str] = &[
     "virtio_blk",
     "virtio_rng",
     "virtio_balloon",
+    "virtio_mem",
     "virtio_pmem",
     "nd_pmem",
     "vmw_vsock_virtio_transport",

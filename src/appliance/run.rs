@@ -8,6 +8,7 @@ use super::assemble::{
 use super::cli::{self, RunArgs};
 use super::error::{ApplianceError, EXIT_APPLIANCE, EXIT_BROKEN_PIPE};
 use super::hostroot::{self, Root};
+use super::modules::MEM_GROUP;
 use super::{builder, cache, closure, host, kernel, rig, userland, warm};
 use crate::backend::{self, Backend, ChannelKind, GuestSpec};
 use crate::cleanup::{self, TempPath};
@@ -92,8 +93,12 @@ impl std::fmt::Display for Cold {
 impl Plan {
     fn of(args: &RunArgs, backend: &dyn Backend) -> Plan {
         let d = &args.devices;
-        let devices =
-            !d.disk.is_empty() || !d.pmem.is_empty() || d.rng || d.balloon || !d.fs.is_empty();
+        let devices = !d.disk.is_empty()
+            || !d.pmem.is_empty()
+            || d.rng
+            || d.balloon
+            || !d.fs.is_empty()
+            || args.mem_boot.is_some();
         [
             (args.no_snapshot, Cold::Asked),
             (args.prepare_only, Cold::PrepareOnly),
@@ -467,8 +472,11 @@ fn describe(net: &GuestNet) -> String {
 
 /// `spec` with the devices the command asked for (and, for `--net`, a
 /// placeholder for passt's socket: the real one comes with passt).
-fn with_devices(args: &RunArgs, mut spec: GuestSpec) -> Result<GuestSpec, backend::BackendError> {
+fn with_devices(args: &RunArgs, mut spec: GuestSpec) -> Result<GuestSpec, ApplianceError> {
     args.devices.apply(&mut spec);
+    // The region is part of the memory size.
+    spec.mem_mib = args.mem;
+    spec.devices.mem = cli::mem_region(args)?;
     if cli::wants_net(args) {
         spec.net_fd = Some(-1);
     }
@@ -593,6 +601,12 @@ fn appliance_cmdline(
         if args.verbose { "" } else { " quiet" },
         groups.join(",")
     );
+    if groups.contains(&MEM_GROUP) {
+        // The kernel onlines the blocks the driver plugs (nothing in the
+        // guest has to), movable where the ratio to kernel memory allows
+        // so that they can be unplugged again.
+        cmdline.push_str(" memhp_default_state=online memory_hotplug.online_policy=auto-movable");
+    }
     let options = backend.kernel_options(args.cpus);
     if !options.is_empty() {
         cmdline.push(' ');

@@ -153,7 +153,8 @@ pub struct GuestSpec {
     pub initrd: Option<PathBuf>,
     /// Kernel command line.
     pub cmdline: String,
-    /// Guest memory in MiB.
+    /// Guest memory in MiB: with a virtio-mem region (`devices.mem`), the
+    /// boot RAM and the region together.
     pub mem_mib: u64,
     /// vCPUs.
     pub cpus: u32,
@@ -373,6 +374,14 @@ impl Backend for EmberBackend {
         }
         c.arg("--cmdline").arg(&spec.cmdline);
         c.arg("--mem").arg(format!("{}M", spec.mem_mib));
+        if let Some(region) = &spec.devices.mem {
+            // `mem_mib` is all of it; the region (handed over with the
+            // devices) is what the guest does not boot with.
+            c.arg("--mem-boot").arg(format!(
+                "{}M",
+                spec.mem_mib.saturating_sub(region.size >> 20)
+            ));
+        }
         c.arg("--cpus").arg(spec.cpus.to_string());
         c.arg("--console")
             .arg(if spec.console { "serial" } else { "none" });
@@ -575,6 +584,29 @@ mod tests {
                 "async,window=64M"
             ]
         );
+    }
+
+    /// With a virtio-mem region `--mem` stays all of the memory and
+    /// `--mem-boot` is the rest; the region goes with the devices.
+    #[test]
+    fn a_region_is_handed_over_with_the_boot_ram_beside_it() {
+        let b = EmberBackend {
+            binary: "/bin/ember".into(),
+        };
+        let mut spec = GuestSpec::new("/k");
+        spec.mem_mib = 1024;
+        spec.devices.mem = Some(ember_vmm::devices::virtio::MemConfig::new(768 << 20).unwrap());
+        let args: Vec<_> = b
+            .command(&spec)
+            .unwrap()
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let s = args.join(" ");
+        assert!(s.contains("--mem 1024M --mem-boot 256M "), "{s}");
+        let at = args.iter().position(|a| a == BOOT_DEVICES_ARG).unwrap();
+        let handed: DeviceSet = serde_json::from_str(&args[at + 1]).unwrap();
+        assert_eq!(handed.mem, spec.devices.mem);
     }
 
     /// passt's socket becomes the first network device, `socket=N`, booted

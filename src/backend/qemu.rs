@@ -229,14 +229,17 @@ impl Backend for QemuBackend {
             }
             machine.push_str(",acpi=off");
         }
+        // A virtio-mem region is a memory device too (in `maxmem` below):
+        // the guest boots with the rest.
+        let region_mib = spec.devices.mem.as_ref().map_or(0, |m| m.size >> 20);
+        let boot_mib = spec.mem_mib.saturating_sub(region_mib);
         if !spec.shares.is_empty() {
             // vhost-user: virtiofsd maps guest memory, which must then be
             // a shared mapping it can be handed (a memfd), not QEMU's
             // private anonymous one.
             machine.push_str(",memory-backend=ram0");
             c.arg("-object").arg(format!(
-                "memory-backend-memfd,id=ram0,size={}M,share=on",
-                spec.mem_mib
+                "memory-backend-memfd,id=ram0,size={boot_mib}M,share=on"
             ));
         }
         c.args(["-M", &machine]);
@@ -261,11 +264,11 @@ impl Backend for QemuBackend {
         // virtio-pmem regions are memory devices: they live in the machine's
         // device-memory area, which `maxmem` above the RAM size makes.
         let pmem_total: u64 = pmem.iter().sum();
-        if pmem_total == 0 {
+        if pmem_total == 0 && region_mib == 0 {
             c.args(["-m", &format!("{}M", spec.mem_mib)]);
         } else {
             let max = spec.mem_mib + pmem_total.div_ceil(1 << 20);
-            c.args(["-m", &format!("{}M,maxmem={max}M", spec.mem_mib)]);
+            c.args(["-m", &format!("{boot_mib}M,maxmem={max}M")]);
         }
         c.args(["-smp", &spec.cpus.to_string()]);
         c.args([
@@ -358,11 +361,31 @@ impl Backend for QemuBackend {
                 "attach a hybrid vsock (--vsock; use --backend ember)",
             ));
         }
-        if spec.devices.mem.is_some() {
-            // QEMU's virtio-mem-pci needs a PCI machine with `maxmem`; not
-            // wired up yet.
-            return Err(unsupported(
-                "offer a virtio-mem region (use --backend ember)",
+        if let Some(m) = &spec.devices.mem {
+            // virtio-mem-pci: a PCI machine's device-memory area (`maxmem`
+            // above); all of the region requested at once, as ember does
+            // without --prefault.
+            if self.is_microvm() {
+                return Err(unsupported(
+                    "offer a virtio-mem region on microvm (use q35)",
+                ));
+            }
+            let share = if spec.shares.is_empty() {
+                ""
+            } else {
+                ",share=on"
+            };
+            c.arg("-object").arg(format!(
+                "memory-backend-{},id=vmem0,size={region_mib}M{share}",
+                if spec.shares.is_empty() {
+                    "ram"
+                } else {
+                    "memfd"
+                }
+            ));
+            c.arg("-device").arg(format!(
+                "virtio-mem-pci,id=vm0,memdev=vmem0,block-size={}K,requested-size={region_mib}M",
+                m.block_size >> 10
             ));
         }
         if !spec.devices.fs.is_empty() {
@@ -752,6 +775,45 @@ mod tests {
         }
     }
 
+    /// A virtio-mem region is a `virtio-mem-pci` device in the device-memory
+    /// area: `-m` is the boot RAM, `maxmem` all of it; refused on microvm.
+    #[test]
+    fn a_region_is_a_virtio_mem_pci_device_beside_the_boot_ram() {
+        let mut spec = GuestSpec::new("/k");
+        spec.mem_mib = 1024;
+        spec.devices.mem = Some(ember_vmm::devices::virtio::MemConfig::new(768 << 20).unwrap());
+        let s = args(&qemu("q35", Accel::Tcg).command(&spec).unwrap()).join(" ");
+        assert!(s.contains("-m 256M,maxmem=1024M "), "{s}");
+        assert!(
+            s.contains(
+                "-object memory-backend-ram,id=vmem0,size=768M \
+                 -device virtio-mem-pci,id=vm0,memdev=vmem0,block-size=2048K,requested-size=768M"
+            ),
+            "{s}"
+        );
+        // With a share the region is shared memory too (virtiofsd maps it).
+        spec.shares.push(super::super::Share {
+            tag: "root".into(),
+            dir: "/".into(),
+            read_only: true,
+            socket: Some("/tmp/fs.sock".into()),
+        });
+        let s = args(&qemu("q35", Accel::Tcg).command(&spec).unwrap()).join(" ");
+        assert!(
+            s.contains("memory-backend-memfd,id=ram0,size=256M,share=on"),
+            "{s}"
+        );
+        assert!(
+            s.contains("memory-backend-memfd,id=vmem0,size=768M,share=on"),
+            "{s}"
+        );
+        let e = qemu("microvm", Accel::Tcg).command(&spec).unwrap_err();
+        assert!(
+            e.to_string().contains("virtio-mem region on microvm"),
+            "{e}"
+        );
+    }
+
     /// A share is a vhost-user-fs device on the daemon's socket, and guest
     /// memory a shared memfd the daemon can map; one without its socket is
     /// refused.
@@ -849,10 +911,6 @@ mod tests {
         spec.devices.vsock = Some("cid=3,uds=/v.sock".parse().unwrap());
         let e = q.command(&spec).unwrap_err().to_string();
         assert!(e.contains("--vsock"), "{e}");
-        let mut spec = GuestSpec::new("/k");
-        spec.devices.mem = Some(ember_vmm::devices::virtio::MemConfig::new(1 << 30).unwrap());
-        let e = q.command(&spec).unwrap_err().to_string();
-        assert!(e.contains("virtio-mem"), "{e}");
         let mut spec = GuestSpec::new("/k");
         spec.devices.fs.push("tag=t,dir=/srv".parse().unwrap());
         assert!(q.command(&spec).unwrap_err().to_string().contains("--fs"));

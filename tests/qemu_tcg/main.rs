@@ -15,6 +15,7 @@ mod appliance_e2e;
 mod docker_e2e;
 mod hostroot_e2e;
 mod lab_qemu;
+mod mem_e2e;
 mod net_e2e;
 mod shim_e2e;
 mod test_guest_qemu;
