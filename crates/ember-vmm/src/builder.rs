@@ -247,6 +247,9 @@ pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Arc<Machine>, Bui
         Some(c) => {
             c.check()?;
             let (all, alone) = memory::add_hotplug(&mem, hotplug_at, c.size)?;
+            if cfg.memory.mem_lock {
+                prefault::lock(&alone)?;
+            }
             (all, Some(alone))
         }
         None => (mem, None),

@@ -565,8 +565,11 @@ pub fn rules(thread: Thread) -> Rules {
             r
         }
         Thread::Mem => {
-            // Discarding unplugged blocks is madvise (in base).
-            device_loop()
+            // Discarding unplugged blocks is madvise (in base); locked
+            // memory (--mem-lock) is unlocked for it and locked again.
+            let mut r = device_loop();
+            allow(&mut r, &[libc::SYS_munlock, libc::SYS_mlock2]);
+            r
         }
         Thread::Spawner => {
             let mut r = base();

@@ -452,11 +452,24 @@ fn discard(mem: &GuestMemory, start: u64, end: u64) -> bool {
     let Ok(host) = mem.get_host_address(GuestAddress(start)) else {
         return false;
     };
+    let len = (end - start) as usize;
     // SAFETY: `host..host+(end-start)` lies inside one region vm-memory keeps
     // mapped as long as `mem`; the driver gave these blocks up, so no guest
     // data lives there, and DONTNEED changes no Rust-visible invariant (the
     // pages read back as zeroes or the file's).
-    let rc = unsafe { libc::madvise(host.cast(), (end - start) as usize, libc::MADV_DONTNEED) };
+    let mut rc = unsafe { libc::madvise(host.cast(), len, libc::MADV_DONTNEED) };
+    if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+        // Locked memory (`--mem-lock`) cannot be discarded: unlocked for
+        // the discard, then locked again on fault, so a block plugged
+        // again is locked as the guest commits it.
+        // SAFETY: the same range as above; locking changes residency only.
+        rc = unsafe {
+            libc::munlock(host.cast(), len);
+            let rc = libc::madvise(host.cast(), len, libc::MADV_DONTNEED);
+            libc::mlock2(host.cast(), len, libc::MLOCK_ONFAULT);
+            rc
+        };
+    }
     if rc != 0 {
         crate::guest_warn!(
             "{DEVICE}: cannot discard {start:#x}..{end:#x}: {}",
@@ -567,6 +580,44 @@ mod tests {
             mem.read_obj::<u64>(GuestAddress(REGION)).unwrap(),
             0,
             "an unplugged block is dropped from the host"
+        );
+    }
+
+    /// `--mem-lock`: a locked block is discarded all the same (madvise
+    /// alone refuses locked memory) and stays locked for its next plug.
+    #[test]
+    fn a_locked_block_is_discarded_too() {
+        let mem = memory();
+        let host = mem.get_host_address(GuestAddress(REGION)).unwrap();
+        // SAFETY: the test memory's own mapping; locking changes residency only.
+        let rc = unsafe { libc::mlock2(host.cast(), BS as usize, libc::MLOCK_ONFAULT) };
+        assert_eq!(rc, 0, "mlock2: {}", std::io::Error::last_os_error());
+        mem.write_slice(&[0xab; 4096], GuestAddress(REGION))
+            .unwrap();
+        // SAFETY: as above.
+        let plain = unsafe { libc::madvise(host.cast(), BS as usize, libc::MADV_DONTNEED) };
+        assert_ne!(
+            plain, 0,
+            "madvise alone discards locked memory: nothing to test"
+        );
+        assert!(discard(&mem, REGION, REGION + BS));
+        assert_eq!(mem.read_obj::<u64>(GuestAddress(REGION)).unwrap(), 0);
+        // The mapping holding the block is marked lock-on-fault again.
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let at = host as u64;
+        let mut ours = false;
+        let flags = smaps.lines().find_map(|l| {
+            if let Some((range, _)) = l.split_once(' ')
+                && let Some((a, b)) = range.split_once('-')
+                && let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16))
+            {
+                ours = (a..b).contains(&at);
+            }
+            l.strip_prefix("VmFlags:").filter(|_| ours)
+        });
+        assert!(
+            flags.is_some_and(|f| f.split_whitespace().any(|x| x == "lf")),
+            "{flags:?}"
         );
     }
 
