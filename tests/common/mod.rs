@@ -37,6 +37,18 @@ impl Scratch {
     }
 }
 
+/// Writes `len` bytes of a fixed pattern to `path` (a file for a guest to
+/// fetch) and returns their md5, as `md5sum` prints it.
+pub fn pattern_file(path: &Path, len: u32) -> String {
+    let bytes: Vec<u8> = (0..len)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    std::fs::write(path, &bytes).unwrap();
+    let out = output(Command::new("md5sum").arg(path));
+    let sum = String::from_utf8_lossy(&out.stdout);
+    sum.split_whitespace().next().unwrap_or_default().to_owned()
+}
+
 /// Runs a command, returning its output; panics with context if it cannot start.
 pub fn output(cmd: &mut Command) -> Output {
     cmd.output()

@@ -214,18 +214,7 @@ fn the_guest_reaches_servers_in_the_test_namespace_over_ipv4_and_ipv6() {
         return;
     };
     let web = common::Scratch::new("net-web");
-    let blob: Vec<u8> = (0..1u32 << 20)
-        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
-        .collect();
-    std::fs::write(web.path("blob"), &blob).unwrap();
-    let md5 = text(
-        &Command::new("md5sum")
-            .arg(web.path("blob"))
-            .output()
-            .unwrap()
-            .stdout,
-    );
-    let md5 = md5.split_whitespace().next().unwrap().to_owned();
+    let md5 = common::pattern_file(&web.path("blob"), 1 << 20);
     let _web = ns.serve_in_b(7001, &web.0);
     // The "name server": whatever datagram reaches port 53 on DNS4.
     let mut dns = Netns::exec(
@@ -473,18 +462,7 @@ fn netns_gives_the_guest_the_namespaces_interface() {
         .trim()
         .to_owned();
     let web = common::Scratch::new("netns-web");
-    let blob: Vec<u8> = (0..1u32 << 20)
-        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
-        .collect();
-    std::fs::write(web.path("blob"), &blob).unwrap();
-    let md5 = text(
-        &Command::new("md5sum")
-            .arg(web.path("blob"))
-            .output()
-            .unwrap()
-            .stdout,
-    );
-    let md5 = md5.split_whitespace().next().unwrap().to_owned();
+    let md5 = common::pattern_file(&web.path("blob"), 1 << 20);
     let _web = ns.serve_in_b(7002, &web.0);
     let script = format!(
         "ip -o addr show dev eth0; ip -o link show dev eth0; ip route; \

@@ -730,18 +730,7 @@ fn a_container_in_a_cni_namespace_reaches_a_server_in_another() {
     .to_owned();
     let web = dir.path("web");
     std::fs::create_dir_all(&web).unwrap();
-    let blob: Vec<u8> = (0..256u32 << 10)
-        .map(|i| (i.wrapping_mul(2654435761) >> 11) as u8)
-        .collect();
-    std::fs::write(web.join("blob"), &blob).unwrap();
-    let md5 = text(
-        &Command::new("md5sum")
-            .arg(web.join("blob"))
-            .output()
-            .unwrap()
-            .stdout,
-    );
-    let md5 = md5.split_whitespace().next().unwrap().to_owned();
+    let md5 = common::pattern_file(&web.join("blob"), 256 << 10);
     let mut server = host
         .exec(&["busybox", "httpd", "-f", "-p", "10.99.0.1:8099", "-h"])
         .arg(&web)
