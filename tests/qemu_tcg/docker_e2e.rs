@@ -425,8 +425,18 @@ fn docker_runs_containers_in_ember_vms() {
             std::fs::read_to_string(vol.join("out")).unwrap_or_default(),
             "written\n"
         );
-        // -p: the port, published on the daemon namespace's loopback.
-        let got = d.in_netns(&["busybox", "wget", "-qO-", "http://127.0.0.1:18080/"]);
+        // -p: the port, published on the daemon namespace's loopback. As
+        // with `ember run --publish` (net_e2e), the path is live only once
+        // the guest's side answers: retried for up to 60 s (a CI run, many
+        // VMs booting at once, saw the first try fail).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let got = loop {
+            let got = d.in_netns(&["busybox", "wget", "-qO-", "http://127.0.0.1:18080/"]);
+            if got.status.success() || Instant::now() > deadline {
+                break got;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        };
         assert_eq!(
             text(&got.stdout),
             "served from the VM\n",
