@@ -67,6 +67,14 @@ pub fn net(
 /// frame) cut out of arbitrary bytes arriving in arbitrary pieces, and frames
 /// sent to a peer that has gone.
 pub fn net_stream(input: &[u8]) {
+    // Writing to a peer that has gone raises SIGPIPE. ember ignores it, as
+    // every Rust program does from its start, so the device sees EPIPE;
+    // libFuzzer's C `main` does not, and the signal would end the run.
+    static IGNORE_SIGPIPE: std::sync::Once = std::sync::Once::new();
+    IGNORE_SIGPIPE.call_once(|| {
+        // SAFETY: setting a signal's disposition to SIG_IGN installs no handler code.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    });
     crate::devices::virtio::net::fuzz_stream(input);
 }
 
