@@ -18,3 +18,4 @@ pub mod lab;
 pub mod netns;
 pub mod passt;
 pub mod terminal;
+pub mod tool;

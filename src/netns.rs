@@ -15,6 +15,7 @@
 //! tap that is gone, until the namespace is deleted (CNI's DEL does that).
 
 use crate::passt::{self, GuestNet, PasstError};
+use crate::tool::ToolError;
 use ember_vmm::devices::virtio::net::{self as vnet, MacAddr};
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -52,13 +53,8 @@ pub enum NetnsError {
     #[error("--netns: {0}")]
     Config(#[source] PasstError),
     /// `ip` or `tc` failed.
-    #[error("--netns: `{cmd}` failed: {why}")]
-    Tool {
-        /// The command line.
-        cmd: String,
-        /// Its error output, or why it did not run.
-        why: String,
-    },
+    #[error("--netns: {0}")]
+    Tool(#[from] ToolError),
 }
 
 /// A namespace's interface joined to a tap for the guest.
@@ -88,11 +84,11 @@ pub fn join(path: &Path) -> Result<PodNet, NetnsError> {
             std::io::Error::last_os_error(),
         ));
     }
-    let ifname = passt::default_interface().ok_or(NetnsError::NoInterface(path.to_owned()))?;
     let mut guest = GuestNet::from_host().map_err(|e| match e {
         PasstError::NoRoute => NetnsError::NoInterface(path.to_owned()),
         e => NetnsError::Config(e),
     })?;
+    let ifname = guest.ifname.clone();
     let (mac, mtu) = mac_and_mtu(&ifname)?;
     guest.mtu = u32::from(mtu);
     let tap = vnet::create_tap(TAP).map_err(NetnsError::Tap)?;
@@ -144,21 +140,8 @@ fn mac_and_mtu(ifname: &str) -> Result<(MacAddr, u16), NetnsError> {
     Ok((mac, mtu))
 }
 
-/// Runs `prog args…` (iproute2), failing with its error output.
+/// Runs `prog args…` (iproute2).
 fn tool(prog: &str, args: &[&str]) -> Result<(), NetnsError> {
-    let cmd = format!("{prog} {}", args.join(" "));
-    let out = Command::new(prog)
-        .args(args)
-        .output()
-        .map_err(|e| NetnsError::Tool {
-            cmd: cmd.clone(),
-            why: e.to_string(),
-        })?;
-    if out.status.success() {
-        return Ok(());
-    }
-    Err(NetnsError::Tool {
-        cmd,
-        why: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-    })
+    crate::tool::run(Command::new(prog).args(args))?;
+    Ok(())
 }

@@ -100,13 +100,23 @@ pub struct GuestNet {
     pub dns: Vec<IpAddr>,
     /// The host's search domains.
     pub search: Vec<String>,
+    /// The host interface of the default route (IPv4's, else IPv6's).
+    pub ifname: String,
 }
 
 impl GuestNet {
     /// The host's configuration, as passt would share it.
     pub fn from_host() -> Result<GuestNet, PasstError> {
         let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-        let v4 = default_route_v4(&read("/proc/net/route")).and_then(|(ifname, gateway)| {
+        let route_v4 = default_route_v4(&read("/proc/net/route"));
+        let route_v6 = default_route_v6(&read("/proc/net/ipv6_route"));
+        let ifname = route_v4
+            .as_ref()
+            .map(|(i, _)| i)
+            .or(route_v6.as_ref().map(|(i, _)| i))
+            .cloned()
+            .ok_or(PasstError::NoRoute)?;
+        let v4 = route_v4.and_then(|(ifname, gateway)| {
             let (addr, prefix) = interface_v4(&ifname)?;
             Some(Ipv4Net {
                 addr,
@@ -114,7 +124,7 @@ impl GuestNet {
                 gateway,
             })
         });
-        let v6 = default_route_v6(&read("/proc/net/ipv6_route")).and_then(|(ifname, gateway)| {
+        let v6 = route_v6.and_then(|(ifname, gateway)| {
             let (addr, prefix) = global_v6(&read("/proc/net/if_inet6"), &ifname)?;
             Some(Ipv6Net {
                 addr,
@@ -140,6 +150,7 @@ impl GuestNet {
             mtu: MTU,
             dns,
             search,
+            ifname,
         })
     }
 
@@ -305,13 +316,6 @@ pub(crate) fn interface_request(ifname: &str, request: libc::Ioctl) -> Option<li
     // call owns; the socket is open.
     let r = unsafe { libc::ioctl(sock.as_raw_fd(), request, &mut req) };
     (r == 0).then_some(req)
-}
-
-/// The interface of the IPv4 default route (of the calling process's
-/// network namespace).
-pub(crate) fn default_interface() -> Option<String> {
-    let table = std::fs::read_to_string("/proc/net/route").ok()?;
-    default_route_v4(&table).map(|(ifname, _)| ifname)
 }
 
 /// A transport protocol a port is forwarded for.
@@ -585,6 +589,7 @@ mod tests {
             mtu: MTU,
             dns: vec!["10.0.0.53".parse().unwrap()],
             search,
+            ifname: "eth0".into(),
         };
         assert!(
             net.resolv_conf()
@@ -634,6 +639,7 @@ mod tests {
             mtu: MTU,
             dns: Vec::new(),
             search: Vec::new(),
+            ifname: "eth0".into(),
         };
         assert_eq!(
             net.passt_args().join(" "),

@@ -14,6 +14,7 @@
 //! the fetched one is known to work; `ember setup` also falls back to it
 //! when it cannot download.
 
+use crate::tool::{self, ToolError};
 use ember_vmm::arch::x86_64::boot::{SETUP_CODE_OFFSET, read_setup_header};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -71,8 +72,8 @@ pub enum KernelError {
         source: std::io::Error,
     },
     /// apt-get/apt-cache/dpkg failed.
-    #[error("`{0}` failed: {1}")]
-    Tool(String, String),
+    #[error(transparent)]
+    Tool(#[from] ToolError),
     /// The cache directory cannot be determined.
     #[error("no cache directory: set EMBER_CACHE, XDG_CACHE_HOME or HOME")]
     NoCacheDir,
@@ -434,7 +435,7 @@ pub fn setup(cache_dir: &Path, explicit: Option<&Path>) -> Result<Kernel, Kernel
     if !vmlinuz.is_file() {
         let deb = download(&cache.root, &package)?;
         progress(&format!("unpacking {}", deb.display()));
-        run_tool(Command::new("dpkg").arg("-x").arg(&deb).arg(&dir))?;
+        tool::run(Command::new("dpkg").arg("-x").arg(&deb).arg(&dir))?;
         let _ = fs::remove_file(&deb);
     }
     progress("extracting vmlinux from the bzImage");
@@ -450,7 +451,7 @@ pub fn setup(cache_dir: &Path, explicit: Option<&Path>) -> Result<Kernel, Kernel
 /// from apt-cache; runs `apt-get update` once if apt knows nothing yet.
 fn resolve_package() -> Result<String, KernelError> {
     let depends = || -> Result<Option<String>, KernelError> {
-        let out = run_tool(Command::new("apt-cache").args(["depends", META_PACKAGE]));
+        let out = tool::run(Command::new("apt-cache").args(["depends", META_PACKAGE]));
         Ok(out.ok().and_then(|text| {
             text.lines()
                 .filter_map(|l| l.trim().strip_prefix("Depends: "))
@@ -463,12 +464,12 @@ fn resolve_package() -> Result<String, KernelError> {
         return Ok(p);
     }
     progress("apt does not know the kernel package yet: running apt-get update");
-    run_tool(Command::new("apt-get").arg("update"))?;
+    tool::run(Command::new("apt-get").arg("update"))?;
     depends()?.ok_or_else(|| {
-        KernelError::Tool(
-            format!("apt-cache depends {META_PACKAGE}"),
-            "no linux-image dependency found".into(),
-        )
+        KernelError::Tool(ToolError {
+            cmd: format!("apt-cache depends {META_PACKAGE}"),
+            why: "no linux-image dependency found".into(),
+        })
     })
 }
 
@@ -478,24 +479,23 @@ fn download(dir: &Path, package: &str) -> Result<PathBuf, KernelError> {
     // apt-get shows its own download progress: let it through (to stderr,
     // so setup's stdout stays clean).
     let fetch = || {
-        let status = Command::new("apt-get")
-            .args(["download", package])
+        let mut cmd = Command::new("apt-get");
+        cmd.args(["download", package])
             .current_dir(dir)
-            .stdout(std::io::stderr())
-            .status()
-            .map_err(|e| KernelError::Tool("apt-get download".into(), e.to_string()))?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(KernelError::Tool(
-                format!("apt-get download {package}"),
-                status.to_string(),
-            ))
-        }
+            .stdout(std::io::stderr());
+        let why = match cmd.status() {
+            Ok(s) if s.success() => return Ok(()),
+            Ok(s) => s.to_string(),
+            Err(e) => e.to_string(),
+        };
+        Err(ToolError {
+            cmd: tool::command_line(&cmd),
+            why,
+        })
     };
     if fetch().is_err() {
         progress("download failed: running apt-get update and retrying");
-        run_tool(Command::new("apt-get").arg("update"))?;
+        tool::run(Command::new("apt-get").arg("update"))?;
         fetch()?;
     }
     fs::read_dir(dir)
@@ -508,28 +508,12 @@ fn download(dir: &Path, package: &str) -> Result<PathBuf, KernelError> {
                     .and_then(|n| n.to_str())
                     .is_some_and(|n| n.starts_with(&format!("{package}_")))
         })
-        .ok_or_else(|| KernelError::Tool(format!("apt-get download {package}"), "no .deb".into()))
-}
-
-/// Runs a tool; its stdout on success, its stderr in the error.
-fn run_tool(cmd: &mut Command) -> Result<String, KernelError> {
-    let name = format!(
-        "{} {}",
-        cmd.get_program().to_string_lossy(),
-        cmd.get_args()
-            .map(|a| a.to_string_lossy())
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
-    let out = cmd
-        .output()
-        .map_err(|e| KernelError::Tool(name.clone(), e.to_string()))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        let last = err.lines().last().unwrap_or("").trim().to_owned();
-        return Err(KernelError::Tool(name, last));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        .ok_or_else(|| {
+            KernelError::Tool(ToolError {
+                cmd: format!("apt-get download {package}"),
+                why: "no .deb".into(),
+            })
+        })
 }
 
 #[cfg(test)]

@@ -199,16 +199,8 @@ pub fn root_image(tree: &Tree, image: &Nameless, staging: &Path) -> Result<(), W
         .arg(image.path());
     crate::cleanup::dies_with_ember(&mut mkfs);
     crate::cleanup::inherit(&mut mkfs, vec![image.fd()]);
-    let out = mkfs
-        .output()
-        .map_err(|e| WarmError::Mkfs(format!("mkfs.ext4: {e} (install e2fsprogs)")))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        return Err(WarmError::Mkfs(format!(
-            "mkfs.ext4: {}",
-            err.lines().last().unwrap_or("failed")
-        )));
-    }
+    crate::tool::run(&mut mkfs)
+        .map_err(|e| WarmError::Mkfs(format!("{e} (is e2fsprogs installed?)")))?;
     Ok(())
 }
 

@@ -38,17 +38,9 @@ pub enum RangeError {
         #[source]
         source: std::io::Error,
     },
-    /// A git command failed.
-    #[error("git {args} failed: {stderr}")]
-    Git {
-        /// Its arguments.
-        args: String,
-        /// What git said.
-        stderr: String,
-    },
-    /// git could not be run at all.
-    #[error("cannot run git")]
-    NoGit(#[source] std::io::Error),
+    /// git could not be run, or failed.
+    #[error(transparent)]
+    Git(#[from] crate::tool::ToolError),
     /// The range has no commits.
     #[error("the range `{0}` contains no commits")]
     Empty(String),
@@ -213,19 +205,9 @@ pub fn compare(prev: &[f64], cur: &[f64], alpha: f64) -> Option<Change> {
 }
 
 fn git(repo: &Path, args: &[&str]) -> Result<String, RangeError> {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(repo)
-        .args(args)
-        .output()
-        .map_err(RangeError::NoGit)?;
-    if !out.status.success() {
-        return Err(RangeError::Git {
-            args: args.join(" "),
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    Ok(crate::tool::run(
+        Command::new("git").arg("-C").arg(repo).args(args),
+    )?)
 }
 
 /// The commits of `range`, oldest first, with their subjects.
