@@ -540,6 +540,21 @@ impl Backend for Fake {
 mod tests {
     use super::*;
 
+    /// The arguments of the `ember boot` the ember backend runs for `spec`.
+    fn ember_args(b: &EmberBackend, spec: &GuestSpec) -> Vec<String> {
+        b.command(spec)
+            .unwrap()
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    /// The devices handed over in `args`.
+    fn handed_devices(args: &[String]) -> DeviceSet {
+        let at = args.iter().position(|a| a == BOOT_DEVICES_ARG).unwrap();
+        serde_json::from_str(&args[at + 1]).unwrap()
+    }
+
     #[test]
     fn ember_command_carries_the_spec() {
         let b = EmberBackend {
@@ -596,16 +611,10 @@ mod tests {
         let mut spec = GuestSpec::new("/k");
         spec.mem_mib = 1024;
         spec.devices.mem = Some(ember_vmm::devices::virtio::MemConfig::new(768 << 20).unwrap());
-        let args: Vec<_> = b
-            .command(&spec)
-            .unwrap()
-            .get_args()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect();
+        let args = ember_args(&b, &spec);
         let s = args.join(" ");
         assert!(s.contains("--mem 1024M --mem-boot 256M "), "{s}");
-        let at = args.iter().position(|a| a == BOOT_DEVICES_ARG).unwrap();
-        let handed: DeviceSet = serde_json::from_str(&args[at + 1]).unwrap();
+        let handed = handed_devices(&args);
         assert_eq!(handed.mem, spec.devices.mem);
     }
 
@@ -620,14 +629,8 @@ mod tests {
         spec.net_fd = Some(9);
         for restore in [None, Some("/snap".into())] {
             spec.restore = restore;
-            let args: Vec<_> = b
-                .command(&spec)
-                .unwrap()
-                .get_args()
-                .map(|a| a.to_string_lossy().into_owned())
-                .collect();
-            let at = args.iter().position(|a| a == BOOT_DEVICES_ARG).unwrap();
-            let handed: DeviceSet = serde_json::from_str(&args[at + 1]).unwrap();
+            let args = ember_args(&b, &spec);
+            let handed = handed_devices(&args);
             assert_eq!(
                 handed.net[0].backend,
                 ember_vmm::devices::virtio::net::NetBackendConfig::Socket(9)
@@ -657,14 +660,8 @@ mod tests {
         });
         for restore in [None, Some("/snap".into())] {
             spec.restore = restore;
-            let args: Vec<_> = b
-                .command(&spec)
-                .unwrap()
-                .get_args()
-                .map(|a| a.to_string_lossy().into_owned())
-                .collect();
-            let at = args.iter().position(|a| a == BOOT_DEVICES_ARG).unwrap();
-            let handed: DeviceSet = serde_json::from_str(&args[at + 1]).unwrap();
+            let args = ember_args(&b, &spec);
+            let handed = handed_devices(&args);
             assert_eq!(
                 handed.fs,
                 [
@@ -685,14 +682,8 @@ mod tests {
         spec.restore = Some("/snap".into());
         spec.devices.disks.push("/d.img".parse().unwrap());
         spec.devices.pmem.push("/slot.img".parse().unwrap());
-        let args: Vec<_> = b
-            .command(&spec)
-            .unwrap()
-            .get_args()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect();
-        let at = args.iter().position(|a| a == BOOT_DEVICES_ARG).unwrap();
-        let handed: DeviceSet = serde_json::from_str(&args[at + 1]).unwrap();
+        let args = ember_args(&b, &spec);
+        let handed = handed_devices(&args);
         assert_eq!(
             handed,
             DeviceSet {
