@@ -225,8 +225,8 @@ fn linux_brings_up_eth0_pings_and_moves_tcp_both_ways_byte_for_byte() {
         "0",
         "every frame came with all its buffers"
     );
-    // The driver took the checksum and segmentation offloads and mergeable
-    // buffers (the features string is bit 0 first).
+    // The driver took the checksum and segmentation offloads, mergeable
+    // buffers and event indices (the features string is bit 0 first).
     let f = value(&c, "NET-FEATURES=").as_bytes();
     for (bit, name) in [
         (0, "CSUM"),
@@ -235,6 +235,7 @@ fn linux_brings_up_eth0_pings_and_moves_tcp_both_ways_byte_for_byte() {
         (11, "HOST_TSO4"),
         (15, "MRG_RXBUF"),
         (16, "STATUS"),
+        (29, "RING_EVENT_IDX"),
     ] {
         assert_eq!(f.get(bit), Some(&b'1'), "{name} negotiated: {c}");
     }

@@ -78,6 +78,13 @@ pub(crate) const VIRTIO_F_VERSION_1: u64 = 1 << virtio_bindings::virtio_config::
 /// `virtio-queue` walks them for us, so every device offers it.
 pub(crate) const VIRTIO_RING_F_INDIRECT_DESC: u64 =
     1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC;
+/// `VIRTIO_RING_F_EVENT_IDX`: each side says how far the other may go before it wants to
+/// hear (the driver's `used_event`, the device's `avail_event`). The transport turns it
+/// on in the queues when the driver accepts it; only devices whose handlers keep
+/// `avail_event` current (`Queue::enable_notification` whenever they want a
+/// notification) offer it, or the driver would stop notifying them.
+pub(crate) const VIRTIO_RING_F_EVENT_IDX: u64 =
+    1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 
 /// Errors a device reports when the driver sets `DRIVER_OK`.
 #[derive(Debug, Error)]

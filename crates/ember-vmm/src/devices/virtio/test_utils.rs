@@ -113,6 +113,26 @@ impl<'a> TestQueue<'a> {
         self.mem.read_obj(GuestAddress(self.used)).unwrap()
     }
 
+    /// Sets the driver's `used_event` (`VIRTIO_RING_F_EVENT_IDX`): interrupt once the
+    /// used index passes it.
+    pub(crate) fn set_used_event(&self, idx: u16) {
+        let at = self.avail + 4 + 2 * u64::from(self.size);
+        self.mem.write_obj(idx, GuestAddress(at)).unwrap();
+    }
+
+    /// The device's `avail_event` (`VIRTIO_RING_F_EVENT_IDX`): notify once the
+    /// available index passes it.
+    pub(crate) fn avail_event(&self) -> u16 {
+        let at = self.used + 4 + 8 * u64::from(self.size);
+        self.mem.read_obj(GuestAddress(at)).unwrap()
+    }
+
+    /// Sets the device's `avail_event` (to see that the device writes it).
+    pub(crate) fn set_avail_event(&self, idx: u16) {
+        let at = self.used + 4 + 8 * u64::from(self.size);
+        self.mem.write_obj(idx, GuestAddress(at)).unwrap();
+    }
+
     /// Where the used index is (for a test that watches it from another thread).
     pub(crate) fn used_idx_addr(&self) -> u64 {
         self.used + 2

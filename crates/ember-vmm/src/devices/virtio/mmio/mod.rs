@@ -16,7 +16,10 @@ use virtio_bindings::virtio_mmio::*;
 use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use super::{ActiveQueue, GuestMemory, VIRTIO_F_VERSION_1, VirtioDevice, VirtioInterrupt};
+use super::{
+    ActiveQueue, GuestMemory, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VirtioDevice,
+    VirtioInterrupt,
+};
 use crate::devices::Interrupt;
 use crate::vstate::bus::BusDevice;
 
@@ -353,7 +356,7 @@ impl MmioTransport {
                 self.interrupt.set_needs_reset();
                 return;
             }
-            let queue = match Queue::try_from(q.state()) {
+            let mut queue = match Queue::try_from(q.state()) {
                 Ok(queue) => queue,
                 Err(e) => {
                     crate::guest_warn!("virtio-mmio: queue {i} is inconsistent: {e}");
@@ -369,6 +372,7 @@ impl MmioTransport {
                     return;
                 }
             };
+            queue.set_event_idx(self.driver_features & VIRTIO_RING_F_EVENT_IDX != 0);
             active.push(ActiveQueue { queue, evt });
         }
         // Only queues the driver enabled are handed over, in order; devices with optional
@@ -500,6 +504,8 @@ mod tests {
         /// Signals a used buffer from `activate`, as a device thread that
         /// finds work at once does (the restored appliance's console).
         signal_on_activate: bool,
+        /// Offered beside VERSION_1 and 0b101.
+        extra_features: u64,
     }
 
     impl VirtioDevice for Probe {
@@ -510,7 +516,7 @@ mod tests {
             &[16, 8]
         }
         fn avail_features(&self) -> u64 {
-            VIRTIO_F_VERSION_1 | 0b101
+            VIRTIO_F_VERSION_1 | 0b101 | self.extra_features
         }
         fn ack_features(&mut self, features: u64) {
             self.log.lock().unwrap().push(format!("ack {features:#x}"));
@@ -524,10 +530,13 @@ mod tests {
             irq: VirtioInterrupt,
             queues: Vec<ActiveQueue>,
         ) -> Result<(), ActivateError> {
-            self.log
-                .lock()
-                .unwrap()
-                .push(format!("activate {}", queues.len()));
+            let event_idx =
+                !queues.is_empty() && queues.iter().all(|q| q.queue.event_idx_enabled());
+            self.log.lock().unwrap().push(format!(
+                "activate {}{}",
+                queues.len(),
+                if event_idx { " event_idx" } else { "" }
+            ));
             if self.signal_on_activate {
                 irq.signal_used_queue();
             }
@@ -655,6 +664,48 @@ mod tests {
         assert_eq!(rd(&mut t, VIRTIO_MMIO_QUEUE_READY), 0);
         assert!(!t.is_active());
         assert_eq!(log.lock().unwrap().last().unwrap(), "reset");
+    }
+
+    /// A driver that accepts `VIRTIO_RING_F_EVENT_IDX` gets queues that use it,
+    /// and so does the same device restored from a snapshot.
+    #[test]
+    fn accepted_event_idx_is_on_in_the_active_queues_and_after_a_restore() {
+        let probe = || Probe {
+            extra_features: VIRTIO_RING_F_EVENT_IDX,
+            ..Probe::default()
+        };
+        let mem = || GuestMemory::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let line = Arc::new(CountingInterrupt::default());
+        let p = probe();
+        let log = p.log.clone();
+        let mut t = MmioTransport::new(p, mem(), line.clone()).unwrap();
+        wr(&mut t, VIRTIO_MMIO_STATUS, 1);
+        wr(&mut t, VIRTIO_MMIO_STATUS, 3);
+        wr(
+            &mut t,
+            VIRTIO_MMIO_DRIVER_FEATURES,
+            VIRTIO_RING_F_EVENT_IDX as u32,
+        );
+        wr(&mut t, VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
+        wr(&mut t, VIRTIO_MMIO_DRIVER_FEATURES, 1);
+        wr(&mut t, VIRTIO_MMIO_STATUS, 3 | 8);
+        setup_queue(&mut t, 0, 0x1_0000);
+        setup_queue(&mut t, 1, 0x2_0000);
+        wr(&mut t, VIRTIO_MMIO_STATUS, 0xf);
+        assert_eq!(log.lock().unwrap().last().unwrap(), "activate 2 event_idx");
+        let saved = t.state();
+        let p = probe();
+        let log = p.log.clone();
+        let mut restored = MmioTransport::new(p, mem(), line).unwrap();
+        restored.restore(&saved).unwrap();
+        assert_eq!(log.lock().unwrap().last().unwrap(), "activate 2 event_idx");
+        // Without it accepted, the same device's queues do not use it.
+        let (mut plain, log) = transport();
+        negotiate(&mut plain);
+        setup_queue(&mut plain, 0, 0x1_0000);
+        setup_queue(&mut plain, 1, 0x2_0000);
+        wr(&mut plain, VIRTIO_MMIO_STATUS, 0xf);
+        assert_eq!(log.lock().unwrap().last().unwrap(), "activate 2");
     }
 
     #[test]

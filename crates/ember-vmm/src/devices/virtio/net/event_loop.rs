@@ -80,6 +80,7 @@ fn serve(
     // Frames may already wait either way (a restored device's queues).
     h.process_tx();
     h.process_rx();
+    h.raise_interrupt();
 
     let mut events = [EpollEvent::default(); 8];
     loop {
@@ -146,5 +147,7 @@ fn serve(
                 }
             }
         }
+        // Once for all this wake-up did, both queues.
+        h.raise_interrupt();
     }
 }

@@ -89,8 +89,8 @@ enum Deliver {
     Done,
     /// The frame fits no buffer (without mergeable buffers) and was dropped.
     Dropped,
-    /// Not enough buffers: the frame waits for more.
-    NoBuffers,
+    /// Not enough buffers up to this available index: the frame waits for more.
+    NoBuffers(u16),
     /// The driver broke the protocol.
     Broken,
 }
@@ -122,6 +122,10 @@ pub(crate) struct NetHandler {
     chains: Vec<(u16, usize)>,
     /// Receive chains used since the driver was last asked about an interrupt.
     rx_added: u16,
+    /// The driver wants an interrupt for chains used since the last one; raised
+    /// once per wake-up of the I/O thread (`raise_interrupt`), whichever queues
+    /// (one line serves both).
+    irq_due: bool,
     segs: Vec<(GuestAddress, u32)>,
     /// The current frame's pieces for readv/writev, and (receiving) the guest
     /// address of each.
@@ -164,6 +168,7 @@ impl NetHandler {
             broken: false,
             chains: Vec::new(),
             rx_added: 0,
+            irq_due: false,
             segs: Vec::new(),
             iov: Pieces(Vec::new()),
             iov_addr: Vec::new(),
@@ -235,6 +240,15 @@ impl NetHandler {
             }
         }
         if returned && needs_interrupt(&mut self.tx, &self.mem, DEVICE) {
+            self.irq_due = true;
+        }
+    }
+
+    /// Interrupts the driver if a pass since the last call used chains it wants
+    /// to hear about: one interrupt for everything one wake-up did (each costs
+    /// the guest an exit, and an injection here).
+    pub(crate) fn raise_interrupt(&mut self) {
+        if std::mem::take(&mut self.irq_due) {
             self.irq.signal_used_queue();
         }
     }
@@ -363,17 +377,31 @@ impl NetHandler {
 
     /// Delivers waiting frames into the receive queue's buffers, reading more from the
     /// backend while there are buffers and the rate limit allows.
+    ///
+    /// While buffers last it is frames that wake the device, not the driver's
+    /// refills: the driver is asked not to notify, and asked again to only once
+    /// the device finds too few buffers (`rx_notify_after`).
     pub(crate) fn process_rx(&mut self) {
         let mut returned = false;
+        if !self.broken
+            && let Err(e) = self.rx.disable_notification(&self.mem)
+        {
+            self.fail(format_args!("unusable receive ring ({e})"));
+        }
         while !self.broken && self.rx_wait.is_none() {
             if self.rx_len == 0 {
-                match self.rx_has_buffers() {
-                    Ok(true) => {}
-                    Ok(false) => break,
+                let seen = match self.rx_avail() {
+                    Ok(a) => a,
                     Err(e) => {
                         self.fail(format_args!("unusable receive ring ({e})"));
                         break;
                     }
+                };
+                if seen == self.rx.next_avail() {
+                    if self.rx_short(seen) {
+                        continue;
+                    }
+                    break;
                 }
                 if self.backend.scatters() && self.backend.vnet_hdr() {
                     match self.receive_direct() {
@@ -408,19 +436,61 @@ impl NetHandler {
                     self.rx_len = 0;
                     self.rx_paid = false;
                 }
-                Deliver::NoBuffers | Deliver::Broken => break,
+                Deliver::NoBuffers(seen) => {
+                    if self.rx_short(seen) {
+                        continue;
+                    }
+                    break;
+                }
+                Deliver::Broken => break,
             }
         }
         if returned && self.rx_wants_interrupt() {
-            self.irq.signal_used_queue();
+            self.irq_due = true;
         }
     }
 
-    fn rx_has_buffers(&self) -> Result<bool, virtio_queue::Error> {
-        let avail = self
+    /// The receive ring's available index.
+    fn rx_avail(&self) -> Result<u16, virtio_queue::Error> {
+        Ok(self
             .rx
-            .avail_idx(&self.mem, std::sync::atomic::Ordering::Acquire)?;
-        Ok(avail.0 != self.rx.next_avail())
+            .avail_idx(&self.mem, std::sync::atomic::Ordering::Acquire)?
+            .0)
+    }
+
+    /// The buffers up to available index `seen` were too few: the driver is asked
+    /// to notify when it adds one past it. Whether it did meanwhile (look again);
+    /// a ring that cannot be written breaks the device.
+    fn rx_short(&mut self, seen: u16) -> bool {
+        match self.rx_notify_after(seen) {
+            Ok(more) => more,
+            Err(e) => {
+                self.fail(format_args!("unusable receive ring ({e})"));
+                false
+            }
+        }
+    }
+
+    /// Asks the driver to notify once the available index passes `seen`, then
+    /// reads it again: a buffer added before the driver could see the request
+    /// is found here, one added after brings a notification.
+    fn rx_notify_after(&mut self, seen: u16) -> Result<bool, virtio_queue::Error> {
+        use std::sync::atomic::{Ordering, fence};
+        if self.rx.event_idx_enabled() {
+            // `avail_event` = `seen`, not `next_avail` as `enable_notification`
+            // writes: a frame waiting for more buffers than are available
+            // already wants to hear of the next one.
+            let at = self.rx.used_ring() + 4 + 8 * u64::from(self.rx.size());
+            self.mem
+                .store(seen.to_le(), GuestAddress(at), Ordering::Relaxed)
+                .map_err(virtio_queue::Error::GuestMemory)?;
+        } else {
+            // Clears `VRING_USED_F_NO_NOTIFY`; its answer compares with
+            // `next_avail`, which is not the question here.
+            self.rx.enable_notification(&self.mem)?;
+        }
+        fence(Ordering::SeqCst);
+        Ok(self.rx_avail()? != seen)
     }
 
     /// Reads one frame from the backend straight into the receive buffers: as
@@ -487,7 +557,9 @@ impl NetHandler {
             }
         }
         if self.chains.is_empty() {
-            return Direct::Stop;
+            // The available index went back (a driver's garbage): the caller
+            // reads it again.
+            return Direct::Again;
         }
         self.iov.push(libc::iovec {
             iov_base: self.rx_buf.as_mut_ptr().cast(),
@@ -653,8 +725,10 @@ impl NetHandler {
             let chain = match Self::pop(&mut self.rx, mem) {
                 Ok(Some(c)) => c,
                 Ok(None) => {
+                    // The iterator found the available index here.
+                    let seen = self.rx.next_avail();
                     self.rx.set_next_avail(start);
-                    return Deliver::NoBuffers;
+                    return Deliver::NoBuffers(seen);
                 }
                 Err(e) => {
                     self.fail(format_args!("unusable receive ring ({e})"));
@@ -858,6 +932,8 @@ mod tests {
         let n = t.peer.recv(&mut got).unwrap();
         assert_eq!(&got[..n], &f[..]);
         assert_eq!(used(&t.txq), [(0, 0)]);
+        assert_eq!(t.line.count(), 0, "raised once per wake-up, not per pass");
+        t.h.raise_interrupt();
         assert_eq!(t.line.count(), 1);
         assert_eq!(t.txq.used_flags(), 0, "notifications back on once drained");
     }
@@ -1159,5 +1235,119 @@ mod tests {
         assert!(t.h.deadline().is_none());
         assert_eq!(t.txq.used_flags(), 0);
         let _ = t.mem;
+    }
+
+    fn with_event_idx(t: &mut Rig<'_>) {
+        t.h.rx.set_event_idx(true);
+        t.h.tx.set_event_idx(true);
+    }
+
+    #[test]
+    fn one_interrupt_for_both_queues_in_one_wake_up() {
+        let mem = memory();
+        let mut t = rig(&mem, true, true, RateLimit::default());
+        add_chain(&t.txq, 0, &[r(DATA_START, 100)]);
+        add_chain(&t.rxq, 0, &[w(DATA_START + 0x1000, 2048)]);
+        t.peer.send(&frame(HDR_LEN + 100, 1)).unwrap();
+        t.h.process_tx();
+        t.h.process_rx();
+        assert_eq!((used(&t.txq).len(), used(&t.rxq).len()), (1, 1));
+        t.h.raise_interrupt();
+        t.h.raise_interrupt();
+        assert_eq!(t.line.count(), 1);
+    }
+
+    #[test]
+    fn with_event_idx_transmit_interrupts_past_the_used_event_and_asks_to_hear_of_the_next() {
+        let mem = memory();
+        let mut t = rig(&mem, true, true, RateLimit::default());
+        with_event_idx(&mut t);
+        // The driver wants to hear once the third chain is used (used index past 2).
+        t.txq.set_used_event(2);
+        for i in 0..2u16 {
+            add_chain(&t.txq, i, &[r(DATA_START, 64)]);
+        }
+        t.h.process_tx();
+        t.h.raise_interrupt();
+        assert_eq!(used(&t.txq).len(), 2);
+        assert_eq!(t.line.count(), 0, "the used index did not pass 2");
+        assert_eq!(t.txq.avail_event(), 2, "notify me of the chain after these");
+        assert_eq!(t.txq.used_flags(), 0, "the flag is not how it asks");
+        add_chain(&t.txq, 2, &[r(DATA_START, 64)]);
+        t.h.process_tx();
+        t.h.raise_interrupt();
+        assert_eq!(t.line.count(), 1);
+        assert_eq!(t.txq.avail_event(), 3);
+        for _ in 0..3 {
+            assert!(t.peer.recv(&mut [0; 100]).is_ok());
+        }
+    }
+
+    #[test]
+    fn receive_notifications_are_off_while_buffers_last() {
+        let mem = memory();
+        let mut t = rig(&mem, true, true, RateLimit::default());
+        for i in 0..2u16 {
+            add_chain(&t.rxq, i, &[w(DATA_START + u64::from(i) * 0x1000, 2048)]);
+        }
+        t.h.process_rx();
+        assert_eq!(
+            t.rxq.used_flags(),
+            1,
+            "buffers wait: frames wake the device"
+        );
+        for seed in 0..3 {
+            t.peer.send(&frame(HDR_LEN + 100, seed)).unwrap();
+        }
+        t.h.process_rx();
+        assert_eq!(used(&t.rxq).len(), 2);
+        assert_eq!(t.rxq.used_flags(), 0, "out of buffers: the driver must say");
+        add_chain(&t.rxq, 2, &[w(DATA_START + 0x2000, 2048)]);
+        t.h.process_rx();
+        assert_eq!(used(&t.rxq).len(), 3, "the third frame");
+    }
+
+    #[test]
+    fn with_event_idx_receive_asks_to_hear_of_the_buffer_it_lacks() {
+        let mem = memory();
+        let mut t = rig(&mem, true, true, RateLimit::default());
+        with_event_idx(&mut t);
+        // Nothing to receive into: tell me of the first buffer.
+        t.rxq.set_avail_event(0x55);
+        t.h.process_rx();
+        assert_eq!(t.rxq.avail_event(), 0);
+        // A 20000-byte frame needs five 4 KiB chains; three are there. The
+        // device wants to hear of the fourth, not of the first (it has it).
+        let f = frame(HDR_LEN + 20_000, 3);
+        t.peer.send(&f).unwrap();
+        for i in 0..3u16 {
+            add_chain(&t.rxq, i, &[w(DATA_START + u64::from(i) * 0x1000, 4096)]);
+        }
+        t.rxq.set_avail_event(0x55);
+        t.h.process_rx();
+        assert!(used(&t.rxq).is_empty());
+        assert_eq!(t.rxq.avail_event(), 3);
+        for i in 3..5u16 {
+            add_chain(&t.rxq, i, &[w(DATA_START + u64::from(i) * 0x1000, 4096)]);
+        }
+        t.rxq.set_used_event(0);
+        t.h.process_rx();
+        t.h.raise_interrupt();
+        assert_eq!(used(&t.rxq).len(), 5);
+        assert_eq!(t.line.count(), 1, "used index past 0");
+        let got = read(&mem, DATA_START, 4096);
+        assert_eq!(&got[HDR_LEN..], &f[HDR_LEN..4096]);
+        // While buffers wait the event index stays behind (no notifications
+        // wanted), and interrupts follow the driver's used event.
+        assert_eq!(t.rxq.avail_event(), 5);
+        add_chain(&t.rxq, 5, &[w(DATA_START + 0x5000, 4096)]);
+        add_chain(&t.rxq, 6, &[w(DATA_START + 0x6000, 4096)]);
+        t.rxq.set_used_event(10);
+        t.peer.send(&frame(HDR_LEN + 100, 4)).unwrap();
+        t.h.process_rx();
+        t.h.raise_interrupt();
+        assert_eq!(used(&t.rxq).len(), 6);
+        assert_eq!(t.rxq.avail_event(), 5, "a buffer still waits");
+        assert_eq!(t.line.count(), 1, "used index 6 is not past 10");
     }
 }

@@ -45,8 +45,8 @@ use rate_limiter::Limiter;
 
 use super::worker::Worker;
 use super::{
-    ActivateError, ActiveQueue, GuestMemory, VIRTIO_F_VERSION_1, VIRTIO_RING_F_INDIRECT_DESC,
-    VirtioDevice, VirtioInterrupt, check_queues, read_config_bytes,
+    ActivateError, ActiveQueue, GuestMemory, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    VIRTIO_RING_F_INDIRECT_DESC, VirtioDevice, VirtioInterrupt, check_queues, read_config_bytes,
 };
 
 /// Entries in each queue.
@@ -244,8 +244,10 @@ impl Net {
         backend: Arc<dyn Backend>,
     ) -> std::io::Result<Self> {
         let bit = |b: u32| 1u64 << b;
+        // EVENT_IDX: the handler keeps `avail_event` current on both queues.
         let mut f = VIRTIO_F_VERSION_1
             | VIRTIO_RING_F_INDIRECT_DESC
+            | VIRTIO_RING_F_EVENT_IDX
             | bit(VIRTIO_NET_F_MAC)
             | bit(VIRTIO_NET_F_STATUS)
             | bit(VIRTIO_NET_F_MRG_RXBUF);
@@ -436,6 +438,7 @@ pub(crate) fn fuzz_queues(
     for _ in 0..2 {
         h.process_tx();
         h.process_rx();
+        h.raise_interrupt();
     }
     let mut sink = [0u8; 2048];
     while peer.recv(&mut sink).is_ok() {}
