@@ -79,7 +79,8 @@ pub struct BootArgs {
     /// A virtio-vsock device (Firecracker's hybrid vsock): the guest's CID and
     /// a Unix socket. Host programs connect to PATH and write `CONNECT <port>\n`
     /// (answered `OK <host port>\n`); guest connections to host port P go to
-    /// `PATH_P`. With --restore the snapshot's device binds its PATH again.
+    /// `PATH_P`. With --restore the snapshot's device binds its PATH again, or
+    /// this one's (and takes this CID): how a clone runs beside its original.
     #[arg(long, value_name = "cid=N,uds=PATH")]
     pub vsock: Option<VsockConfig>,
     /// The balloon's initial target (memory the guest gives back), e.g. 256M; adds the balloon.
@@ -117,7 +118,7 @@ pub struct BootArgs {
     /// memory size and backing, devices, ACPI) are refused with it.
     #[arg(long, value_name = "DIR", conflicts_with_all = [
         "kernel", "initrd", "cmdline", "disk", "rng", "balloon", "cpus", "mem", "mem_boot", "hugepages",
-        "prefault", "no_acpi", "balloon_target", "balloon_no_reporting", "vsock",
+        "prefault", "no_acpi", "balloon_target", "balloon_no_reporting",
     ])]
     pub restore: Option<PathBuf>,
     /// Seccomp filters on every thread (allow-lists in ember-vmm's seccomp/):
@@ -286,6 +287,7 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
                 pmem: devices.pmem,
                 net: devices.net,
                 fs: devices.fs,
+                vsock: devices.vsock,
                 before_go: Some(before_go),
             };
             restore::restore(cfg, recorder.clone())?

@@ -292,6 +292,21 @@ fn damaged_snapshots_are_refused_with_one_line_and_nothing_runs() {
         .unwrap()
         .set_modified(t)
         .unwrap();
+    // A vsock socket for a snapshot that has no vsock device.
+    let uds = dir.path("v.sock");
+    let o = output(
+        ember()
+            .args(["boot", "--timeout", "30", "--restore"])
+            .arg(&good)
+            .arg("--vsock")
+            .arg(format!("cid=3,uds={}", uds.display())),
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(o.stdout.is_empty(), "the guest ran");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(err.contains("no vsock device"), "{err}");
+    assert!(!uds.exists(), "no socket left behind");
     let (code, out, err) = restore(&good);
     assert_eq!(code, guest_status(4), "{err}");
     assert_eq!(out, "resumed\n");

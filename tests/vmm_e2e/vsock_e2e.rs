@@ -332,7 +332,9 @@ fn bad_vsock_paths_are_refused_with_one_line() {
 /// A snapshot taken while the guest has a connection open, restored in a
 /// fresh ember: the restored device's first act is a TRANSPORT_RESET event,
 /// the guest drops its connection; the host side of the old one has ended
-/// with the old process.
+/// with the old process. The restore is a clone's beside a live original:
+/// the recorded socket is refused as in use, and `--vsock` puts the device
+/// on another.
 #[test]
 fn a_restore_resets_the_guests_connections() {
     if !require_kvm("vsock_e2e::a_restore_resets") {
@@ -373,12 +375,28 @@ fn a_restore_resets_the_guests_connections() {
     s.read_to_end(&mut rest).unwrap();
     assert!(rest.is_empty());
 
-    let vm = Booted::spawn(
+    // A clone beside its original: the recorded socket is live (a listener
+    // here stands for the original VM), so the restore must be told another.
+    std::fs::remove_file(&uds).unwrap();
+    let _original = UnixListener::bind(&uds).unwrap();
+    let o = output(
         ember()
             .args(["boot", "--timeout", "120", "--restore"])
             .arg(&snap),
     );
-    vm.wait_until("the vsock socket", |_| uds.exists());
+    let err = stderr(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("in use"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    let clone = dir.path("clone.sock");
+    let vm = Booted::spawn(
+        ember()
+            .args(["boot", "--timeout", "120", "--restore"])
+            .arg(&snap)
+            .arg("--vsock")
+            .arg(format!("cid=42,uds={}", clone.display())),
+    );
+    vm.wait_until("the clone's vsock socket", |_| clone.exists());
     let (code, console, err) = vm.finish();
     assert_eq!(code, 0, "{console}{err}");
     assert!(

@@ -39,7 +39,7 @@ use crate::device_manager::{DeviceManager, transport_for};
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::{
     Balloon, BalloonHandle, Block, Console, Fs, FsConfig, MemHandle, Net, NetConfig, Pmem,
-    PmemConfig, PmemRegion, Rng, VirtioMem, Vsock,
+    PmemConfig, PmemRegion, Rng, VirtioMem, Vsock, VsockConfig,
 };
 use crate::devices::vmgenid::VmGenId;
 use crate::events::{Recorder, kind};
@@ -74,6 +74,12 @@ pub struct RestoreConfig {
     /// device opens them again by path beneath the new directory, as it
     /// would the recorded one. A tag the snapshot lacks is an error.
     pub fs: Vec<FsConfig>,
+    /// The snapshot's vsock device on this socket (and guest CID) instead of
+    /// the recorded ones: a clone restored beside the VM it was taken from
+    /// cannot bind that one's socket. The guest learns its CID again from
+    /// the transport reset every restored vsock device sends (Linux's driver
+    /// reads it then). An error when the snapshot has no vsock device.
+    pub vsock: Option<VsockConfig>,
     /// Run once the VM is complete, before the vCPUs start
     /// ([`builder::BeforeGo`]).
     pub before_go: Option<builder::BeforeGo>,
@@ -276,6 +282,7 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Arc<Machin
         channel,
         &cfg.net,
         &cfg.fs,
+        cfg.vsock.as_ref(),
     )?;
     if let Some(b) = &balloon {
         restore_fence(b, &mem);
@@ -456,7 +463,17 @@ fn restore_virtio(
     mut channel: Option<Console>,
     net: &[NetConfig],
     fs: &[FsConfig],
+    vsock: Option<&VsockConfig>,
 ) -> Result<Attached, SnapshotError> {
+    if vsock.is_some()
+        && !states
+            .iter()
+            .any(|d| matches!(d.config, DeviceConfig::Vsock(_)))
+    {
+        return Err(SnapshotError::Step(
+            "--vsock: the snapshot has no vsock device to put on it".into(),
+        ));
+    }
     for given in fs {
         let recorded = states
             .iter()
@@ -483,9 +500,11 @@ fn restore_virtio(
                 transport_for(block)
             }
             DeviceConfig::Rng(_) => transport_for(Rng::new()),
-            DeviceConfig::Vsock(v) => {
-                let mut dev = Vsock::new(v).map_err(|e| build_err(BuildError::Vsock(e)))?;
+            DeviceConfig::Vsock(recorded) => {
+                let now = vsock.unwrap_or(recorded);
+                let mut dev = Vsock::new(now).map_err(|e| build_err(BuildError::Vsock(e)))?;
                 dev.reset_guest_connections();
+                config = DeviceConfig::Vsock(now.clone());
                 transport_for(dev)
             }
             DeviceConfig::Pmem(p) => {
