@@ -264,3 +264,64 @@ fn boot_net_passt_starts_passt_and_it_goes_with_ember() {
     let _ = vm.finish();
     ns.gone_within(Duration::from_secs(15), "SIGKILL");
 }
+
+/// `ember boot --net passt` without passt: one line saying so, and nothing
+/// left behind — no passt, no control socket, no vsock socket, nothing in
+/// its temporary directory, no process.
+#[test]
+fn boot_net_passt_without_passt_fails_in_one_line_and_leaves_nothing() {
+    let Some(ns) = Netns::new("passt_e2e::without_passt") else {
+        return;
+    };
+    let dir = common::Scratch::new("passt-missing");
+    let tmp = dir.path("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let g = guest();
+    let o = common::output(
+        Command::new("ip")
+            .args(["netns", "exec", &ns.0])
+            .arg(ember_bin())
+            .args(["boot", "--kernel", g.to_str().unwrap(), "--timeout", "30"])
+            .args(["--net", "passt", "--publish", "18098:98"])
+            .arg("--api-socket")
+            .arg(dir.path("api.sock"))
+            .arg("--vsock")
+            .arg(format!("cid=3,uds={}", dir.path("v.sock").display()))
+            .env("EMBER_PASST", "/nonexistent/passt")
+            .env("TMPDIR", &tmp),
+    );
+    let err = common::stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(o.stdout.is_empty(), "the guest ran: {}", common::stdout(&o));
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err:?}");
+    assert!(
+        err.contains("--net needs passt") && err.contains("/nonexistent/passt"),
+        "{err}"
+    );
+    let left: Vec<_> = std::fs::read_dir(dir.path(""))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["tmp"], "left behind");
+    assert_eq!(
+        std::fs::read_dir(&tmp).unwrap().count(),
+        0,
+        "left in TMPDIR"
+    );
+    assert!(ns.passts().is_empty());
+    // `ip netns exec` execs ember, which has ended: nothing of it in the
+    // namespace.
+    let netns = std::fs::metadata(Path::new("/run/netns").join(&ns.0)).unwrap();
+    let in_ns: Vec<u32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| m.ino() == netns.ino())
+        })
+        .collect();
+    assert!(
+        in_ns.is_empty(),
+        "processes left in the namespace: {in_ns:?}"
+    );
+}
