@@ -6,6 +6,8 @@
 #   RIG-NET <vmm> <round> <up|down> <bytes> <secs> <CPU ticks> <CPU ticks without guest time> <ticks/s>
 #   RIG-RR <vmm> <round> <ping RTT avg ms>
 #   RIG-VSOCK <vmm> <round> <g2h|h2g> <bytes> <secs>
+#   RIG-NOTE <vmm> <round> RIG-STAT <dir> tx=<frames> rx=<frames> irq=<virtio interrupts>
+#     (the guest's counters before and after each transfer)
 # Configuration (environment): ROUNDS, VMMS, SECS, VSOCK_MIB.
 b=/bin/busybox
 $b mkdir -p /tmp/rig-bin && $b --install -s /tmp/rig-bin
@@ -86,7 +88,7 @@ run() {
       "RIG-H2G-DONE "*)
         read -r h1 _ < /proc/uptime
         echo "RIG-VSOCK $1 $3 h2g ${l#RIG-H2G-DONE } $(awk -v a="$h0" -v b="$h1" 'BEGIN { print b - a }')" ;;
-      "RIG-IPERF-LOG "*) echo "RIG-NOTE $1 $3 $l" ;;
+      "RIG-IPERF-LOG "* | "RIG-STAT "*) echo "RIG-NOTE $1 $3 $l" ;;
     esac
   done < /tmp/console
   wait $pid 2> /dev/null

@@ -5,6 +5,7 @@
 # host's PATH_5000, then a listener on port 1234 for the host's CONNECT.
 # Lines starting RIG- are for bench/rig-net-inner.sh, which reads the console.
 b=/bin/busybox
+$b mkdir -p /proc /sys /dev
 $b mount -t proc proc /proc
 $b mount -t sysfs sys /sys
 $b mount -t devtmpfs dev /dev
@@ -22,12 +23,20 @@ if [ "$mode" = net ]; then
   $b ip link set eth0 up
   n=0
   until $b ping -c 1 -W 1 10.0.2.1 > /dev/null 2>&1 || [ $n -ge 30 ]; do n=$((n + 1)); done
-  echo "RIG-FEATURES $($b cat /sys/class/net/eth0/device/features 2> /dev/null)"
+  for d in /sys/bus/virtio/devices/*; do
+    [ "$($b cat $d/device)" = 0x0001 ] && echo "RIG-FEATURES $($b cat $d/features)"
+  done
+  S=/sys/class/net/eth0/statistics
+  # Frames each way and the virtio interrupts so far: how many frames a
+  # transfer took (offloads) and how many interrupts it cost.
+  stat() { echo "RIG-STAT $1 tx=$($b cat $S/tx_packets) rx=$($b cat $S/rx_packets) irq=$($b awk '/virtio/ { printf "%s:%s ", $NF, $2 }' /proc/interrupts)"; }
   for dir in up down; do
     r=; [ $dir = down ] && r=-R
+    stat "$dir-before"
     echo "RIG-MARK $dir start"
     /usr/bin/iperf3 -c 10.0.2.1 -t "$secs" $r -f k > /tmp/iperf 2>&1
     echo "RIG-MARK $dir end"
+    stat "$dir"
     # The receiver's line: its seconds and bytes.
     $b awk -v d=$dir '/receiver/ { for (i = 1; i <= NF; i++) if ($i == "sec") { split($(i - 1), t, "-"); s = t[2] - t[1]; v = $(i + 1); u = $(i + 2) }
       m = (u ~ /^K/) ? 1024 : (u ~ /^M/) ? 1048576 : (u ~ /^G/) ? 1073741824 : 1
