@@ -22,6 +22,11 @@ pub fn busybox_initramfs(path: &Path) {
 /// An initramfs with static busybox, `applets` linked to it in /bin, and
 /// `init` as /init.
 pub fn initramfs_with(path: &Path, init: &str, applets: &[&str]) {
+    initramfs_with_files(path, init, applets, &[]);
+}
+
+/// [`initramfs_with`], plus executables `(path, contents)`.
+pub fn initramfs_with_files(path: &Path, init: &str, applets: &[&str], files: &[(&str, &[u8])]) {
     let busybox = ["/bin/busybox", "/usr/bin/busybox"]
         .into_iter()
         .find(|p| Path::new(p).exists())
@@ -35,6 +40,9 @@ pub fn initramfs_with(path: &Path, init: &str, applets: &[&str]) {
         .unwrap();
     for applet in applets {
         w.symlink(&format!("/bin/{applet}"), "busybox").unwrap();
+    }
+    for (at, data) in files {
+        w.file(at, 0o755, data).unwrap();
     }
     w.file("/init", 0o755, init.as_bytes()).unwrap();
     std::fs::write(path, w.finish().unwrap().0).unwrap();

@@ -15,6 +15,7 @@ mod appliance_snapshot;
 mod linux_balloon;
 mod linux_disk;
 mod linux_fs;
+mod linux_mem;
 mod linux_pvm;
 mod net_linux;
 mod snapshot_balloon;
