@@ -1,8 +1,10 @@
 //! A pod: one VM running the guest agent, holding one or more containers.
 //!
-//! On the QEMU backend the VM is `ember run` on the host's root with the
-//! agent as its command (a cold boot; the snapshot fast path belongs to the
-//! ember backend, where the agent will listen on vsock). It is started from
+//! The VM is `ember run` on the host's root with the agent as its command,
+//! which talks over `ember run`'s stdin and stdout (the appliance's
+//! channel): on the QEMU backend a cold boot; on the ember backend the
+//! appliance's snapshot (booted once per kernel, ember and share count,
+//! then restored: no boot on the hot path). It is started from
 //! a thread that lives as long as it does, because `PR_SET_PDEATHSIG` fires
 //! when the spawning *thread* ends: so the VM goes when the shim dies
 //! (SIGTERM: ember then stops its VMM and virtiofsd itself), and not before.
@@ -35,6 +37,13 @@ pub struct Share {
 pub struct PodConfig {
     /// `ember run --backend` (default: ember's own choice).
     pub backend: Option<String>,
+    /// `ember run --kernel` (default: the one `ember setup` fetched). On
+    /// the ember backend the VM is restored from the appliance's snapshot
+    /// of this kernel (made by the first pod that boots it), not booted.
+    pub kernel: Option<PathBuf>,
+    /// `ember run --cmdline`: extra kernel arguments (a kernel that needs
+    /// its own, as this workplace's PVM test kernel does).
+    pub cmdline: Option<String>,
     /// `--mem`.
     pub mem: Option<String>,
     /// `--cpus`.
@@ -91,6 +100,12 @@ impl Pod {
         cmd.arg("run");
         if let Some(b) = &cfg.backend {
             cmd.args(["--backend", b]);
+        }
+        if let Some(k) = &cfg.kernel {
+            cmd.arg("--kernel").arg(k);
+        }
+        if let Some(c) = &cfg.cmdline {
+            cmd.args(["--cmdline", c]);
         }
         if let Some(m) = &cfg.mem {
             cmd.args(["--mem", m]);

@@ -18,6 +18,7 @@ mod linux_fs;
 mod linux_mem;
 mod linux_pvm;
 mod net_linux;
+mod shim_pvm;
 mod snapshot_balloon;
 mod snapshot_linux;
 mod virtio_linux;

@@ -223,6 +223,7 @@ fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup
         netns: None,
         net,
         publish,
+        ..Default::default()
     };
     log::info!(
         "{}: booting its VM (mem {:?}, cpus {:?}, net {}, publish {:?})",

@@ -427,6 +427,8 @@ impl Service {
             let agent_spec = spec.container(&req.id, &guest_root)?;
             let cfg = PodConfig {
                 backend: std::env::var("EMBER_SHIM_BACKEND").ok(),
+                kernel: std::env::var_os("EMBER_SHIM_KERNEL").map(Into::into),
+                cmdline: std::env::var("EMBER_SHIM_CMDLINE").ok(),
                 mem: std::env::var("EMBER_SHIM_MEM").ok(),
                 cpus: std::env::var("EMBER_SHIM_CPUS")
                     .ok()
