@@ -14,6 +14,7 @@ const L2_GROUPS: &[(&str, &[&str])] = &[
     ("rng", &["virtio_rng"]),
     ("pmem", &["virtio_pmem", "nd_pmem"]),
     ("balloon", &["virtio_balloon"]),
+    ("mem", &["virtio_mem"]),
     ("vsock", &["vmw_vsock_virtio_transport"]),
     ("fs", &["virtiofs"]),
     ("net", &["virtio_net"]),

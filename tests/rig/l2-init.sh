@@ -92,8 +92,16 @@ touch_memory() {
   $b dd if=/dev/zero of=/mnt/t/fill bs=1M count=150 2>/dev/null &&
     echo "@touched $($b du -k /mnt/t/fill | $b cut -f1)"
 }
+# MemTotal in KiB.
+mt() { $b awk '/^MemTotal:/ { print $2 }' /proc/meminfo; }
 if [ "$RIGCASE" = balloon ]; then
   load core
+  # The virtio-mem region beside the balloon (the suite's --mem-boot): the
+  # driver plugs it all and the kernel onlines it (memhp_default_state).
+  load mem
+  n=0
+  until [ "$(mt)" -ge 340000 ] || [ $n -gt 300 ]; do n=$((n + 1)); $b sleep 0.2; done
+  echo "@mem-plugged $(mt)"
   load balloon
   # Resident free memory for the balloon to take (ember offers no free page
   # reporting here, so freed memory stays resident until the balloon takes it).
@@ -109,8 +117,16 @@ if [ "$RIGCASE" = balloon ]; then
   done
   echo "@balloon-vmstat inflate=$(vm balloon_inflate) deflate=$(vm balloon_deflate)"
   touch_memory
-  # The host measures, then shuts the VM down through its socket.
-  $b sleep 600
+  # The host measures, resizes the virtio-mem region (down, then up), then
+  # shuts the VM down through its socket; each MemTotal it sees meanwhile.
+  last=
+  n=0
+  while [ $n -lt 3000 ]; do
+    m=$(mt)
+    [ "$m" != "$last" ] && echo "@memtotal $m" && last=$m
+    n=$((n + 1))
+    $b sleep 0.2
+  done
 fi
 if [ "$RIGCASE" = prefault ]; then
   load core

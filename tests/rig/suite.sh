@@ -343,8 +343,8 @@ balloon_socket() {
   s=/tmp/balloon.sock
   con=/tmp/balloon.console
   # shellcheck disable=SC2086 # RIG_L2_ARGS is a list of arguments
-  ember boot --kernel "$vmlinux" --initrd /rig/l2.cpio --mem 256M --cpus 1 --timeout "$((LIMIT - 10))" \
-    --cmdline "$CMDLINE RIGCASE=balloon RIGTOKEN=$RIG_TOKEN" $RIG_L2_ARGS \
+  ember boot --kernel "$vmlinux" --initrd /rig/l2.cpio --mem 384M --mem-boot 256M --cpus 1 --timeout "$((LIMIT - 10))" \
+    --cmdline "$CMDLINE memhp_default_state=online_movable RIGCASE=balloon RIGTOKEN=$RIG_TOKEN" $RIG_L2_ARGS \
     --balloon --balloon-no-reporting --api-socket "$s" </dev/null >"$con" 2>/tmp/balloon.err &
   pid=$!
   balloon_steps
@@ -378,6 +378,29 @@ balloon_steps() {
   wait_line "$con" '^@touched' || return 1
   $b sleep 1
   echo "@rss-touched $(rss_kib $pid)"
+  # The virtio-mem region (one 128 MiB block) unplugged and plugged again
+  # through the socket; the guest prints each MemTotal it sees.
+  echo "@ctl-mem-shrink $(ember ctl --api-socket "$s" mem --size 256M)"
+  wait_plugged "$s" 0 || return 1
+  wait_line "$con" '^@memtotal [12][0-9][0-9][0-9][0-9][0-9]' || return 1
+  echo "@rss-unplugged $(rss_kib $pid)"
+  echo "@ctl-mem-grow $(ember ctl --api-socket "$s" mem --size 384M)"
+  wait_plugged "$s" 134217728 || return 1
+  until [ "$($b grep -c '^@memtotal 3' "$con")" -ge 2 ]; do
+    [ "$(secs)" -ge "$CASE_END" ] && echo "@timeout no second full MemTotal" && return 1
+    $b sleep 0.2
+  done
+}
+# wait_plugged SOCKET BYTES: until the virtio-mem region has BYTES plugged,
+# or the case's time is up (as wait_line).
+wait_plugged() {
+  while :; do
+    j=$(ember ctl --api-socket "$1" mem 2>&1)
+    a=$(echo "$j" | $b sed -n 's/.*"plugged_bytes":\([0-9]*\).*/\1/p')
+    [ "$a" = "$2" ] && return 0
+    [ "$(secs)" -ge "$CASE_END" ] && echo "@timeout plugged=$a want=$2 (mem: $j)" && return 1
+    $b sleep 0.5
+  done
 }
 # The boot doctor (its cases below).
 doctor() {
