@@ -24,6 +24,11 @@ pub enum Note {
         /// Exit code, or 128 + signal.
         status: i32,
     },
+    /// The OOM killer killed a process of a container.
+    Oom {
+        /// The container.
+        container: String,
+    },
     /// The stream ended: the agent (and its VM) are gone.
     Gone,
 }
@@ -178,6 +183,7 @@ fn read_loop(mut reader: Box<dyn Read + Send>, shared: Arc<Mutex<Shared>>, notes
                     lock(&shared).sinks.remove(&handle);
                     notes(Note::Exited { handle, status });
                 }
+                Ok(Event::Oom { container }) => notes(Note::Oom { container }),
                 Err(e) => log::warn!("agent: bad event: {e}"),
             },
             other => log::warn!("agent: unexpected frame kind {other:#x}"),

@@ -11,7 +11,7 @@
 
 use super::agent::{AgentClient, Note, Sink};
 use super::{ContainerError, companion};
-use ember_agent::{ContainerSpec, Handle, ProcessSpec, Request, Response};
+use ember_agent::{ContainerSpec, Handle, ProcessSpec, Request, Resources, Response, Stats};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;
@@ -19,6 +19,11 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+/// An answer that does not fit the request.
+fn unexpected(answer: Response) -> ContainerError {
+    ContainerError::Agent(format!("unexpected answer {answer:?}"))
+}
 
 /// How many lines of ember's stderr are kept for error messages.
 const STDERR_TAIL: usize = 12;
@@ -224,9 +229,7 @@ impl Pod {
             }
             Ok(other) => {
                 pod.kill();
-                Err(ContainerError::Agent(format!(
-                    "unexpected answer {other:?}"
-                )))
+                Err(unexpected(other))
             }
             Err(e) => {
                 pod.kill();
@@ -268,11 +271,7 @@ impl Pod {
         self.client.attach(handle, io.stdout, io.stderr);
         let pid = match self.client.request(Request::Start(spec))? {
             Response::Started { pid } => pid,
-            other => {
-                return Err(ContainerError::Agent(format!(
-                    "unexpected answer {other:?}"
-                )));
-            }
+            other => return Err(unexpected(other)),
         };
         if let Some(mut src) = io.stdin {
             let client = self.client.clone();
@@ -347,10 +346,46 @@ impl Pod {
             container: container.to_owned(),
         })? {
             Response::Pids(p) => Ok(p),
-            other => Err(ContainerError::Agent(format!(
-                "unexpected answer {other:?}"
-            ))),
+            other => Err(unexpected(other)),
         }
+    }
+
+    /// Freezes every process of a container (its cgroup's freezer in the guest).
+    pub fn pause(&self, container: &str) -> Result<(), ContainerError> {
+        self.client
+            .request(Request::Pause {
+                container: container.to_owned(),
+            })
+            .map(drop)
+    }
+
+    /// Thaws a paused container.
+    pub fn resume(&self, container: &str) -> Result<(), ContainerError> {
+        self.client
+            .request(Request::Resume {
+                container: container.to_owned(),
+            })
+            .map(drop)
+    }
+
+    /// A container's figures, from its cgroup in the guest.
+    pub fn stats(&self, container: &str) -> Result<Stats, ContainerError> {
+        match self.client.request(Request::Stats {
+            container: container.to_owned(),
+        })? {
+            Response::Stats(s) => Ok(s),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Changes a container's cgroup limits in the guest.
+    pub fn update(&self, container: &str, resources: Resources) -> Result<(), ContainerError> {
+        self.client
+            .request(Request::Update {
+                container: container.to_owned(),
+                resources,
+            })
+            .map(drop)
     }
 
     /// Kills what is left of a container and undoes its guest mounts.

@@ -124,6 +124,92 @@ pub fn unmount_all(target: &Path) -> bool {
     any
 }
 
+/// Bind-mounts `source` (recursively) at `target`, made for it (a
+/// directory, or an empty file for a file), read-only if asked.
+pub fn bind(source: &Path, target: &Path, readonly: bool) -> Result<(), ContainerError> {
+    let meta = std::fs::metadata(source).map_err(ContainerError::io(format!(
+        "bind source {}",
+        source.display()
+    )))?;
+    if meta.is_dir() {
+        return mount_all(
+            &[RootMount {
+                fstype: "bind".into(),
+                source: source.display().to_string(),
+                options: if readonly {
+                    vec!["rbind".into(), "ro".into()]
+                } else {
+                    vec!["rbind".into()]
+                },
+            }],
+            target,
+        );
+    }
+    if let Some(d) = target.parent() {
+        std::fs::create_dir_all(d).map_err(ContainerError::io(format!("mkdir {}", d.display())))?;
+    }
+    std::fs::File::create(target)
+        .map_err(ContainerError::io(format!("create {}", target.display())))?;
+    let what = format!("bind {} on {}", source.display(), target.display());
+    let fail = |source| ContainerError::Mount {
+        what: what.clone(),
+        source,
+    };
+    let (src, tgt) = (cstring(source)?, cstring(target)?);
+    // SAFETY: NUL-terminated paths alive for the calls; no type or data.
+    unsafe {
+        if libc::mount(
+            src.as_ptr(),
+            tgt.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        ) != 0
+        {
+            return Err(fail(std::io::Error::last_os_error()));
+        }
+        if readonly
+            && libc::mount(
+                std::ptr::null(),
+                tgt.as_ptr(),
+                std::ptr::null(),
+                libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY,
+                std::ptr::null(),
+            ) != 0
+        {
+            return Err(fail(std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+/// Unmounts everything mounted at `dir` or below it, deepest first
+/// (lazily); how many mounts went.
+pub fn unmount_under(dir: &Path) -> usize {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return 0;
+    };
+    let top = dir.to_string_lossy();
+    let below = format!("{}/", top.trim_end_matches('/'));
+    let mut points: Vec<&str> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|p| *p == top || p.starts_with(&below))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    points.dedup();
+    let mut n = 0;
+    for p in points {
+        if let Ok(c) = CString::new(p) {
+            // SAFETY: c is a NUL-terminated path alive for the call.
+            if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
 /// Whether something is mounted at `target` (per /proc/self/mountinfo).
 pub fn is_mounted(target: &Path) -> bool {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {

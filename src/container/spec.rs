@@ -2,7 +2,7 @@
 //! honours, and what turns them into the agent's requests.
 
 use super::ContainerError;
-use ember_agent::{Capabilities, ContainerSpec, Mount, ProcessSpec, Rlimit};
+use ember_agent::{Capabilities, ContainerSpec, Mount, ProcessSpec, Resources, Rlimit};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -25,7 +25,7 @@ pub struct Spec {
     /// Hooks (run by `ember-oci` on the host, as runc does).
     #[serde(default)]
     pub hooks: Hooks,
-    /// Annotations.
+    /// Annotations (a CRI pod's sandbox id and container type among them).
     #[serde(default)]
     pub annotations: std::collections::BTreeMap<String, String>,
 }
@@ -63,31 +63,6 @@ pub struct Hook {
     pub timeout: Option<u64>,
 }
 
-/// `linux.resources`, the parts that size a container's VM.
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct Resources {
-    /// Memory.
-    pub memory: Option<MemoryResources>,
-    /// CPU.
-    pub cpu: Option<CpuResources>,
-}
-
-/// `linux.resources.memory`.
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct MemoryResources {
-    /// Bytes.
-    pub limit: Option<i64>,
-}
-
-/// `linux.resources.cpu`.
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct CpuResources {
-    /// Microseconds per period.
-    pub quota: Option<i64>,
-    /// The period, microseconds.
-    pub period: Option<u64>,
-}
-
 /// The smallest VM a memory limit gives: below this the guest kernel and
 /// agent do not fit.
 pub const MIN_VM_MIB: u64 = 128;
@@ -112,8 +87,142 @@ pub struct Linux {
     /// The namespaces to join or make.
     #[serde(default)]
     pub namespaces: Vec<SpecNamespace>,
-    /// Resources: a memory limit and CPU quota size the VM.
-    pub resources: Option<Resources>,
+    /// Cgroup limits (applied to the container's cgroup in the guest).
+    pub resources: Option<LinuxResources>,
+}
+
+/// `linux.resources` (also an update request's resources).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LinuxResources {
+    /// `memory`.
+    pub memory: Option<MemoryResources>,
+    /// `cpu`.
+    pub cpu: Option<CpuResources>,
+    /// `pids`.
+    pub pids: Option<PidsResources>,
+    /// Device rules: the VM has only its own devices, and a container's
+    /// /dev only the usual ones, so the rules have nothing to restrict.
+    #[serde(default)]
+    pub devices: Vec<serde_json::Value>,
+    /// Block I/O weights and throttles (refused when set).
+    #[serde(rename = "blockIO")]
+    pub block_io: Option<serde_json::Value>,
+    /// Huge page limits (refused when set).
+    #[serde(default)]
+    pub hugepage_limits: Vec<serde_json::Value>,
+    /// Network class and priorities (refused when set).
+    pub network: Option<serde_json::Value>,
+    /// RDMA limits (refused when set).
+    pub rdma: Option<serde_json::Value>,
+    /// Raw cgroup v2 files (refused when set).
+    pub unified: Option<std::collections::BTreeMap<String, String>>,
+}
+
+/// `linux.resources.memory`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct MemoryResources {
+    /// Bytes.
+    pub limit: Option<i64>,
+    /// Memory + swap, bytes.
+    pub swap: Option<i64>,
+}
+
+/// `linux.resources.cpu`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CpuResources {
+    /// Relative weight (cgroup v1 shares).
+    pub shares: Option<u64>,
+    /// CFS quota, microseconds per period.
+    pub quota: Option<i64>,
+    /// CFS period, microseconds.
+    pub period: Option<u64>,
+    /// A cpuset (refused when set: the VM's vCPUs are the container's).
+    pub cpus: Option<String>,
+    /// Memory nodes (refused when set).
+    pub mems: Option<String>,
+}
+
+/// `linux.resources.pids`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct PidsResources {
+    /// Most processes.
+    pub limit: i64,
+}
+
+impl LinuxResources {
+    /// Parses the JSON of an update request's resources.
+    pub fn parse(json: &[u8]) -> Result<LinuxResources, String> {
+        serde_json::from_slice(json).map_err(|e| format!("resources: {e}"))
+    }
+
+    /// The limits the agent applies; what it cannot apply is refused in one line.
+    pub fn to_agent(&self) -> Result<Resources, ContainerError> {
+        let refuse = |what: &str| {
+            Err(ContainerError::NotImplemented(format!(
+                "{what} in a VM's guest"
+            )))
+        };
+        if self.block_io.as_ref().is_some_and(is_set) {
+            return refuse("block I/O limits (linux.resources.blockIO)");
+        }
+        if !self.hugepage_limits.is_empty() {
+            return refuse("huge page limits (linux.resources.hugepageLimits)");
+        }
+        if self.network.as_ref().is_some_and(is_set) {
+            return refuse("network priorities (linux.resources.network)");
+        }
+        if self.rdma.as_ref().is_some_and(is_set) {
+            return refuse("RDMA limits (linux.resources.rdma)");
+        }
+        if self.unified.as_ref().is_some_and(|u| !u.is_empty()) {
+            return refuse("raw cgroup files (linux.resources.unified)");
+        }
+        let cpu = self.cpu.clone().unwrap_or_default();
+        if cpu.cpus.as_ref().is_some_and(|c| !c.is_empty())
+            || cpu.mems.as_ref().is_some_and(|m| !m.is_empty())
+        {
+            return refuse("cpusets (linux.resources.cpu.cpus/mems)");
+        }
+        let memory = self.memory.clone().unwrap_or_default();
+        Ok(Resources {
+            memory_limit: memory.limit.filter(|&l| l != 0),
+            memory_swap: memory.swap.filter(|&s| s != 0),
+            cpu_quota: cpu.quota.filter(|&q| q != 0),
+            cpu_period: cpu.period.filter(|&p| p != 0),
+            cpu_shares: cpu.shares.filter(|&s| s != 0),
+            pids_limit: self.pids.as_ref().map(|p| p.limit),
+        })
+    }
+
+    /// The vCPUs the limits call for: the CFS quota over its period, rounded up.
+    pub fn vcpus(&self) -> Option<u32> {
+        let cpu = self.cpu.as_ref()?;
+        let quota = cpu.quota.filter(|&q| q > 0)?;
+        let period = cpu.period.filter(|&p| p > 0).unwrap_or(100_000);
+        Some((quota as u64).div_ceil(period).max(1) as u32)
+    }
+
+    /// The memory limit, bytes, if one is set.
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.memory
+            .as_ref()?
+            .limit
+            .filter(|&l| l > 0)
+            .map(|l| l as u64)
+    }
+}
+
+/// A bind mount of a host path: the host brings its source into the
+/// guest (through the pod's share); the agent binds it from there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostBind {
+    /// The host path.
+    pub source: std::path::PathBuf,
+    /// Where, in the container.
+    pub destination: String,
+    /// Read-only.
+    pub readonly: bool,
 }
 
 /// One of `linux.namespaces`.
@@ -346,21 +455,9 @@ impl Spec {
             return (None, None);
         };
         let mem = r
-            .memory
-            .as_ref()
-            .and_then(|m| m.limit)
-            .filter(|l| *l > 0)
-            .map(|l| format!("{}M", (l as u64).div_ceil(1 << 20).max(MIN_VM_MIB)));
-        let cpus = r.cpu.as_ref().and_then(|c| {
-            let quota = c.quota.filter(|q| *q > 0)? as u64;
-            let period = c.period.filter(|p| *p > 0).unwrap_or(100_000);
-            Some(quota.div_ceil(period).max(1) as u32)
-        });
-        (mem, cpus)
-    }
-
-    fn is_bind(m: &SpecMount) -> bool {
-        m.fstype == "bind" || m.options.iter().any(|o| o == "bind" || o == "rbind")
+            .memory_limit()
+            .map(|l| format!("{}M", l.div_ceil(1 << 20).max(MIN_VM_MIB)));
+        (mem, r.vcpus())
     }
 
     /// The host directories bind mounts need shared with the guest: a
@@ -368,7 +465,7 @@ impl Spec {
     /// share it), each at its own place under [`GUEST_BINDS`].
     pub fn bind_shares(&self, id: &str) -> Vec<super::pod::Share> {
         let mut shares: Vec<super::pod::Share> = Vec::new();
-        for m in self.mounts.iter().filter(|m| Self::is_bind(m)) {
+        for m in self.mounts.iter().filter(|m| is_bind(m)) {
             let src = Path::new(&m.source);
             let dir = if src.is_dir() {
                 src.to_path_buf()
@@ -386,50 +483,80 @@ impl Spec {
         shares
     }
 
+    /// The bind mounts of host paths, in order.
+    pub fn host_binds(&self) -> Vec<HostBind> {
+        self.mounts
+            .iter()
+            .filter(|m| is_bind(m))
+            .map(|m| HostBind {
+                source: m.source.clone().into(),
+                destination: m.destination.clone(),
+                readonly: m.options.iter().any(|o| o == "ro"),
+            })
+            .collect()
+    }
+
     /// The agent's description of the container whose root the guest sees
     /// at `guest_rootfs`. Bind mounts of host paths come through the
     /// shares [`Spec::bind_shares`] names (which the VM must have).
     pub fn container(&self, id: &str, guest_rootfs: &str) -> Result<ContainerSpec, ContainerError> {
         let shares = self.bind_shares(id);
-        if self.root.as_ref().is_some_and(|r| r.readonly) {
-            return Err(ContainerError::NotImplemented(
-                "a read-only root (root.readonly)".into(),
-            ));
+        let mut sources = Vec::new();
+        for m in self.mounts.iter().filter(|m| is_bind(m)) {
+            let src = Path::new(&m.source);
+            let found = shares.iter().find_map(|s| {
+                if src == s.host {
+                    Some(s.guest.clone())
+                } else {
+                    let rest = src.strip_prefix(&s.host).ok()?;
+                    (rest.components().count() == 1)
+                        .then(|| format!("{}/{}", s.guest, rest.display()))
+                }
+            });
+            let Some(source) = found else {
+                return Err(ContainerError::NotImplemented(format!(
+                    "bind mount of host path {} at {} (no such file or directory)",
+                    m.source, m.destination
+                )));
+            };
+            sources.push(source);
         }
+        self.container_with_binds(id, guest_rootfs, &sources)
+    }
+
+    /// As [`Spec::container`], the sources of [`Spec::host_binds`] seen
+    /// by the guest at `guest_binds` (in their order); a bind beyond them
+    /// is refused in one line.
+    pub fn container_with_binds(
+        &self,
+        id: &str,
+        guest_rootfs: &str,
+        guest_binds: &[String],
+    ) -> Result<ContainerSpec, ContainerError> {
         let mut mounts = Vec::new();
+        let mut binds = guest_binds.iter();
         for m in &self.mounts {
-            if Self::is_bind(m) {
-                let src = Path::new(&m.source);
-                let found = shares.iter().find_map(|s| {
-                    if src == s.host {
-                        Some(s.guest.clone())
-                    } else {
-                        let rest = src.strip_prefix(&s.host).ok()?;
-                        (rest.components().count() == 1)
-                            .then(|| format!("{}/{}", s.guest, rest.display()))
-                    }
-                });
-                let Some(source) = found else {
-                    return Err(ContainerError::NotImplemented(format!(
-                        "bind mount of host path {} at {} (no such file or directory)",
+            let source = if is_bind(m) {
+                binds.next().cloned().ok_or_else(|| {
+                    ContainerError::NotImplemented(format!(
+                        "bind mount of host path {} at {}",
                         m.source, m.destination
-                    )));
-                };
-                mounts.push(Mount {
-                    destination: m.destination.clone(),
-                    fstype: "bind".into(),
-                    source,
-                    options: m.options.clone(),
-                });
-                continue;
-            }
+                    ))
+                })?
+            } else {
+                m.source.clone()
+            };
             mounts.push(Mount {
                 destination: m.destination.clone(),
                 fstype: m.fstype.clone(),
-                source: m.source.clone(),
+                source,
                 options: m.options.clone(),
             });
         }
+        let resources = match &self.linux.resources {
+            Some(r) => r.to_agent()?,
+            None => Resources::default(),
+        };
         if self.linux.seccomp.is_some() {
             return Err(ContainerError::NotImplemented(
                 "seccomp filters (linux.seccomp)".into(),
@@ -443,8 +570,33 @@ impl Spec {
             masked_paths: self.linux.masked_paths.clone(),
             readonly_paths: self.linux.readonly_paths.clone(),
             sysctl: self.linux.sysctl.clone().into_iter().collect(),
+            readonly_root: self.root.as_ref().is_some_and(|r| r.readonly),
+            resources,
         })
     }
+
+    /// The annotation value under `key`.
+    pub fn annotation(&self, key: &str) -> Option<&str> {
+        self.annotations.get(key).map(String::as_str)
+    }
+}
+
+/// Whether a JSON value asks for anything: Docker sends `blockIO` with a
+/// zero weight when none was given, which asks for nothing.
+fn is_set(v: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => a.iter().any(is_set),
+        Value::Object(o) => o.values().any(is_set),
+    }
+}
+
+fn is_bind(m: &SpecMount) -> bool {
+    m.fstype == "bind" || m.options.iter().any(|o| o == "bind" || o == "rbind")
 }
 
 impl Process {
@@ -594,13 +746,59 @@ mod tests {
     }
 
     #[test]
-    fn a_readonly_root_is_refused_in_one_line() {
-        let spec = Spec::parse(br#"{"root": {"path": "rootfs", "readonly": true}}"#).unwrap();
-        assert!(
-            spec.container("c", "/r")
-                .unwrap_err()
-                .to_string()
-                .contains("read-only root")
+    fn bind_mounts_take_the_guest_sources_given_or_are_refused_in_one_line() {
+        let spec = Spec::parse(
+            br#"{"root": {"path": "rootfs", "readonly": true},
+                 "mounts": [{"destination": "/etc/hosts", "type": "bind", "source": "/etc/hosts", "options": ["rbind", "ro"]},
+                            {"destination": "/t", "type": "tmpfs", "source": "tmpfs"}]}"#,
+        )
+        .unwrap();
+        let e = spec
+            .container_with_binds("c", "/r", &[])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "not implemented: bind mount of host path /etc/hosts at /etc/hosts"
+        );
+        assert_eq!(
+            spec.host_binds(),
+            [HostBind {
+                source: "/etc/hosts".into(),
+                destination: "/etc/hosts".into(),
+                readonly: true
+            }]
+        );
+        let c = spec
+            .container_with_binds("c", "/r", &["/g/c.binds/0".into()])
+            .unwrap();
+        assert!(c.readonly_root);
+        assert_eq!(c.mounts[0].source, "/g/c.binds/0");
+        assert_eq!(c.mounts[1].source, "tmpfs");
+    }
+
+    #[test]
+    fn resources_become_cgroup_limits_and_vm_sizes_or_are_refused() {
+        let r = LinuxResources::parse(
+            br#"{"devices": [{"allow": false, "access": "rwm"}],
+                 "memory": {"limit": 67108864}, "cpu": {"quota": 150000, "period": 100000, "shares": 1024},
+                 "pids": {"limit": 100}}"#,
+        )
+        .unwrap();
+        let a = r.to_agent().unwrap();
+        assert_eq!(a.memory_limit, Some(64 << 20));
+        assert_eq!((a.cpu_quota, a.cpu_period), (Some(150_000), Some(100_000)));
+        assert_eq!(a.pids_limit, Some(100));
+        assert_eq!(r.vcpus(), Some(2));
+        assert_eq!(r.memory_limit(), Some(64 << 20));
+        // Docker's "no weight" asks for nothing.
+        let r =
+            LinuxResources::parse(br#"{"blockIO": {"weight": 0, "weightDevice": []}}"#).unwrap();
+        assert!(r.to_agent().is_ok());
+        let r = LinuxResources::parse(br#"{"blockIO": {"weight": 10}}"#).unwrap();
+        assert_eq!(
+            r.to_agent().unwrap_err().to_string(),
+            "not implemented: block I/O limits (linux.resources.blockIO) in a VM's guest"
         );
     }
 }

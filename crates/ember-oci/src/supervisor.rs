@@ -334,6 +334,9 @@ impl Sup {
                     let _ = tx.send(status);
                 }
             }
+            Note::Oom { container } => {
+                log::warn!("{container}: a process was killed for want of memory");
+            }
             Note::Gone => {
                 log::warn!("{}: the VM ended", self.id);
                 self.finish(255)

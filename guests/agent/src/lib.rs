@@ -158,6 +158,50 @@ pub struct ContainerSpec {
     /// Kernel parameters to set (OCI `linux.sysctl`): the VM's, which is the pod's.
     #[serde(default)]
     pub sysctl: Vec<(String, String)>,
+    /// The root is read-only (OCI `root.readonly`); the mounts inside it are not.
+    #[serde(default)]
+    pub readonly_root: bool,
+    /// Limits of its cgroup in the guest (OCI `linux.resources`).
+    #[serde(default)]
+    pub resources: Resources,
+}
+
+/// The cgroup limits the agent applies to a container (cgroup v2 in the
+/// guest); `None` leaves one as it is.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Resources {
+    /// `memory.max`, bytes (negative: no limit).
+    pub memory_limit: Option<i64>,
+    /// `memory.swap.max` as OCI's memory+swap, bytes (negative: no limit).
+    pub memory_swap: Option<i64>,
+    /// `cpu.max`'s quota, microseconds per period (negative: no limit).
+    pub cpu_quota: Option<i64>,
+    /// `cpu.max`'s period, microseconds.
+    pub cpu_period: Option<u64>,
+    /// Cgroup v1 CPU shares, mapped to `cpu.weight` as runc maps them.
+    pub cpu_shares: Option<u64>,
+    /// `pids.max` (zero or negative: no limit).
+    pub pids_limit: Option<i64>,
+}
+
+/// A container's figures, from its cgroup in the guest.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Stats {
+    /// `cpu.stat`: usage_usec, user_usec, system_usec, nr_periods,
+    /// nr_throttled, throttled_usec.
+    pub cpu: [u64; 6],
+    /// `memory.current`.
+    pub memory_usage: u64,
+    /// `memory.max` (u64::MAX for `max`).
+    pub memory_limit: u64,
+    /// `memory.stat`, the fields by name.
+    pub memory_stat: Vec<(String, u64)>,
+    /// `memory.events`: low, high, max, oom, oom_kill.
+    pub memory_events: [u64; 5],
+    /// `pids.current`.
+    pub pids_current: u64,
+    /// `pids.max` (0 for `max`).
+    pub pids_limit: u64,
 }
 
 /// A resource limit: the `RLIMIT_*` number, soft and hard.
@@ -257,6 +301,28 @@ pub enum Request {
         /// The container.
         container: String,
     },
+    /// Freeze every process of a container (its cgroup's freezer).
+    Pause {
+        /// The container.
+        container: String,
+    },
+    /// Thaw a paused container.
+    Resume {
+        /// The container.
+        container: String,
+    },
+    /// A container's figures; answered with `Stats`.
+    Stats {
+        /// The container.
+        container: String,
+    },
+    /// Change a container's cgroup limits.
+    Update {
+        /// The container.
+        container: String,
+        /// The new limits.
+        resources: Resources,
+    },
     /// Stop: the agent exits after answering (and the VM powers off).
     Shutdown,
 }
@@ -280,6 +346,8 @@ pub enum Response {
     },
     /// To `Pids`.
     Pids(Vec<u32>),
+    /// To `Stats`.
+    Stats(Stats),
     /// The request failed: a one-line reason.
     Error(String),
 }
@@ -293,6 +361,12 @@ pub enum Event {
         handle: Handle,
         /// Its exit code, or 128 + the signal that killed it.
         status: i32,
+    },
+    /// The kernel's OOM killer killed a process of a container (its
+    /// cgroup's `oom_kill` count went up).
+    Oom {
+        /// The container.
+        container: String,
     },
 }
 

@@ -12,6 +12,8 @@
 //! process's exit is reported once its output has been sent (or after a
 //! short grace, when something it left behind holds its pipes).
 
+mod cgroup;
+
 use ember_agent::{
     Capabilities, ContainerSpec, Event, Frame, Handle, Mount, ProcessSpec, Request,
     RequestEnvelope, Response, ResponseEnvelope, kind,
@@ -53,6 +55,12 @@ enum AgentError {
     NoArgs,
     #[error("not implemented: mounts of type `{fstype}` ({destination})")]
     MountType { fstype: String, destination: String },
+    #[error("container `{0}` is paused")]
+    Paused(String),
+    #[error("container `{0}` has no cgroup (its create said why)")]
+    NoCgroup(String),
+    #[error(transparent)]
+    Cgroup(#[from] cgroup::CgroupError),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -89,12 +97,18 @@ struct Container {
     rootfs: PathBuf,
     /// Mount points made inside it, in order.
     mounts: Vec<PathBuf>,
+    /// Its cgroup (none in a guest without cgroup v2, when it asked for no limits).
+    cgroup: Option<PathBuf>,
+    /// The OOM kills in it already reported.
+    oom_kills: u64,
 }
 
 struct Process {
     container: String,
     pid: u32,
-    stdin: Option<File>,
+    /// Its stdin's writer thread: a process that does not read cannot
+    /// hold up the agent (the bytes queue there instead).
+    stdin: Option<mpsc::Sender<Vec<u8>>>,
     /// The terminal's master side, for resizes.
     pty: Option<File>,
 }
@@ -113,7 +127,11 @@ struct Agent {
     containers: Mutex<HashMap<String, Container>>,
     processes: Mutex<HashMap<Handle, Process>>,
     pending: Mutex<Pending>,
+    cgroups: cgroup::Hierarchy,
 }
+
+/// How often containers' OOM counts are looked at.
+const OOM_POLL: Duration = Duration::from_millis(200);
 
 fn main() {
     // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) has no memory effects.
@@ -126,10 +144,15 @@ fn main() {
         containers: Mutex::new(HashMap::new()),
         processes: Mutex::new(HashMap::new()),
         pending: Mutex::new(Pending::default()),
+        cgroups: cgroup::Hierarchy::setup(),
     });
     {
         let agent = agent.clone();
         std::thread::spawn(move || agent.reap());
+    }
+    {
+        let agent = agent.clone();
+        std::thread::spawn(move || agent.watch_oom());
     }
     let mut input = io::stdin().lock();
     loop {
@@ -184,10 +207,11 @@ impl Agent {
                     return false;
                 };
                 if frame.kind == kind::STDIN_EOF {
+                    // Its writer ends (closing the pipe) once the queue is written.
                     p.stdin = None;
-                } else if let Some(f) = p.stdin.as_mut() {
-                    // A process that closed its stdin drops the rest.
-                    if f.write_all(bytes).is_err() {
+                } else if let Some(tx) = p.stdin.as_ref() {
+                    // A writer that ended (the process closed its stdin) drops the rest.
+                    if tx.send(bytes.to_vec()).is_err() {
                         p.stdin = None;
                     }
                 }
@@ -223,7 +247,57 @@ impl Agent {
                 Ok(Response::Pids(pids_in(&rootfs)))
             }
             Request::Destroy { container } => self.destroy(&container).map(|_| Response::Ok),
+            Request::Pause { container } => {
+                cgroup::freeze(&self.cgroup_of(&container)?, true)?;
+                Ok(Response::Ok)
+            }
+            Request::Resume { container } => {
+                cgroup::freeze(&self.cgroup_of(&container)?, false)?;
+                Ok(Response::Ok)
+            }
+            Request::Stats { container } => Ok(Response::Stats(cgroup::stats(
+                &self.cgroup_of(&container)?,
+            )?)),
+            Request::Update {
+                container,
+                resources,
+            } => {
+                cgroup::apply(&self.cgroup_of(&container)?, &resources)?;
+                Ok(Response::Ok)
+            }
             Request::Shutdown => Ok(Response::Ok),
+        }
+    }
+
+    fn cgroup_of(&self, container: &str) -> Result<PathBuf, AgentError> {
+        let cs = self.containers.lock().unwrap_or_else(|p| p.into_inner());
+        let c = cs
+            .get(container)
+            .ok_or_else(|| AgentError::NoContainer(container.to_owned()))?;
+        c.cgroup
+            .clone()
+            .ok_or_else(|| AgentError::NoCgroup(container.to_owned()))
+    }
+
+    /// Reports each new OOM kill in a container's cgroup.
+    fn watch_oom(self: Arc<Self>) {
+        loop {
+            std::thread::sleep(OOM_POLL);
+            let mut news = Vec::new();
+            {
+                let mut cs = self.containers.lock().unwrap_or_else(|p| p.into_inner());
+                for (id, c) in cs.iter_mut() {
+                    let Some(dir) = &c.cgroup else { continue };
+                    let n = cgroup::oom_kills(dir);
+                    if n > c.oom_kills {
+                        c.oom_kills = n;
+                        news.push(id.clone());
+                    }
+                }
+            }
+            for container in news {
+                self.out.send_json(kind::EVENT, &Event::Oom { container });
+            }
         }
     }
 
@@ -247,6 +321,13 @@ impl Agent {
             });
         }
         let mut made = Vec::new();
+        if spec.readonly_root {
+            // Its own mount, made read-only once everything inside is mounted.
+            if let Err(e) = bind(&rootfs, &rootfs, false) {
+                return Err(io_err(format!("bind {}", rootfs.display()))(e));
+            }
+            made.push(rootfs.clone());
+        }
         for m in &spec.mounts {
             match mount_in(&rootfs, m) {
                 Ok(points) => made.extend(points),
@@ -260,8 +341,35 @@ impl Agent {
             unmount_all(&made);
             return Err(e);
         }
+        if spec.readonly_root
+            && let Err(e) = remount_readonly(&rootfs)
+        {
+            unmount_all(&made);
+            return Err(io_err("make the root read-only")(e));
+        }
+        // Limits asked for need the cgroup; without any, a guest without
+        // cgroup v2 still runs the container (unpausable, without figures).
+        let wants_limits = spec.resources != ember_agent::Resources::default();
+        let cg = match self.cgroups.create(&spec.id) {
+            Ok(dir) => match cgroup::apply(&dir, &spec.resources) {
+                Ok(()) => Some(dir),
+                Err(e) => {
+                    cgroup::remove(&dir);
+                    unmount_all(&made);
+                    return Err(e.into());
+                }
+            },
+            Err(e) if wants_limits => {
+                unmount_all(&made);
+                return Err(e.into());
+            }
+            Err(e) => {
+                eprintln!("ember-agent: {e}");
+                None
+            }
+        };
         if let Some(h) = &spec.hostname {
-            // One container per VM today: the VM's hostname is the container's.
+            // The VM's hostname is the pod's (no UTS namespace per container): the last one set wins.
             // SAFETY: the pointer and length describe `h`.
             if unsafe { libc::sethostname(h.as_ptr().cast(), h.len()) } != 0 {
                 unmount_all(&made);
@@ -273,6 +381,8 @@ impl Agent {
             Container {
                 rootfs,
                 mounts: made,
+                cgroup: cg,
+                oom_kills: 0,
             },
         );
         Ok(())
@@ -283,6 +393,28 @@ impl Agent {
             return Err(AgentError::NoArgs);
         }
         let rootfs = self.rootfs_of(&spec.container)?;
+        let cg = self
+            .containers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&spec.container)
+            .and_then(|c| c.cgroup.clone());
+        // A process joining a frozen cgroup would freeze before its exec,
+        // and the spawn waiting for that exec would stall the agent.
+        if cg.as_deref().is_some_and(cgroup::is_frozen) {
+            return Err(AgentError::Paused(spec.container));
+        }
+        // Joined from the child before exec: writing "0" moves the writer.
+        let cg_procs = match &cg {
+            Some(dir) => Some(
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(dir.join("cgroup.procs"))
+                    .map_err(io_err("open the container's cgroup.procs"))?,
+            ),
+            None => None,
+        };
+        let cg_fd = cg_procs.as_ref().map(|f| f.as_raw_fd());
         if self
             .processes
             .lock()
@@ -361,6 +493,11 @@ impl Agent {
                         Ok(())
                     }
                 };
+                if let Some(fd) = cg_fd
+                    && libc::write(fd, b"0".as_ptr().cast(), 1) != 1
+                {
+                    return Err(io::Error::last_os_error());
+                }
                 check(libc::setsid())?;
                 if terminal {
                     check(libc::ioctl(0, libc::TIOCSCTTY, 0))?;
@@ -410,6 +547,12 @@ impl Agent {
         // The Child is dropped without waiting: the reaper collects it.
         let pid = child.id();
         drop(cmd);
+        drop(cg_procs);
+        let stdin_tx = stdin_w.map(|w| {
+            let (tx, rx) = mpsc::channel::<Vec<u8>>();
+            std::thread::spawn(move || pump_stdin(w, rx));
+            tx
+        });
         let mut dones = Vec::new();
         for (k, r) in outputs {
             let (tx, rx) = mpsc::channel();
@@ -426,7 +569,7 @@ impl Agent {
                 Process {
                     container: spec.container.clone(),
                     pid,
-                    stdin: stdin_w,
+                    stdin: stdin_tx,
                     pty,
                 },
             );
@@ -488,6 +631,9 @@ impl Agent {
             .ok_or_else(|| AgentError::NoContainer(container.to_owned()))?;
         kill_in(&c.rootfs);
         unmount_all(&c.mounts);
+        if let Some(dir) = &c.cgroup {
+            cgroup::remove(dir);
+        }
         self.processes
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -566,6 +712,16 @@ impl Agent {
                 .out
                 .send_json(kind::EVENT, &Event::Exited { handle, status });
         });
+    }
+}
+
+/// Writes what the host sends for a process's stdin, in order, until the
+/// host ends it (the sender dropped) or the process closes its end.
+fn pump_stdin(mut w: File, rx: mpsc::Receiver<Vec<u8>>) {
+    for bytes in rx {
+        if w.write_all(&bytes).is_err() {
+            return;
+        }
     }
 }
 
@@ -929,6 +1085,9 @@ fn populate_dev(dev: &Path) -> Result<(), AgentError> {
 /// (none for cgroups on a kernel without cgroup2).
 fn mount_in(rootfs: &Path, m: &Mount) -> Result<Vec<PathBuf>, AgentError> {
     let target = rootfs.join(m.destination.trim_start_matches('/'));
+    if m.fstype == "bind" || m.options.iter().any(|o| o == "bind" || o == "rbind") {
+        return bind_in(&target, m).map(|()| vec![target]);
+    }
     let (mut flags, mut data) = mount_options(&m.options);
     let (source, fstype) = match m.fstype.as_str() {
         // The VM's own devices: a fresh devtmpfs is what a container's
@@ -936,7 +1095,6 @@ fn mount_in(rootfs: &Path, m: &Mount) -> Result<Vec<PathBuf>, AgentError> {
         // VM's devices are in it.
         "proc" | "sysfs" | "tmpfs" | "devpts" | "mqueue" => (m.source.as_str(), m.fstype.as_str()),
         "cgroup" | "cgroup2" => ("cgroup2", "cgroup2"),
-        "bind" => return bind_in(&target, m, flags),
         _ => {
             return Err(AgentError::MountType {
                 fstype: m.fstype.clone(),
@@ -1015,67 +1173,86 @@ fn mount_in(rootfs: &Path, m: &Mount) -> Result<Vec<PathBuf>, AgentError> {
     Ok(vec![target])
 }
 
-/// A bind mount: its source is a guest path (a share of the host's
-/// directory, or a file in one), bound at `target` and made read-only by a
-/// remount if asked.
-fn bind_in(target: &Path, m: &Mount, flags: libc::c_ulong) -> Result<Vec<PathBuf>, AgentError> {
+/// A bind mount: its source is a guest path (the host's side reached the
+/// guest through the pod's share); a file's mount point is a file. Its
+/// options (`ro`, `nosuid`, `nodev`, `noexec`) apply to this mount only,
+/// by a remount.
+fn bind_in(target: &Path, m: &Mount) -> Result<(), AgentError> {
     let source = Path::new(&m.source);
-    let is_dir = std::fs::metadata(source)
-        .map_err(io_err(format!("bind source {}", m.source)))?
-        .is_dir();
-    if is_dir {
-        std::fs::create_dir_all(target).map_err(io_err(format!("mkdir {}", target.display())))?;
-    } else {
-        if let Some(parent) = target.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(io_err(format!("mkdir {}", parent.display())))?;
+    let meta = std::fs::metadata(source).map_err(io_err(format!("bind source {}", m.source)))?;
+    let mk = || -> io::Result<()> {
+        if meta.is_dir() {
+            std::fs::create_dir_all(target)
+        } else {
+            if let Some(d) = target.parent() {
+                std::fs::create_dir_all(d)?;
+            }
+            if std::fs::symlink_metadata(target).is_err() {
+                File::create(target)?;
+            }
+            Ok(())
         }
-        if !target.exists() {
-            std::fs::File::create(target)
-                .map_err(io_err(format!("create {}", target.display())))?;
-        }
-    }
-    let rec = if m.options.iter().any(|o| o == "rbind") {
-        libc::MS_REC
-    } else {
-        0
     };
-    let src = CString::new(source.as_os_str().as_bytes()).map_err(|_| AgentError::NoArgs)?;
-    let tgt = CString::new(target.as_os_str().as_bytes()).map_err(|_| AgentError::NoArgs)?;
-    // SAFETY: both are NUL-terminated paths alive for the call.
+    mk().map_err(io_err(format!("mount point {}", m.destination)))?;
+    let recursive = m.options.iter().any(|o| o == "rbind");
+    bind(source, target, recursive)
+        .map_err(io_err(format!("bind {} on {}", m.source, m.destination)))?;
+    let (flags, _) = mount_options(&m.options);
+    let extra = flags & (libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC);
+    if extra != 0 {
+        remount_bind(target, extra)
+            .map_err(io_err(format!("remount {} {extra:#x}", m.destination)))?;
+    }
+    Ok(())
+}
+
+fn bind(source: &Path, target: &Path, recursive: bool) -> io::Result<()> {
+    let c = |p: &Path| {
+        CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+    };
+    let (s, t) = (c(source)?, c(target)?);
+    let flags = libc::MS_BIND | if recursive { libc::MS_REC } else { 0 };
+    // SAFETY: NUL-terminated paths alive for the call; no type or data.
     let r = unsafe {
         libc::mount(
-            src.as_ptr(),
-            tgt.as_ptr(),
+            s.as_ptr(),
+            t.as_ptr(),
             std::ptr::null(),
-            libc::MS_BIND | rec,
+            flags,
             std::ptr::null(),
         )
     };
     if r != 0 {
-        return Err(io_err(format!("bind {} on {}", m.source, m.destination))(
-            io::Error::last_os_error(),
-        ));
+        return Err(io::Error::last_os_error());
     }
-    let extra = flags & (libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC);
-    if extra != 0 {
-        // SAFETY: as above; a remount ignores the source and type.
-        let r = unsafe {
-            libc::mount(
-                std::ptr::null(),
-                tgt.as_ptr(),
-                std::ptr::null(),
-                libc::MS_REMOUNT | libc::MS_BIND | rec | extra,
-                std::ptr::null(),
-            )
-        };
-        if r != 0 {
-            return Err(io_err(format!("remount {} {extra:#x}", m.destination))(
-                io::Error::last_os_error(),
-            ));
-        }
+    Ok(())
+}
+
+/// Makes the bind mount at `target` read-only (that mount only).
+fn remount_readonly(target: &Path) -> io::Result<()> {
+    remount_bind(target, libc::MS_RDONLY)
+}
+
+/// Remounts the bind mount at `target` with `flags` (`MS_RDONLY`,
+/// `MS_NOSUID`, ...), that mount only.
+fn remount_bind(target: &Path, flags: libc::c_ulong) -> io::Result<()> {
+    let t = CString::new(target.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: as in bind; a remount ignores the source and type.
+    let r = unsafe {
+        libc::mount(
+            std::ptr::null(),
+            t.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND | libc::MS_REMOUNT | flags,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
     }
-    Ok(vec![target.to_path_buf()])
+    Ok(())
 }
 
 fn unmount_all(points: &[PathBuf]) {
