@@ -11,19 +11,25 @@
 //! because the VM's process is waited for by the thread that started it.
 
 use containerd_shim as shim;
-use containerd_shim::protos::events::task::{
-    TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskStart,
+use containerd_shim::protos::cgroups_v2::metrics::{
+    CPUStat, MemoryEvents, MemoryStat, Metrics, PidsStat,
 };
+use containerd_shim::protos::events::task::{
+    TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskOOM, TaskPaused,
+    TaskResumed, TaskStart,
+};
+use containerd_shim::protos::protobuf::well_known_types::any::Any;
 use containerd_shim::protos::protobuf::well_known_types::timestamp::Timestamp;
-use containerd_shim::protos::protobuf::{EnumOrUnknown, MessageDyn, MessageField};
+use containerd_shim::protos::protobuf::{EnumOrUnknown, Message, MessageDyn, MessageField};
 use containerd_shim::protos::topics;
 use containerd_shim::protos::ttrpc::{self, Code};
 use containerd_shim::protos::types::task::ProcessInfo;
 use ember::container::agent::{Note, Sink};
 use ember::container::pod::{Pod, PodConfig, ProcIo, Share};
 use ember::container::rootfs::{self, RootMount};
-use ember::container::spec::{Process, Spec};
+use ember::container::spec::{LinuxResources, Process, Spec};
 use ember::container::{ContainerError, GUEST_ROOTS, rootfs::is_mounted};
+use ember_agent::Stats;
 use shim::api::{self, Status};
 use shim::publisher::RemotePublisher;
 use shim::{Config, DeleteResponse, ExitSignal, Flags, TtrpcContext, TtrpcResult};
@@ -37,6 +43,8 @@ use std::time::SystemTime;
 
 /// containerd's name for this runtime.
 const RUNTIME_ID: &str = "io.containerd.ember.v2";
+/// The type containerd's `ctr task metrics` decodes cgroup v2 figures as.
+const METRICS_TYPE: &str = "io.containerd.cgroups.v2.Metrics";
 
 fn main() {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
@@ -124,7 +132,11 @@ fn serve(flags: &Flags) -> Result<(), shim::Error> {
 }
 
 /// The `start` action: starts the shim's server process (this binary
-/// again, without an action) and returns its socket's address.
+/// again, without an action) and returns its socket's address. A
+/// container of a pod whose sandbox's shim serves already gets that
+/// shim's address (as Kata groups a pod: by the CRI sandbox id
+/// annotation in the bundle's config.json, the working directory), so
+/// it is made in the same VM.
 fn start(flags: &Flags) -> Result<String, shim::Error> {
     let opts = shim::StartOpts {
         id: flags.id.clone(),
@@ -138,7 +150,21 @@ fn start(flags: &Flags) -> Result<String, shim::Error> {
         socket_dir: None,
         extensions: Vec::new(),
     };
-    let (_pid, address) = shim::spawn(opts, &flags.id, Vec::new())?;
+    let spec = Spec::load(Path::new(".")).ok();
+    let grouping = spec
+        .as_ref()
+        .and_then(sandbox_of)
+        .unwrap_or(&flags.id)
+        .to_owned();
+    if grouping != flags.id {
+        let address = opts.socket_address(&grouping);
+        let path = address.strip_prefix("unix://").unwrap_or(&address);
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            shim::util::write_address(&address)?;
+            return Ok(address);
+        }
+    }
+    let (_pid, address) = shim::spawn(opts, &grouping, Vec::new())?;
     shim::util::write_address(&address)?;
     Ok(address)
 }
@@ -168,6 +194,17 @@ fn internal(e: ContainerError) -> ttrpc::Error {
 
 fn not_implemented(what: &str) -> ttrpc::Error {
     rpc(Code::UNIMPLEMENTED, format!("not implemented: {what}"))
+}
+
+fn no_container(id: &str) -> ttrpc::Error {
+    rpc(Code::NOT_FOUND, format!("container {id} not found"))
+}
+
+/// The process `exec_id` of `c` ("" is its init), or containerd's NOT_FOUND.
+fn proc_of<'a>(c: &'a mut Container, exec_id: &str) -> TtrpcResult<&'a mut Proc> {
+    c.procs
+        .get_mut(exec_id)
+        .ok_or_else(|| rpc(Code::NOT_FOUND, format!("process {exec_id} not found")))
 }
 
 /// A process of the container: its init (exec id "") or an exec.
@@ -206,14 +243,28 @@ struct Container {
     bundle: PathBuf,
     /// Where the snapshot is mounted (unmounted on delete), if the shim mounted it.
     rootfs: Option<PathBuf>,
+    /// What the shim mounted in the pod's shared directory for it (its
+    /// root, its bind mounts' sources): unmounted on delete.
+    shared: Vec<PathBuf>,
     pod: Arc<Pod>,
     init_spec: Process,
     procs: HashMap<String, Proc>,
+    paused: bool,
+}
+
+/// The pod's VM: made by the first container's create, joined by the
+/// others of its sandbox, stopped when the last one is deleted.
+struct PodVm {
+    pod: Arc<Pod>,
+    /// The host directory shared into the guest at [`GUEST_ROOTS`]: each
+    /// container's root (and bind mount source) is mounted under it.
+    dir: PathBuf,
 }
 
 #[derive(Default)]
 struct State {
-    container: Option<Container>,
+    containers: HashMap<String, Container>,
+    vm: Option<PodVm>,
     next_handle: u32,
 }
 
@@ -223,6 +274,8 @@ struct Inner {
     publisher: Mutex<Option<RemotePublisher>>,
     state: Mutex<State>,
     changed: Condvar,
+    /// Creates one at a time: a pod's VM is booted once.
+    creating: Mutex<()>,
 }
 
 #[derive(Clone)]
@@ -242,39 +295,49 @@ impl Inner {
         }
     }
 
-    /// The agent's news: a process exited, or the VM is gone.
+    /// The agent's news: a process exited, an OOM kill, or the VM is gone.
     fn note(&self, note: Note) {
+        if let Note::Oom { container } = &note {
+            log::info!("{container}: the guest's OOM killer struck");
+            self.publish(
+                topics::TASK_OOM_EVENT_TOPIC,
+                Box::new(TaskOOM {
+                    container_id: container.clone(),
+                    ..Default::default()
+                }),
+            );
+            return;
+        }
         let mut exits = Vec::new();
         {
             let mut st = self.state();
-            let Some(c) = st.container.as_mut() else {
-                return;
-            };
-            for (exec_id, p) in c.procs.iter_mut() {
-                let status = match note {
-                    Note::Exited { handle, status } if handle == p.handle => status as u32,
-                    // A VM that ended took its processes with it.
-                    Note::Gone if p.status == Status::RUNNING => 255,
-                    _ => continue,
-                };
-                if p.status == Status::STOPPED {
-                    continue;
+            for c in st.containers.values_mut() {
+                for (exec_id, p) in c.procs.iter_mut() {
+                    let status = match note {
+                        Note::Exited { handle, status } if handle == p.handle => status as u32,
+                        // A VM that ended took its processes with it.
+                        Note::Gone if p.status == Status::RUNNING => 255,
+                        _ => continue,
+                    };
+                    if p.status == Status::STOPPED {
+                        continue;
+                    }
+                    let at = now();
+                    p.status = Status::STOPPED;
+                    p.exit = Some((status, at.clone()));
+                    exits.push(TaskExit {
+                        container_id: c.id.clone(),
+                        id: if exec_id.is_empty() {
+                            c.id.clone()
+                        } else {
+                            exec_id.clone()
+                        },
+                        pid: p.pid,
+                        exit_status: status,
+                        exited_at: MessageField::some(at),
+                        ..Default::default()
+                    });
                 }
-                let at = now();
-                p.status = Status::STOPPED;
-                p.exit = Some((status, at.clone()));
-                exits.push(TaskExit {
-                    container_id: c.id.clone(),
-                    id: if exec_id.is_empty() {
-                        c.id.clone()
-                    } else {
-                        exec_id.clone()
-                    },
-                    pid: p.pid,
-                    exit_status: status,
-                    exited_at: MessageField::some(at),
-                    ..Default::default()
-                });
             }
         }
         self.changed.notify_all();
@@ -295,6 +358,7 @@ impl shim::Shim for Service {
             publisher: Mutex::new(None),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
+            creating: Mutex::new(()),
         }))
     }
 
@@ -307,12 +371,29 @@ impl shim::Shim for Service {
 
     /// containerd's cleanup after a shim that died: the VM went with it
     /// (its parent-death signal); the snapshot mount in the bundle (the
-    /// working directory) is all that is left.
+    /// working directory) and what was mounted for the container in its
+    /// pod's shared directory are all that is left.
     fn delete_shim(&mut self) -> Result<DeleteResponse, shim::Error> {
         let cwd = std::env::current_dir().unwrap_or_default();
         let rootfs = cwd.join("rootfs");
         if rootfs::unmount_all(&rootfs) {
             log::info!("unmounted {}", rootfs.display());
+        }
+        let id = cwd
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let sandbox = Spec::load(&cwd)
+            .ok()
+            .and_then(|s| sandbox_of(&s).map(str::to_owned))
+            .unwrap_or_else(|| id.clone());
+        let dir = pod_dir(&cwd, &sandbox);
+        if sandbox == id {
+            rootfs::unmount_under(&dir);
+            let _ = std::fs::remove_dir_all(&dir);
+        } else {
+            rootfs::unmount_under(&dir.join(&id));
+            rootfs::unmount_under(&dir.join(format!("{id}.binds")));
         }
         // The dead server's socket.
         if let Ok(address) = std::fs::read_to_string(cwd.join("address"))
@@ -335,6 +416,47 @@ impl shim::Shim for Service {
         *self.0.publisher.lock().unwrap_or_else(|p| p.into_inner()) = Some(publisher);
         self.clone()
     }
+}
+
+/// The CRI annotations that group a pod's containers into one shim and VM.
+const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
+const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
+
+/// The sandbox a container joins: its sandbox id annotation, unless it is
+/// the sandbox itself.
+fn sandbox_of(spec: &Spec) -> Option<&str> {
+    let id = spec.annotation(SANDBOX_ID).filter(|s| !s.is_empty())?;
+    (spec.annotation(CONTAINER_TYPE) != Some("sandbox")).then_some(id)
+}
+
+/// A pod's shared directory, in its sandbox's bundle (a sibling of every
+/// one of its containers' bundles).
+fn pod_dir(bundle: &Path, sandbox: &str) -> PathBuf {
+    bundle.with_file_name(sandbox).join("pod")
+}
+
+/// The VM's size from the first container's limits: its memory limit on
+/// top of the base (`EMBER_SHIM_MEM`, else ember's 256 MiB; the guest's
+/// kernel and agent live in that), as many vCPUs as its CPU quota asks.
+fn vm_size(spec: &Spec) -> (Option<String>, Option<u32>) {
+    let base = std::env::var("EMBER_SHIM_MEM").ok();
+    let res = spec.linux.resources.as_ref();
+    let mem = match res.and_then(|r| r.memory_limit()) {
+        Some(limit) => {
+            let base_mib = base
+                .as_deref()
+                .map_or(Ok(256), ember::backend::parse_mem_mib)
+                .unwrap_or(256);
+            Some(format!("{}M", base_mib + limit.div_ceil(1 << 20)))
+        }
+        None => base,
+    };
+    let cpus = res.and_then(|r| r.vcpus()).or_else(|| {
+        std::env::var("EMBER_SHIM_CPUS")
+            .ok()
+            .and_then(|c| c.parse().ok())
+    });
+    (mem, cpus)
 }
 
 /// Opens a FIFO containerd made for output. Read-write, so the open does
@@ -379,10 +501,23 @@ impl Service {
         f: impl FnOnce(&mut Container) -> TtrpcResult<R>,
     ) -> TtrpcResult<R> {
         let mut st = self.0.state();
-        match st.container.as_mut() {
-            Some(c) if c.id == id => f(c),
-            _ => Err(rpc(Code::NOT_FOUND, format!("container {id} not found"))),
+        match st.containers.get_mut(id) {
+            Some(c) => f(c),
+            None => Err(no_container(id)),
         }
+    }
+
+    /// A process's pod and handle.
+    fn target(&self, id: &str, exec_id: &str) -> TtrpcResult<(Arc<Pod>, u32)> {
+        self.with_container(id, |c| {
+            let pod = c.pod.clone();
+            proc_of(c, exec_id).map(|p| (pod, p.handle))
+        })
+    }
+
+    /// A container's pod.
+    fn pod_of(&self, id: &str) -> TtrpcResult<Arc<Pod>> {
+        self.with_container(id, |c| Ok(c.pod.clone()))
     }
 
     fn do_create(&self, req: &api::CreateTaskRequest) -> Result<(Container, u32), ContainerError> {
@@ -422,65 +557,203 @@ impl Service {
             rootfs::mount_all(&mounts, &root)?;
             Some(root.clone())
         };
-        let guest_root = format!("{GUEST_ROOTS}/{}", req.id);
-        let booted = (|| {
-            let agent_spec = spec.container(&req.id, &guest_root)?;
-            let cfg = PodConfig {
-                backend: std::env::var("EMBER_SHIM_BACKEND").ok(),
-                kernel: std::env::var_os("EMBER_SHIM_KERNEL").map(Into::into),
-                cmdline: std::env::var("EMBER_SHIM_CMDLINE").ok(),
-                mem: std::env::var("EMBER_SHIM_MEM").ok(),
-                cpus: std::env::var("EMBER_SHIM_CPUS")
-                    .ok()
-                    .and_then(|c| c.parse().ok()),
-                shares: std::iter::once(Share {
-                    host: root.clone(),
-                    guest: guest_root.clone(),
-                })
-                .chain(spec.bind_shares(&req.id))
-                .collect(),
-                boot_timeout: None,
-                netns: spec.network_namespace(),
-                ..Default::default()
-            };
-            let weak: Weak<Inner> = Arc::downgrade(&self.0);
-            let pod = Pod::boot(&cfg, move |n| {
-                if let Some(inner) = weak.upgrade() {
-                    inner.note(n);
+        let existing = {
+            let st = self.0.state();
+            st.vm.as_ref().map(|v| (v.pod.clone(), v.dir.clone()))
+        };
+        let dir = match &existing {
+            Some((_, dir)) => dir.clone(),
+            None => bundle.join("pod"),
+        };
+        let mut shared = Vec::new();
+        let made = (|| {
+            if let Some((pod, _)) = &existing
+                && pod.has_ended()
+            {
+                return Err(ContainerError::AgentGone);
+            }
+            // The root and the bind mounts' sources, where the guest sees them.
+            let host_root = dir.join(&req.id);
+            rootfs::bind(&root, &host_root, false)?;
+            shared.push(host_root);
+            let mut guest_binds = Vec::new();
+            for (i, b) in spec.host_binds().iter().enumerate() {
+                let at = dir.join(format!("{}.binds", req.id)).join(i.to_string());
+                rootfs::bind(&b.source, &at, b.readonly)?;
+                shared.push(at);
+                guest_binds.push(format!("{GUEST_ROOTS}/{}.binds/{i}", req.id));
+            }
+            let guest_root = format!("{GUEST_ROOTS}/{}", req.id);
+            let agent_spec = spec.container_with_binds(&req.id, &guest_root, &guest_binds)?;
+            let pod = match &existing {
+                Some((pod, _)) => pod.clone(),
+                None => {
+                    let (mem, cpus) = vm_size(&spec);
+                    let cfg = PodConfig {
+                        backend: std::env::var("EMBER_SHIM_BACKEND").ok(),
+                        kernel: std::env::var_os("EMBER_SHIM_KERNEL").map(Into::into),
+                        cmdline: std::env::var("EMBER_SHIM_CMDLINE").ok(),
+                        mem,
+                        cpus,
+                        shares: vec![Share {
+                            host: dir.clone(),
+                            guest: GUEST_ROOTS.into(),
+                        }],
+                        boot_timeout: None,
+                        netns: spec.network_namespace(),
+                        ..Default::default()
+                    };
+                    let weak: Weak<Inner> = Arc::downgrade(&self.0);
+                    Arc::new(Pod::boot(&cfg, move |n| {
+                        if let Some(inner) = weak.upgrade() {
+                            inner.note(n);
+                        }
+                    })?)
                 }
-            })?;
+            };
             if let Err(e) = pod.create_container(agent_spec) {
-                pod.shutdown();
+                if existing.is_none() {
+                    pod.shutdown();
+                }
                 return Err(e);
             }
             Ok(pod)
         })();
-        let pod = match booted {
+        let pod = match made {
             Ok(p) => p,
             Err(e) => {
+                for p in shared.iter().rev() {
+                    rootfs::unmount_under(p);
+                }
+                if existing.is_none() {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
                 if let Some(r) = &mounted {
                     rootfs::unmount_all(r);
                 }
                 return Err(e);
             }
         };
+        if existing.is_none() {
+            self.0.state().vm = Some(PodVm {
+                pod: pod.clone(),
+                dir,
+            });
+        } else {
+            log::info!("{} joins the pod's VM", req.id);
+        }
         let pid = pod.pid();
-        let mut procs = HashMap::new();
-        procs.insert(
-            String::new(),
-            Proc::new(1, &req.stdin, &req.stdout, &req.stderr, req.terminal),
-        );
         Ok((
             Container {
                 id: req.id.clone(),
                 bundle,
                 rootfs: mounted,
-                pod: Arc::new(pod),
+                shared,
+                pod,
                 init_spec: process,
-                procs,
+                procs: HashMap::new(),
+                paused: false,
             },
             pid,
         ))
+    }
+
+    /// Marks the container paused or running, and says so to containerd.
+    fn set_paused(&self, id: &str, paused: bool) -> TtrpcResult<()> {
+        self.with_container(id, |c| {
+            c.paused = paused;
+            for p in c.procs.values_mut() {
+                match (paused, p.status) {
+                    (true, Status::RUNNING) => p.status = Status::PAUSED,
+                    (false, Status::PAUSED) => p.status = Status::RUNNING,
+                    _ => {}
+                }
+            }
+            Ok(())
+        })?;
+        if paused {
+            self.0.publish(
+                topics::TASK_PAUSED_EVENT_TOPIC,
+                Box::new(TaskPaused {
+                    container_id: id.to_owned(),
+                    ..Default::default()
+                }),
+            );
+        } else {
+            self.0.publish(
+                topics::TASK_RESUMED_EVENT_TOPIC,
+                Box::new(TaskResumed {
+                    container_id: id.to_owned(),
+                    ..Default::default()
+                }),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The guest's cgroup figures as containerd's cgroup v2 metrics.
+fn metrics(s: &Stats) -> Metrics {
+    let stat = |k: &str| {
+        s.memory_stat
+            .iter()
+            .find(|(n, _)| n == k)
+            .map_or(0, |(_, v)| *v)
+    };
+    let [
+        usage_usec,
+        user_usec,
+        system_usec,
+        nr_periods,
+        nr_throttled,
+        throttled_usec,
+    ] = s.cpu;
+    let [low, high, max, oom, oom_kill] = s.memory_events;
+    Metrics {
+        pids: MessageField::some(PidsStat {
+            current: s.pids_current,
+            limit: s.pids_limit,
+            ..Default::default()
+        }),
+        cpu: MessageField::some(CPUStat {
+            usage_usec,
+            user_usec,
+            system_usec,
+            nr_periods,
+            nr_throttled,
+            throttled_usec,
+            ..Default::default()
+        }),
+        memory: MessageField::some(MemoryStat {
+            anon: stat("anon"),
+            file: stat("file"),
+            kernel_stack: stat("kernel_stack"),
+            slab: stat("slab"),
+            sock: stat("sock"),
+            shmem: stat("shmem"),
+            file_mapped: stat("file_mapped"),
+            file_dirty: stat("file_dirty"),
+            file_writeback: stat("file_writeback"),
+            inactive_anon: stat("inactive_anon"),
+            active_anon: stat("active_anon"),
+            inactive_file: stat("inactive_file"),
+            active_file: stat("active_file"),
+            unevictable: stat("unevictable"),
+            pgfault: stat("pgfault"),
+            pgmajfault: stat("pgmajfault"),
+            usage: s.memory_usage,
+            usage_limit: s.memory_limit,
+            ..Default::default()
+        }),
+        memory_events: MessageField::some(MemoryEvents {
+            low,
+            high,
+            max,
+            oom,
+            oom_kill,
+            ..Default::default()
+        }),
+        ..Default::default()
     }
 }
 
@@ -491,17 +764,23 @@ impl shim::Task for Service {
         req: api::CreateTaskRequest,
     ) -> TtrpcResult<api::CreateTaskResponse> {
         log::info!("create {} (bundle {})", req.id, req.bundle);
-        if self.0.state().container.is_some() {
+        let _one_at_a_time = self.0.creating.lock().unwrap_or_else(|p| p.into_inner());
+        if self.0.state().containers.contains_key(&req.id) {
             return Err(rpc(
                 Code::ALREADY_EXISTS,
-                "this shim already has a container (one per VM until pods are supported)",
+                format!("container {} exists", req.id),
             ));
         }
-        let (container, pid) = self.do_create(&req).map_err(internal)?;
+        let (mut container, pid) = self.do_create(&req).map_err(internal)?;
         {
             let mut st = self.0.state();
-            st.container = Some(container);
-            st.next_handle = 2;
+            let handle = st.next_handle;
+            st.next_handle += 1;
+            container.procs.insert(
+                String::new(),
+                Proc::new(handle, &req.stdin, &req.stdout, &req.stderr, req.terminal),
+            );
+            st.containers.insert(req.id.clone(), container);
         }
         self.0.publish(
             topics::TASK_CREATE_EVENT_TOPIC,
@@ -534,14 +813,10 @@ impl shim::Task for Service {
         log::info!("start {} {:?}", req.id, req.exec_id);
         // What to start, taken under the lock; started without it (the
         // agent's exit note takes the lock).
-        let (pod, spec, handle, io) = self.with_container(&req.id, |c| {
+        let (pod, spec, handle, terminal, io) = self.with_container(&req.id, |c| {
             let init = c.init_spec.clone();
-            let p = c.procs.get_mut(&req.exec_id).ok_or_else(|| {
-                rpc(
-                    Code::NOT_FOUND,
-                    format!("process {} not found", req.exec_id),
-                )
-            })?;
+            let pod = c.pod.clone();
+            let p = proc_of(c, &req.exec_id)?;
             if p.status != Status::CREATED {
                 return Err(rpc(
                     Code::FAILED_PRECONDITION,
@@ -568,9 +843,10 @@ impl shim::Task for Service {
             // Running before the agent answers: an exit note may come first.
             p.status = Status::RUNNING;
             Ok((
-                c.pod.clone(),
+                pod,
                 spec,
                 p.handle,
+                p.terminal,
                 ProcIo {
                     stdin,
                     stdout,
@@ -582,23 +858,16 @@ impl shim::Task for Service {
         let started = spec
             .to_agent(handle, &req.id, stdin_given)
             .and_then(|mut agent_spec| {
-                agent_spec.terminal = self
-                    .with_container(&req.id, |c| {
-                        Ok(c.procs.get(&req.exec_id).map(|p| p.terminal))
-                    })
-                    .ok()
-                    .flatten()
-                    .unwrap_or(agent_spec.terminal);
+                agent_spec.terminal = terminal;
                 pod.start(agent_spec, io)
             });
         let pid = match started {
             Ok(pid) => pid,
             Err(e) => {
                 self.with_container(&req.id, |c| {
-                    if let Some(p) = c.procs.get_mut(&req.exec_id) {
-                        p.status = Status::STOPPED;
-                        p.exit = Some((127, now()));
-                    }
+                    let p = proc_of(c, &req.exec_id)?;
+                    p.status = Status::STOPPED;
+                    p.exit = Some((127, now()));
                     Ok(())
                 })?;
                 self.0.changed.notify_all();
@@ -606,9 +875,7 @@ impl shim::Task for Service {
             }
         };
         self.with_container(&req.id, |c| {
-            if let Some(p) = c.procs.get_mut(&req.exec_id) {
-                p.pid = pid;
-            }
+            proc_of(c, &req.exec_id)?.pid = pid;
             Ok(())
         })?;
         if req.exec_id.is_empty() {
@@ -648,15 +915,10 @@ impl shim::Task for Service {
             let mut st = self.0.state();
             let handle = st.next_handle;
             st.next_handle += 1;
-            let c = match st.container.as_mut() {
-                Some(c) if c.id == req.id => c,
-                _ => {
-                    return Err(rpc(
-                        Code::NOT_FOUND,
-                        format!("container {} not found", req.id),
-                    ));
-                }
-            };
+            let c = st
+                .containers
+                .get_mut(&req.id)
+                .ok_or_else(|| no_container(&req.id))?;
             if c.procs.contains_key(&req.exec_id) {
                 return Err(rpc(
                     Code::ALREADY_EXISTS,
@@ -684,23 +946,20 @@ impl shim::Task for Service {
         req: api::StateRequest,
     ) -> TtrpcResult<api::StateResponse> {
         self.with_container(&req.id, |c| {
-            let p = c.procs.get(&req.exec_id).ok_or_else(|| {
-                rpc(
-                    Code::NOT_FOUND,
-                    format!("process {} not found", req.exec_id),
-                )
-            })?;
+            let id = c.id.clone();
+            let bundle = c.bundle.display().to_string();
+            let p = proc_of(c, &req.exec_id)?;
             let (exit_status, exited_at) = match &p.exit {
                 Some((s, t)) => (*s, MessageField::some(t.clone())),
                 None => (0, MessageField::none()),
             };
             Ok(api::StateResponse {
                 id: if req.exec_id.is_empty() {
-                    c.id.clone()
+                    id
                 } else {
                     req.exec_id.clone()
                 },
-                bundle: c.bundle.display().to_string(),
+                bundle,
                 pid: p.pid,
                 status: EnumOrUnknown::new(p.status),
                 stdin: p.stdin.clone(),
@@ -718,21 +977,11 @@ impl shim::Task for Service {
     fn wait(&self, _ctx: &TtrpcContext, req: api::WaitRequest) -> TtrpcResult<api::WaitResponse> {
         let mut st = self.0.state();
         loop {
-            let c = match st.container.as_ref() {
-                Some(c) if c.id == req.id => c,
-                _ => {
-                    return Err(rpc(
-                        Code::NOT_FOUND,
-                        format!("container {} not found", req.id),
-                    ));
-                }
-            };
-            let p = c.procs.get(&req.exec_id).ok_or_else(|| {
-                rpc(
-                    Code::NOT_FOUND,
-                    format!("process {} not found", req.exec_id),
-                )
-            })?;
+            let c = st
+                .containers
+                .get_mut(&req.id)
+                .ok_or_else(|| no_container(&req.id))?;
+            let p = proc_of(c, &req.exec_id)?;
             if let Some((s, t)) = &p.exit {
                 return Ok(api::WaitResponse {
                     exit_status: *s,
@@ -753,19 +1002,15 @@ impl shim::Task for Service {
             req.all
         );
         let (pod, handle) = self.with_container(&req.id, |c| {
-            let p = c.procs.get(&req.exec_id).ok_or_else(|| {
-                rpc(
-                    Code::NOT_FOUND,
-                    format!("process {} not found", req.exec_id),
-                )
-            })?;
-            if p.status != Status::RUNNING {
+            let pod = c.pod.clone();
+            let p = proc_of(c, &req.exec_id)?;
+            if p.status != Status::RUNNING && p.status != Status::PAUSED {
                 return Err(rpc(
                     Code::NOT_FOUND,
                     format!("process {} is not running", req.exec_id),
                 ));
             }
-            Ok((c.pod.clone(), p.handle))
+            Ok((pod, p.handle))
         })?;
         pod.signal(handle, req.signal as i32, req.all)
             .map_err(internal)?;
@@ -780,13 +1025,7 @@ impl shim::Task for Service {
         log::info!("delete {} {:?}", req.id, req.exec_id);
         if !req.exec_id.is_empty() {
             return self.with_container(&req.id, |c| {
-                let p = c.procs.get(&req.exec_id).ok_or_else(|| {
-                    rpc(
-                        Code::NOT_FOUND,
-                        format!("process {} not found", req.exec_id),
-                    )
-                })?;
-                if p.status == Status::RUNNING {
+                if proc_of(c, &req.exec_id)?.status == Status::RUNNING {
                     return Err(rpc(
                         Code::FAILED_PRECONDITION,
                         format!("exec {} is running", req.exec_id),
@@ -802,32 +1041,53 @@ impl shim::Task for Service {
                 })
             });
         }
-        let c = {
+        let (c, last_vm) = {
             let mut st = self.0.state();
-            match st.container.as_ref() {
-                Some(c) if c.id == req.id => {}
-                _ => {
-                    return Err(rpc(
-                        Code::NOT_FOUND,
-                        format!("container {} not found", req.id),
-                    ));
-                }
-            }
-            if st
-                .container
-                .as_ref()
-                .and_then(|c| c.procs.get(""))
-                .is_some_and(|p| p.status == Status::RUNNING)
+            let c = st
+                .containers
+                .get(&req.id)
+                .ok_or_else(|| no_container(&req.id))?;
+            if c.procs
+                .get("")
+                .is_some_and(|p| p.status == Status::RUNNING || p.status == Status::PAUSED)
             {
                 return Err(rpc(
                     Code::FAILED_PRECONDITION,
                     format!("container {} is running: kill it first", req.id),
                 ));
             }
-            st.container.take().expect("checked above")
+            // The pod's directory is in its first container's bundle,
+            // which containerd removes after this delete: that one goes last.
+            let holds_vm = st
+                .vm
+                .as_ref()
+                .is_some_and(|v| v.dir.parent() == Some(c.bundle.as_path()));
+            if holds_vm && st.containers.len() > 1 {
+                return Err(rpc(
+                    Code::FAILED_PRECONDITION,
+                    format!(
+                        "container {} holds its pod's VM: delete the pod's other containers first",
+                        req.id
+                    ),
+                ));
+            }
+            let c = st.containers.remove(&req.id).expect("checked above");
+            let last_vm = if st.containers.is_empty() {
+                st.vm.take()
+            } else {
+                None
+            };
+            (c, last_vm)
         };
         let _ = c.pod.destroy(&c.id);
-        c.pod.shutdown();
+        for p in c.shared.iter().rev() {
+            rootfs::unmount_under(p);
+        }
+        if let Some(vm) = last_vm {
+            vm.pod.shutdown();
+            rootfs::unmount_under(&vm.dir);
+            let _ = std::fs::remove_dir_all(&vm.dir);
+        }
         if let Some(r) = &c.rootfs
             && is_mounted(r)
         {
@@ -857,8 +1117,7 @@ impl shim::Task for Service {
     }
 
     fn pids(&self, _ctx: &TtrpcContext, req: api::PidsRequest) -> TtrpcResult<api::PidsResponse> {
-        let pod = self.with_container(&req.id, |c| Ok(c.pod.clone()))?;
-        let pids = pod.pids(&req.id).map_err(internal)?;
+        let pids = self.pod_of(&req.id)?.pids(&req.id).map_err(internal)?;
         Ok(api::PidsResponse {
             processes: pids
                 .into_iter()
@@ -876,30 +1135,14 @@ impl shim::Task for Service {
         _ctx: &TtrpcContext,
         req: api::ResizePtyRequest,
     ) -> TtrpcResult<api::Empty> {
-        let (pod, handle) = self.with_container(&req.id, |c| {
-            let p = c.procs.get(&req.exec_id).ok_or_else(|| {
-                rpc(
-                    Code::NOT_FOUND,
-                    format!("process {} not found", req.exec_id),
-                )
-            })?;
-            Ok((c.pod.clone(), p.handle))
-        })?;
+        let (pod, handle) = self.target(&req.id, &req.exec_id)?;
         pod.resize(handle, req.width as u16, req.height as u16)
             .map_err(internal)?;
         Ok(api::Empty::default())
     }
 
     fn close_io(&self, _ctx: &TtrpcContext, req: api::CloseIORequest) -> TtrpcResult<api::Empty> {
-        let (pod, handle) = self.with_container(&req.id, |c| {
-            let p = c.procs.get(&req.exec_id).ok_or_else(|| {
-                rpc(
-                    Code::NOT_FOUND,
-                    format!("process {} not found", req.exec_id),
-                )
-            })?;
-            Ok((c.pod.clone(), p.handle))
-        })?;
+        let (pod, handle) = self.target(&req.id, &req.exec_id)?;
         if req.stdin {
             pod.close_stdin(handle).map_err(internal)?;
         }
@@ -922,20 +1165,26 @@ impl shim::Task for Service {
     }
 
     fn shutdown(&self, _ctx: &TtrpcContext, _req: api::ShutdownRequest) -> TtrpcResult<api::Empty> {
-        // containerd asks after each delete; a shim with a container keeps serving it.
-        if self.0.state().container.is_some() {
+        // containerd asks after each delete; a shim with containers keeps serving them.
+        if !self.0.state().containers.is_empty() {
             return Ok(api::Empty::default());
         }
         self.0.exit.signal();
         Ok(api::Empty::default())
     }
 
-    fn pause(&self, _ctx: &TtrpcContext, _req: api::PauseRequest) -> TtrpcResult<api::Empty> {
-        Err(not_implemented("pause"))
+    fn pause(&self, _ctx: &TtrpcContext, req: api::PauseRequest) -> TtrpcResult<api::Empty> {
+        log::info!("pause {}", req.id);
+        self.pod_of(&req.id)?.pause(&req.id).map_err(internal)?;
+        self.set_paused(&req.id, true)?;
+        Ok(api::Empty::default())
     }
 
-    fn resume(&self, _ctx: &TtrpcContext, _req: api::ResumeRequest) -> TtrpcResult<api::Empty> {
-        Err(not_implemented("resume"))
+    fn resume(&self, _ctx: &TtrpcContext, req: api::ResumeRequest) -> TtrpcResult<api::Empty> {
+        log::info!("resume {}", req.id);
+        self.pod_of(&req.id)?.resume(&req.id).map_err(internal)?;
+        self.set_paused(&req.id, false)?;
+        Ok(api::Empty::default())
     }
 
     fn checkpoint(
@@ -946,17 +1195,40 @@ impl shim::Task for Service {
         Err(not_implemented("checkpoint"))
     }
 
-    fn update(&self, _ctx: &TtrpcContext, _req: api::UpdateTaskRequest) -> TtrpcResult<api::Empty> {
-        Err(not_implemented(
-            "update (resizing a running container's VM)",
-        ))
+    /// New limits for the container's cgroup in the guest. The VM keeps
+    /// its size (the QEMU backend cannot grow it): a memory limit above
+    /// it only means the VM's own memory is the bound.
+    fn update(&self, _ctx: &TtrpcContext, req: api::UpdateTaskRequest) -> TtrpcResult<api::Empty> {
+        log::info!("update {}", req.id);
+        let pod = self.pod_of(&req.id)?;
+        let any = req
+            .resources
+            .as_ref()
+            .ok_or_else(|| rpc(Code::INVALID_ARGUMENT, "update without resources"))?;
+        let resources = LinuxResources::parse(&any.value)
+            .map_err(|e| rpc(Code::INVALID_ARGUMENT, e))?
+            .to_agent()
+            .map_err(internal)?;
+        pod.update(&req.id, resources).map_err(internal)?;
+        Ok(api::Empty::default())
     }
 
     fn stats(
         &self,
         _ctx: &TtrpcContext,
-        _req: api::StatsRequest,
+        req: api::StatsRequest,
     ) -> TtrpcResult<api::StatsResponse> {
-        Err(not_implemented("stats"))
+        let s = self.pod_of(&req.id)?.stats(&req.id).map_err(internal)?;
+        let value = metrics(&s)
+            .write_to_bytes()
+            .map_err(|e| rpc(Code::INTERNAL, format!("encode metrics: {e}")))?;
+        Ok(api::StatsResponse {
+            stats: MessageField::some(Any {
+                type_url: METRICS_TYPE.to_owned(),
+                value,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
     }
 }
