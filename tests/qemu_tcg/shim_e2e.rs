@@ -353,7 +353,8 @@ fn import_image(c: &Containerd) {
     let busybox = ember::backend::find_binary("busybox").unwrap();
     std::fs::copy(busybox, rootfs.join("bin/busybox")).unwrap();
     for applet in [
-        "sh", "cat", "echo", "env", "uname", "sleep", "id", "ls", "grep", "wc",
+        "sh", "cat", "echo", "env", "uname", "sleep", "id", "ls", "grep", "wc", "dd", "nproc",
+        "tty", "stty", "touch", "cut", "tr",
     ] {
         std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
     }
@@ -428,6 +429,76 @@ fn wait_child(child: &mut Child) -> i32 {
     }
 }
 
+/// `ctr task metrics ID`'s figures by name.
+fn metrics(c: &Containerd, id: &str) -> std::collections::HashMap<String, u64> {
+    let out = c.run(&["task", "metrics", id], b"");
+    assert!(out.status.success(), "metrics: {}", text(&out.stderr));
+    text(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            Some((w.next()?.to_owned(), w.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The task API's Update, straight to the shim (ctr 1.6 has no `task
+/// update`): a new memory limit, as containerd sends it (the OCI
+/// resources as JSON).
+fn update_memory(c: &Containerd, id: &str, bytes: u64) {
+    use containerd_shim_protos::protobuf::MessageField;
+    use containerd_shim_protos::protobuf::well_known_types::any::Any;
+    use containerd_shim_protos::shim::shim::UpdateTaskRequest;
+    let address_file = c
+        .dir
+        .join("state/io.containerd.runtime.v2.task/default")
+        .join(id)
+        .join("address");
+    let address = std::fs::read_to_string(&address_file).expect("the shim's address");
+    let client = containerd_shim_protos::ttrpc::Client::connect(address.trim()).expect("connect");
+    let task = containerd_shim_protos::TaskClient::new(client);
+    let req = UpdateTaskRequest {
+        id: id.to_owned(),
+        resources: MessageField::some(Any {
+            type_url: "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources".into(),
+            value: format!(r#"{{"memory":{{"limit":{bytes}}}}}"#).into_bytes(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    task.update(
+        containerd_shim_protos::ttrpc::context::with_timeout(0),
+        &req,
+    )
+    .expect("update");
+}
+
+/// The guest's MemTotal in kB, from `MemTotal: N kB` among `lines`.
+fn mem_total(lines: &[&str]) -> u64 {
+    lines
+        .iter()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no MemTotal in {lines:?}"))
+}
+
+/// QEMU processes among `pids`: the VMs.
+fn vms(pids: &[u32]) -> usize {
+    alive(pids)
+        .iter()
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| {
+                let argv0 = text(&c).split('\0').next().unwrap_or("").to_owned();
+                argv0
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or("")
+                    .starts_with("qemu-system")
+            })
+        })
+        .count()
+}
+
 #[test]
 fn ctr_run_in_ember_vms() {
     if let Some(why) = missing() {
@@ -446,9 +517,19 @@ fn ctr_run_in_ember_vms() {
     let bin = build_shim();
     let c = Containerd::start(&bin);
     import_image(&c);
+    // A host directory bound into c1 read-write.
+    let host_dir = c.dir.join("hostdir");
+    std::fs::create_dir_all(&host_dir).unwrap();
+    std::fs::write(host_dir.join("in"), "from the host\n").unwrap();
+    let bind = format!(
+        "type=bind,src={},dst=/hostdir,options=rbind:rw",
+        host_dir.display()
+    );
 
     // 1. A file from the image, the guest's kernel, the environment, stdin
-    // and the exit status; nothing left after --rm.
+    // and the exit status; a read-only root with a tmpfs and a bind mount
+    // of a host directory in it; the VM sized by the limits (64 MiB on top
+    // of the base, 2 vCPUs for `--cpus 2`); nothing left after --rm.
     let out = c.run(
         &[
             "run",
@@ -457,13 +538,25 @@ fn ctr_run_in_ember_vms() {
             RUNTIME,
             "--env",
             "GREETING=hi",
+            "--read-only",
+            "--mount",
+            "type=tmpfs,src=tmpfs,dst=/scratch,options=size=1m",
+            "--mount",
+            &bind,
+            "--memory-limit",
+            "67108864",
+            "--cpus",
+            "2",
             IMAGE,
             "c1",
             "sh",
             "-c",
             "cat /etc/message; uname -r; env; read l; echo got:$l; ulimit -n; \
              grep -E 'NoNewPrivs|CapBnd' /proc/self/status; cat /proc/kcore | wc -c; \
-             (echo x > /proc/sys/kernel/domainname) 2>/dev/null || echo read-only; exit 7",
+             (echo x > /proc/sys/kernel/domainname) 2>/dev/null || echo read-only; \
+             touch /rootfile 2>/dev/null || echo root-read-only; \
+             echo scratch-ok > /scratch/f && cat /scratch/f; grep ' /scratch ' /proc/mounts | cut -d' ' -f3; \
+             cat /hostdir/in; echo from the guest > /hostdir/out; nproc; grep MemTotal /proc/meminfo; exit 7",
         ],
         b"hello stdin\n",
     );
@@ -483,39 +576,67 @@ fn ctr_run_in_ember_vms() {
     assert!(lines.contains(&"got:hello stdin"), "{stdout}");
     // ctr's default spec, applied in the guest as runc applies it: its
     // rlimit, no_new_privs, capability bounding set (runc's: a80425fb),
-    // /proc/kcore masked, /proc/sys read-only.
+    // /proc/kcore masked, /proc/sys read-only; then the root read-only,
+    // the tmpfs, the host directory, the vCPUs.
     let after: Vec<&str> = lines
         .iter()
         .skip_while(|l| !l.starts_with("got:"))
         .skip(1)
         .map(|l| l.trim())
         .collect();
+    assert_eq!(after.len(), 11, "{stdout}");
     assert_eq!(
-        after,
+        after[..10],
         [
             "1024",
             "CapBnd:\t00000000a80425fb",
             "NoNewPrivs:\t1",
             "0",
-            "read-only"
+            "read-only",
+            "root-read-only",
+            "scratch-ok",
+            "tmpfs",
+            "from the host",
+            "2",
         ],
         "{stdout}"
+    );
+    let c1_mem = mem_total(&after);
+    assert_eq!(
+        std::fs::read_to_string(host_dir.join("out")).unwrap(),
+        "from the guest\n",
+        "the bind mount's write reaches the host"
     );
     assert_eq!(c.shim("c1"), None, "the shim outlived --rm");
     assert_eq!(c.mounts(), Vec::<String>::new(), "mounts left after --rm");
 
-    // 2. exec, ps, and a signal the process traps.
+    // 2. A pod's sandbox: exec, ps, pause/resume, metrics, update and an
+    // OOM, a terminal, a stalled stdin, a second container in its VM, and
+    // a signal the process traps.
+    let mut events = c
+        .ctr(&["events"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let event_lines = lines_of(&mut events);
     let mut run = c
         .ctr(&[
             "run",
             "--rm",
             "--runtime",
             RUNTIME,
+            "--annotation",
+            "io.kubernetes.cri.container-type=sandbox",
+            "--annotation",
+            "io.kubernetes.cri.sandbox-id=c2",
             IMAGE,
             "c2",
             "sh",
             "-c",
-            "trap 'echo trapped; exit 42' USR1; echo ready; while :; do sleep 1; done",
+            "trap 'echo trapped; exit 42' USR1; echo ready; grep MemTotal /proc/meminfo; \
+             while :; do echo tick; sleep 1; done",
         ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -524,6 +645,13 @@ fn ctr_run_in_ember_vms() {
         .unwrap();
     let lines = lines_of(&mut run);
     expect_line(&lines, "ready", &c);
+    let c2_mem = mem_total(&[lines.recv_timeout(VM_TIMEOUT).unwrap().as_str()]);
+    // The VM of c1 has its 64 MiB limit on top of c2's base.
+    let grown = c1_mem.abs_diff(c2_mem + 64 * 1024);
+    assert!(
+        grown < 4096,
+        "MemTotal {c1_mem} kB with the limit, {c2_mem} kB without"
+    );
     let shim = c.shim("c2").expect("c2's shim");
     let procs = tree(shim);
     assert!(procs.len() > 2, "the shim runs its VM: {procs:?}");
@@ -562,6 +690,202 @@ fn ctr_run_in_ember_vms() {
     let out = c.run(&["task", "ps", "c2"], b"");
     let pids = text(&out.stdout).lines().skip(1).count();
     assert!(pids >= 2, "ctr task ps: {}", text(&out.stdout));
+
+    // Pause: the ticks stop (the cgroup freezer), the task says PAUSED;
+    // resume: they go on.
+    let out = c.run(&["task", "pause", "c2"], b"");
+    assert!(out.status.success(), "pause: {}", text(&out.stderr));
+    let ls = text(&c.run(&["task", "ls"], b"").stdout);
+    assert!(
+        ls.lines()
+            .any(|l| l.starts_with("c2 ") && l.contains("PAUSED")),
+        "{ls}"
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    while lines.try_recv().is_ok() {}
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(lines.try_recv().is_err(), "a paused container ticked");
+    let out = c.run(&["task", "resume", "c2"], b"");
+    assert!(out.status.success(), "resume: {}", text(&out.stderr));
+    expect_line(&lines, "tick", &c);
+
+    // Metrics from the guest's cgroup; an update of its memory limit
+    // shows in them; an allocation beyond it is an OOM kill, and an event.
+    let m = metrics(&c, "c2");
+    assert!(m.get("pids.current").is_some_and(|&n| n >= 2), "{m:?}");
+    assert!(m.get("memory.usage").is_some_and(|&n| n > 0), "{m:?}");
+    assert!(m.get("cpu.usage_usec").is_some_and(|&n| n > 0), "{m:?}");
+    update_memory(&c, "c2", 48 << 20);
+    let m = metrics(&c, "c2");
+    assert_eq!(m.get("memory.usage_limit"), Some(&(48 << 20)), "{m:?}");
+    let out = c.run(
+        &[
+            "task",
+            "exec",
+            "--exec-id",
+            "oom",
+            "c2",
+            "dd",
+            "if=/dev/zero",
+            "of=/dev/null",
+            "bs=64M",
+            "count=1",
+        ],
+        b"",
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(137),
+        "dd beyond the limit: {}",
+        text(&out.stderr)
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    while !seen
+        .iter()
+        .any(|l: &String| l.contains("/tasks/oom") && l.contains("c2"))
+    {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match event_lines.recv_timeout(left) {
+            Ok(l) => seen.push(l),
+            Err(_) => panic!("no /tasks/oom event for c2: {seen:?}"),
+        }
+    }
+    assert!(seen.iter().any(|l| l.contains("/tasks/paused")), "{seen:?}");
+    assert!(
+        seen.iter().any(|l| l.contains("/tasks/resumed")),
+        "{seen:?}"
+    );
+    let _ = events.kill();
+    let _ = events.wait();
+
+    // A terminal (`-t`, under `script` for a pty of ctr's own).
+    let cmd = format!(
+        "ctr --address {} task exec -t --exec-id t1 c2 sh -c 'tty; stty size'",
+        c.sock.display()
+    );
+    let mut tty = Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let tty_in = tty.stdin.take();
+    let tty_lines = lines_of(&mut tty);
+    assert_eq!(wait_child(&mut tty), 0, "ctr task exec -t");
+    drop(tty_in);
+    let said: Vec<String> = tty_lines.try_iter().map(|l| l.trim().to_owned()).collect();
+    assert!(
+        said.iter().any(|l| l.starts_with("/dev/pts/")),
+        "no terminal: {said:?}"
+    );
+
+    // A process that does not read its stdin while 1 MiB waits for it:
+    // the agent still answers (ps, another exec), and every byte arrives.
+    let mut slow = c
+        .ctr(&[
+            "task",
+            "exec",
+            "--exec-id",
+            "slow",
+            "c2",
+            "sh",
+            "-c",
+            "while [ ! -e /tmp/go ]; do sleep 1; done; wc -c",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut slow_in = slow.stdin.take().unwrap();
+    let feeder = std::thread::spawn(move || {
+        slow_in.write_all(&vec![b'x'; 1 << 20]).unwrap();
+    });
+    let slow_lines = lines_of(&mut slow);
+    std::thread::sleep(Duration::from_secs(3));
+    let out = c.run(&["task", "ps", "c2"], b"");
+    assert!(
+        out.status.success(),
+        "ps beside a stalled stdin: {}",
+        text(&out.stderr)
+    );
+    let out = c.run(
+        &["task", "exec", "--exec-id", "go", "c2", "touch", "/tmp/go"],
+        b"",
+    );
+    assert!(
+        out.status.success(),
+        "exec beside a stalled stdin: {}",
+        text(&out.stderr)
+    );
+    feeder.join().unwrap();
+    assert_eq!(wait_child(&mut slow), 0);
+    assert_eq!(
+        slow_lines
+            .recv_timeout(VM_TIMEOUT)
+            .ok()
+            .map(|l| l.trim().to_owned()),
+        Some("1048576".to_owned())
+    );
+
+    // A second container of the pod: the same shim and VM (one guest
+    // kernel), which sees the sandbox's processes.
+    let out = c.run(
+        &[
+            "run",
+            "-d",
+            "--runtime",
+            RUNTIME,
+            "--annotation",
+            "io.kubernetes.cri.container-type=container",
+            "--annotation",
+            "io.kubernetes.cri.sandbox-id=c2",
+            IMAGE,
+            "p1",
+            "sleep",
+            "1000",
+        ],
+        b"",
+    );
+    assert!(out.status.success(), "run p1: {}", text(&out.stderr));
+    let out = c.run(
+        &[
+            "task",
+            "exec",
+            "--exec-id",
+            "p1x",
+            "p1",
+            "sh",
+            "-c",
+            "uname -r; cat /proc/[0-9]*/cmdline | tr '\\0' ' '",
+        ],
+        b"",
+    );
+    assert!(out.status.success(), "exec in p1: {}", text(&out.stderr));
+    let seen = text(&out.stdout);
+    assert!(seen.starts_with(&format!("{guest_release}\n")), "{seen}");
+    assert!(
+        seen.contains("echo trapped"),
+        "p1 sees c2's processes: {seen}"
+    );
+    assert_eq!(c.all_shims(), [shim], "one shim for the pod");
+    assert_eq!(vms(&tree(shim)), 1, "one VM for the pod");
+    let out = c.run(&["task", "kill", "-s", "KILL", "p1"], b"");
+    assert!(out.status.success(), "kill p1: {}", text(&out.stderr));
+    let deadline = Instant::now() + VM_TIMEOUT;
+    while !c.run(&["task", "rm", "p1"], b"").status.success() {
+        assert!(Instant::now() < deadline, "p1 never stopped");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let out = c.run(&["containers", "rm", "p1"], b"");
+    assert!(
+        out.status.success(),
+        "containers rm p1: {}",
+        text(&out.stderr)
+    );
+
     let out = c.run(&["task", "kill", "-s", "SIGUSR1", "c2"], b"");
     assert!(out.status.success(), "kill: {}", text(&out.stderr));
     expect_line(&lines, "trapped", &c);
@@ -596,7 +920,9 @@ fn ctr_run_in_ember_vms() {
     wait_gone(&procs, "after kill -s KILL and --rm");
     assert_eq!(c.mounts(), Vec::<String>::new());
 
-    // 4. The shim itself killed: its VM goes with it, containerd cleans up.
+    // 4. Without --rm: the container's writes land in its snapshot's
+    // upper layer; the shim itself killed: its VM goes with it,
+    // containerd cleans up.
     let out = c.run(
         &[
             "run",
@@ -605,15 +931,29 @@ fn ctr_run_in_ember_vms() {
             RUNTIME,
             IMAGE,
             "c4",
-            "sleep",
-            "1000",
+            "sh",
+            "-c",
+            "echo kept > /written; sleep 1000",
         ],
         b"",
     );
     assert!(out.status.success(), "run -d: {}", text(&out.stderr));
+    let out = c.run(&["snapshots", "mounts", "/mnt", "c4"], b"");
+    let mounts = text(&out.stdout);
+    let upper = mounts
+        .split(|ch: char| ch == ',' || ch.is_whitespace())
+        .find_map(|o| o.strip_prefix("upperdir="))
+        .unwrap_or_else(|| panic!("no upperdir in `ctr snapshots mounts`: {mounts}"))
+        .to_owned();
+    let written = Path::new(&upper).join("written");
     let deadline = Instant::now() + VM_TIMEOUT;
-    while !text(&c.run(&["task", "ls"], b"").stdout).contains("RUNNING") {
-        assert!(Instant::now() < deadline, "c4 never ran: {}", c.log());
+    while std::fs::read_to_string(&written).ok().as_deref() != Some("kept\n") {
+        assert!(
+            Instant::now() < deadline,
+            "c4's write never reached {}: {}",
+            written.display(),
+            c.log()
+        );
         std::thread::sleep(Duration::from_millis(500));
     }
     let shim = c.shim("c4").expect("c4's shim");
