@@ -45,6 +45,16 @@ pub enum ContainerError {
         /// Why.
         why: String,
     },
+    /// A spec's JSON (a bundle's config.json, an update's resources) is
+    /// not what the OCI runtime spec says.
+    #[error("{what}: {source}")]
+    Json {
+        /// What was parsed.
+        what: String,
+        /// Why it does not parse.
+        #[source]
+        source: serde_json::Error,
+    },
     /// A spec field is not supported yet.
     #[error("not implemented: {0}")]
     NotImplemented(String),

@@ -10,12 +10,13 @@
 //! (SIGTERM: ember then stops its VMM and virtiofsd itself), and not before.
 
 use super::agent::{AgentClient, Note, Sink};
-use super::{ContainerError, companion};
+use super::spec::Spec;
+use super::{ContainerError, GUEST_ROOTS, companion, rootfs};
 use ember_agent::{ContainerSpec, Handle, ProcessSpec, Request, Resources, Response, Stats};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -65,6 +66,107 @@ pub struct PodConfig {
     /// Ports forwarded from the caller's network namespace into the guest
     /// (`ember run --publish`), which imply `net`.
     pub publish: Vec<String>,
+}
+
+/// The memory a pod's VM has besides its containers' limits (the guest's
+/// kernel and agent live in it): ember's default `--mem`.
+pub const BASE_MEM_MIB: u64 = 256;
+
+impl PodConfig {
+    /// The VM for a pod whose first container is `spec`, sharing `dir`
+    /// with the guest: its memory limit on top of `base_mem` (`--mem`
+    /// syntax; [`BASE_MEM_MIB`] if none), as many vCPUs as its CPU quota
+    /// asks (else `cpus`), the spec's network namespace. The caller picks
+    /// the backend and any other network.
+    pub fn for_spec(
+        spec: &Spec,
+        dir: &PodDir,
+        base_mem: Option<&str>,
+        cpus: Option<u32>,
+    ) -> Result<PodConfig, ContainerError> {
+        let res = spec.linux.resources.as_ref();
+        let mem = match res.and_then(|r| r.memory_limit()) {
+            Some(limit) => {
+                let base = match base_mem {
+                    Some(b) => crate::backend::parse_mem_mib(b).map_err(|e| {
+                        ContainerError::NotImplemented(format!("a base memory of {b}: {e}"))
+                    })?,
+                    None => BASE_MEM_MIB,
+                };
+                Some(format!("{}M", base + limit.div_ceil(1 << 20)))
+            }
+            None => base_mem.map(str::to_owned),
+        };
+        Ok(PodConfig {
+            mem,
+            cpus: res.and_then(|r| r.vcpus()).or(cpus),
+            shares: vec![Share {
+                host: dir.path().to_path_buf(),
+                guest: GUEST_ROOTS.into(),
+            }],
+            netns: spec.network_namespace(),
+            ..Default::default()
+        })
+    }
+}
+
+/// A pod's shared directory on the host, which the guest sees at
+/// [`GUEST_ROOTS`]: each container's root is bound at `ID` in it, the
+/// sources of its bind mounts at `ID.binds/N`, so containers join a running
+/// VM (whose shares are fixed at its boot) and a bind mount shares its
+/// source only, read-only if asked.
+#[derive(Debug, Clone)]
+pub struct PodDir(PathBuf);
+
+impl PodDir {
+    /// The directory at `path` (made by [`PodDir::add`]).
+    pub fn new(path: impl Into<PathBuf>) -> PodDir {
+        PodDir(path.into())
+    }
+
+    /// Where it is.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// Brings container `id` (its root at `root` on the host) into the
+    /// directory; the agent's description of it, as the guest sees it.
+    /// What was mounted is undone on an error.
+    pub fn add(&self, spec: &Spec, id: &str, root: &Path) -> Result<ContainerSpec, ContainerError> {
+        let made = (|| {
+            rootfs::bind(root, &self.0.join(id), false)?;
+            let mut guest_binds = Vec::new();
+            for (i, b) in spec.host_binds().iter().enumerate() {
+                let at = self.0.join(format!("{id}.binds")).join(i.to_string());
+                rootfs::bind(&b.source, &at, b.readonly)?;
+                guest_binds.push(format!("{GUEST_ROOTS}/{id}.binds/{i}"));
+            }
+            spec.container(id, &format!("{GUEST_ROOTS}/{id}"), &guest_binds)
+        })();
+        if made.is_err() {
+            self.remove(id);
+        }
+        made
+    }
+
+    /// Undoes [`PodDir::add`] (also for a process that died after it).
+    pub fn remove(&self, id: &str) {
+        let binds = self.0.join(format!("{id}.binds"));
+        rootfs::unmount_under(&binds);
+        rootfs::unmount_under(&self.0.join(id));
+        if !rootfs::is_mounted_under(&binds) {
+            let _ = std::fs::remove_dir_all(&binds);
+        }
+        let _ = std::fs::remove_dir(self.0.join(id));
+    }
+
+    /// Unmounts everything in the directory and removes it.
+    pub fn destroy(&self) {
+        rootfs::unmount_under(&self.0);
+        if !rootfs::is_mounted_under(&self.0) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 /// What a process's stdio is wired to.
@@ -395,27 +497,6 @@ impl Pod {
                 container: container.to_owned(),
             })
             .map(drop)
-    }
-
-    /// Freezes (or thaws) the whole VM: its VMM and helpers (virtiofsd,
-    /// passt) are stopped with SIGSTOP, so the guest's clock and processes
-    /// stand still until SIGCONT.
-    pub fn freeze(&self, frozen: bool) -> Result<(), ContainerError> {
-        if self.has_ended() {
-            return Err(ContainerError::AgentGone);
-        }
-        let signal = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
-        // The VMM's helpers first when stopping, last when resuming, so the
-        // VMM never runs without them.
-        let mut pids = descendants(self.vm_pid);
-        if !frozen {
-            pids.reverse();
-        }
-        for pid in pids {
-            // SAFETY: kill has no memory effects.
-            unsafe { libc::kill(pid as i32, signal) };
-        }
-        Ok(())
     }
 
     /// Whether the VM has ended.

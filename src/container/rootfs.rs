@@ -183,23 +183,29 @@ pub fn bind(source: &Path, target: &Path, readonly: bool) -> Result<(), Containe
     Ok(())
 }
 
-/// Unmounts everything mounted at `dir` or below it, deepest first
-/// (lazily); how many mounts went.
-pub fn unmount_under(dir: &Path) -> usize {
+/// The mount points at `dir` or below it, deepest first.
+fn mount_points_under(dir: &Path) -> Vec<String> {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return 0;
+        return Vec::new();
     };
     let top = dir.to_string_lossy();
     let below = format!("{}/", top.trim_end_matches('/'));
-    let mut points: Vec<&str> = info
+    let mut points: Vec<String> = info
         .lines()
         .filter_map(|l| l.split(' ').nth(4))
         .filter(|p| *p == top || p.starts_with(&below))
+        .map(str::to_owned)
         .collect();
     points.sort_by_key(|p| std::cmp::Reverse(p.len()));
     points.dedup();
+    points
+}
+
+/// Unmounts everything mounted at `dir` or below it, deepest first
+/// (lazily); how many mounts went.
+pub fn unmount_under(dir: &Path) -> usize {
     let mut n = 0;
-    for p in points {
+    for p in mount_points_under(dir) {
         if let Ok(c) = CString::new(p) {
             // SAFETY: c is a NUL-terminated path alive for the call.
             if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
@@ -208,6 +214,12 @@ pub fn unmount_under(dir: &Path) -> usize {
         }
     }
     n
+}
+
+/// Whether anything is mounted at `dir` or below it (then removing the
+/// directory would remove what is mounted there).
+pub fn is_mounted_under(dir: &Path) -> bool {
+    !mount_points_under(dir).is_empty()
 }
 
 /// Whether something is mounted at `target` (per /proc/self/mountinfo).

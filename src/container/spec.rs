@@ -63,12 +63,6 @@ pub struct Hook {
     pub timeout: Option<u64>,
 }
 
-/// The smallest VM a memory limit gives: below this the guest kernel and
-/// agent do not fit.
-pub const MIN_VM_MIB: u64 = 128;
-/// Where bind mounts' host directories are shared in the guest.
-pub const GUEST_BINDS: &str = "/run/ember-binds";
-
 /// `linux`, the fields ember reads.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -152,8 +146,11 @@ pub struct PidsResources {
 
 impl LinuxResources {
     /// Parses the JSON of an update request's resources.
-    pub fn parse(json: &[u8]) -> Result<LinuxResources, String> {
-        serde_json::from_slice(json).map_err(|e| format!("resources: {e}"))
+    pub fn parse(json: &[u8]) -> Result<LinuxResources, ContainerError> {
+        serde_json::from_slice(json).map_err(|source| ContainerError::Json {
+            what: "resources".into(),
+            source,
+        })
     }
 
     /// The limits the agent applies; what it cannot apply is refused in one line.
@@ -433,54 +430,20 @@ impl Spec {
 
     /// Reads `BUNDLE/config.json`.
     pub fn load(bundle: &Path) -> Result<Spec, ContainerError> {
-        let bad = |why: String| ContainerError::Spec {
-            bundle: bundle.display().to_string(),
-            why,
-        };
-        let text = std::fs::read(bundle.join("config.json"))
-            .map_err(|e| bad(format!("config.json: {e}")))?;
-        Spec::parse(&text).map_err(bad)
+        let path = bundle.join("config.json");
+        let text = std::fs::read(&path).map_err(ContainerError::io(path.display().to_string()))?;
+        serde_json::from_slice(&text).map_err(|source| ContainerError::Json {
+            what: path.display().to_string(),
+            source,
+        })
     }
 
     /// Parses a spec's JSON.
-    pub fn parse(json: &[u8]) -> Result<Spec, String> {
-        serde_json::from_slice(json).map_err(|e| format!("config.json: {e}"))
-    }
-
-    /// The VM's size from `linux.resources`: memory (`--mem`, MiB, at least
-    /// [`MIN_VM_MIB`]) from the memory limit, vCPUs from the CPU quota
-    /// (rounded up), as Docker's `-m` and `--cpus` set them.
-    pub fn vm_size(&self) -> (Option<String>, Option<u32>) {
-        let Some(r) = &self.linux.resources else {
-            return (None, None);
-        };
-        let mem = r
-            .memory_limit()
-            .map(|l| format!("{}M", l.div_ceil(1 << 20).max(MIN_VM_MIB)));
-        (mem, r.vcpus())
-    }
-
-    /// The host directories bind mounts need shared with the guest: a
-    /// directory itself, a file's parent (several files of one directory
-    /// share it), each at its own place under [`GUEST_BINDS`].
-    pub fn bind_shares(&self, id: &str) -> Vec<super::pod::Share> {
-        let mut shares: Vec<super::pod::Share> = Vec::new();
-        for m in self.mounts.iter().filter(|m| is_bind(m)) {
-            let src = Path::new(&m.source);
-            let dir = if src.is_dir() {
-                src.to_path_buf()
-            } else {
-                match src.parent() {
-                    Some(p) => p.to_path_buf(),
-                    None => continue,
-                }
-            };
-            if !shares.iter().any(|s| s.host == dir) {
-                let guest = format!("{GUEST_BINDS}/{id}/{}", shares.len());
-                shares.push(super::pod::Share { host: dir, guest });
-            }
-        }
-        shares
+    pub fn parse(json: &[u8]) -> Result<Spec, ContainerError> {
+        serde_json::from_slice(json).map_err(|source| ContainerError::Json {
+            what: "config.json".into(),
+            source,
+        })
     }
 
     /// The bind mounts of host paths, in order.
@@ -497,37 +460,10 @@ impl Spec {
     }
 
     /// The agent's description of the container whose root the guest sees
-    /// at `guest_rootfs`. Bind mounts of host paths come through the
-    /// shares [`Spec::bind_shares`] names (which the VM must have).
-    pub fn container(&self, id: &str, guest_rootfs: &str) -> Result<ContainerSpec, ContainerError> {
-        let shares = self.bind_shares(id);
-        let mut sources = Vec::new();
-        for m in self.mounts.iter().filter(|m| is_bind(m)) {
-            let src = Path::new(&m.source);
-            let found = shares.iter().find_map(|s| {
-                if src == s.host {
-                    Some(s.guest.clone())
-                } else {
-                    let rest = src.strip_prefix(&s.host).ok()?;
-                    (rest.components().count() == 1)
-                        .then(|| format!("{}/{}", s.guest, rest.display()))
-                }
-            });
-            let Some(source) = found else {
-                return Err(ContainerError::NotImplemented(format!(
-                    "bind mount of host path {} at {} (no such file or directory)",
-                    m.source, m.destination
-                )));
-            };
-            sources.push(source);
-        }
-        self.container_with_binds(id, guest_rootfs, &sources)
-    }
-
-    /// As [`Spec::container`], the sources of [`Spec::host_binds`] seen
-    /// by the guest at `guest_binds` (in their order); a bind beyond them
-    /// is refused in one line.
-    pub fn container_with_binds(
+    /// at `guest_rootfs`, the sources of [`Spec::host_binds`] seen by the
+    /// guest at `guest_binds` (in their order; `PodDir::add` puts them
+    /// there); a bind beyond them is refused in one line.
+    pub fn container(
         &self,
         id: &str,
         guest_rootfs: &str,
@@ -677,9 +613,22 @@ mod tests {
     }"#;
 
     #[test]
+    fn a_spec_that_does_not_parse_says_where() {
+        let e = Spec::parse(br#"{"process": {"args": 3}}"#).unwrap_err();
+        assert!(matches!(e, ContainerError::Json { ref what, .. } if what == "config.json"));
+        assert!(
+            e.to_string()
+                .starts_with("config.json: invalid type: integer `3`"),
+            "{e}"
+        );
+        let e = LinuxResources::parse(b"[").unwrap_err();
+        assert!(e.to_string().starts_with("resources: "), "{e}");
+    }
+
+    #[test]
     fn a_ctr_spec_becomes_agent_requests() {
         let spec = Spec::parse(CTR_LIKE.as_bytes()).unwrap();
-        let c = spec.container("c1", "/.ember-containers/c1").unwrap();
+        let c = spec.container("c1", "/.ember-containers/c1", &[]).unwrap();
         // No network namespace to join: the VM has no network.
         assert_eq!(spec.network_namespace(), None);
         assert_eq!(c.hostname.as_deref(), Some("box"));
@@ -713,39 +662,6 @@ mod tests {
     }
 
     #[test]
-    fn bind_mounts_go_through_shares_of_their_directories() {
-        let spec = Spec::parse(
-            br#"{"mounts": [{"destination": "/etc/hosts", "type": "bind", "source": "/etc/hosts", "options": ["rbind", "ro"]},
-                            {"destination": "/etc/passwd", "type": "bind", "source": "/etc/passwd"},
-                            {"destination": "/data", "type": "none", "source": "/usr/share", "options": ["rbind"]},
-                            {"destination": "/gone", "type": "bind", "source": "/nonexistent/x/y"}]}"#,
-        )
-        .unwrap();
-        let shares = spec.bind_shares("c");
-        let hosts: Vec<_> = shares.iter().map(|s| s.host.to_str().unwrap()).collect();
-        assert_eq!(hosts, ["/etc", "/usr/share", "/nonexistent/x"]);
-        assert_eq!(shares[1].guest, "/run/ember-binds/c/1");
-        let c = spec.container("c", "/r").unwrap();
-        assert_eq!(c.mounts[0].source, "/run/ember-binds/c/0/hosts");
-        assert_eq!(c.mounts[0].fstype, "bind");
-        assert_eq!(c.mounts[1].source, "/run/ember-binds/c/0/passwd");
-        assert_eq!(c.mounts[2].source, "/run/ember-binds/c/1");
-    }
-
-    #[test]
-    fn resources_size_the_vm() {
-        let spec = Spec::parse(
-            br#"{"linux": {"resources": {"memory": {"limit": 314572800}, "cpu": {"quota": 150000, "period": 100000}}}}"#,
-        )
-        .unwrap();
-        assert_eq!(spec.vm_size(), (Some("300M".into()), Some(2)));
-        let tiny =
-            Spec::parse(br#"{"linux": {"resources": {"memory": {"limit": 6291456}}}}"#).unwrap();
-        assert_eq!(tiny.vm_size(), (Some("128M".into()), None));
-        assert_eq!(Spec::default().vm_size(), (None, None));
-    }
-
-    #[test]
     fn bind_mounts_take_the_guest_sources_given_or_are_refused_in_one_line() {
         let spec = Spec::parse(
             br#"{"root": {"path": "rootfs", "readonly": true},
@@ -753,10 +669,7 @@ mod tests {
                             {"destination": "/t", "type": "tmpfs", "source": "tmpfs"}]}"#,
         )
         .unwrap();
-        let e = spec
-            .container_with_binds("c", "/r", &[])
-            .unwrap_err()
-            .to_string();
+        let e = spec.container("c", "/r", &[]).unwrap_err().to_string();
         assert_eq!(
             e,
             "not implemented: bind mount of host path /etc/hosts at /etc/hosts"
@@ -769,9 +682,7 @@ mod tests {
                 readonly: true
             }]
         );
-        let c = spec
-            .container_with_binds("c", "/r", &["/g/c.binds/0".into()])
-            .unwrap();
+        let c = spec.container("c", "/r", &["/g/c.binds/0".into()]).unwrap();
         assert!(c.readonly_root);
         assert_eq!(c.mounts[0].source, "/g/c.binds/0");
         assert_eq!(c.mounts[1].source, "tmpfs");

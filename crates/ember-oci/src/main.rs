@@ -708,6 +708,15 @@ fn delete(root: &Path, id: &str, force: bool) -> Result<()> {
         }
     }
     let spec = ember::container::spec::Spec::load(Path::new(&st.bundle)).unwrap_or_default();
+    // What a supervisor killed before its end left mounted (the root and
+    // bind mounts' sources): removing the directory would remove those.
+    ember::container::pod::PodDir::new(state::pod_dir(root, id)).destroy();
+    if ember::container::rootfs::is_mounted_under(&state::dir(root, id)) {
+        bail!(
+            "cannot delete container {id}: {} is still mounted below",
+            state::dir(root, id).display()
+        );
+    }
     std::fs::remove_dir_all(state::dir(root, id))
         .with_context(|| format!("rm {}", state::dir(root, id).display()))?;
     run_hooks(&spec.hooks.poststop, &hook_state(&st, "stopped"), true)

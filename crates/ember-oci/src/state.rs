@@ -32,6 +32,12 @@ pub fn dir(root: &Path, id: &str) -> PathBuf {
     root.join(id)
 }
 
+/// The directory its VM shares with the guest (`PodDir`): its root and
+/// bind mounts' sources are mounted there while it runs.
+pub fn pod_dir(root: &Path, id: &str) -> PathBuf {
+    dir(root, id).join("pod")
+}
+
 /// Its control socket.
 pub fn ctl(root: &Path, id: &str) -> PathBuf {
     dir(root, id).join("ctl.sock")

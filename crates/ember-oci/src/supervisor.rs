@@ -8,10 +8,10 @@
 use crate::ctl::{self, Reply, Request};
 use crate::fdpass;
 use crate::state::State;
+use ember::container::ContainerError;
 use ember::container::agent::{Note, Sink};
-use ember::container::pod::{Pod, PodConfig, ProcIo, Share, descendants};
+use ember::container::pod::{Pod, PodConfig, PodDir, ProcIo, descendants};
 use ember::container::spec::{Process, Spec};
-use ember::container::{ContainerError, GUEST_ROOTS};
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Read;
@@ -109,6 +109,8 @@ struct Sup {
     id: String,
     spec: Spec,
     pod: Arc<Pod>,
+    /// The VM's shared directory (the root, bind mounts' sources).
+    dir: PodDir,
     state: Mutex<State>,
     /// The init's terminal (the pty's slave), with `-t`.
     tty: Option<OwnedFd>,
@@ -198,32 +200,28 @@ fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup
     } else {
         o.bundle.join(root)
     };
-    let guest_root = format!("{GUEST_ROOTS}/{}", o.id);
-    let agent_spec = spec.container(&o.id, &guest_root)?;
-    let (mem, cpus) = spec.vm_size();
+    let dir = PodDir::new(crate::state::pod_dir(&o.root, &o.id));
+    let agent_spec = dir.add(&spec, &o.id, &root)?;
     let net = ember::passt::GuestNet::from_host().is_ok();
     let publish = if net {
         published_ports(&spec)
     } else {
         Vec::new()
     };
-    let cfg = PodConfig {
-        backend: o.backend.clone(),
-        mem,
-        cpus,
-        shares: std::iter::once(Share {
-            host: root,
-            guest: guest_root,
-        })
-        .chain(spec.bind_shares(&o.id))
-        .collect(),
-        boot_timeout: None,
-        // The supervisor lives in the container's namespace already: passt
-        // there gives the guest its address and forwards its ports.
-        netns: None,
-        net,
-        publish,
-        ..Default::default()
+    let cfg = match PodConfig::for_spec(&spec, &dir, None, None) {
+        Ok(c) => PodConfig {
+            backend: o.backend.clone(),
+            // The supervisor lives in the container's namespace already:
+            // passt there gives the guest its address and forwards its ports.
+            netns: None,
+            net,
+            publish,
+            ..c
+        },
+        Err(e) => {
+            dir.destroy();
+            return Err(e);
+        }
     };
     log::info!(
         "{}: booting its VM (mem {:?}, cpus {:?}, net {}, publish {:?})",
@@ -234,11 +232,18 @@ fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup
         cfg.publish
     );
     let tx = Mutex::new(tx);
-    let pod = Pod::boot(&cfg, move |n| {
+    let pod = match Pod::boot(&cfg, move |n| {
         let _ = lock(&tx).send(n);
-    })?;
+    }) {
+        Ok(p) => p,
+        Err(e) => {
+            dir.destroy();
+            return Err(e);
+        }
+    };
     if let Err(e) = pod.create_container(agent_spec) {
         pod.shutdown();
+        dir.destroy();
         return Err(e);
     }
     let tty = if process.terminal {
@@ -254,6 +259,7 @@ fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup
             Ok(s) => Some(s),
             Err(e) => {
                 pod.shutdown();
+                dir.destroy();
                 return Err(e);
             }
         }
@@ -269,6 +275,7 @@ fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup
         id: o.id.clone(),
         spec,
         pod: Arc::new(pod),
+        dir,
         state: Mutex::new(state),
         tty,
         execs: Mutex::new(HashMap::new()),
@@ -354,6 +361,7 @@ impl Sup {
         self.init_done.store(true, Ordering::Relaxed);
         let _ = self.pod.destroy(&self.id);
         self.pod.shutdown();
+        self.dir.destroy();
         self.save("stopped");
         std::process::exit(status);
     }
@@ -392,7 +400,7 @@ impl Sup {
                     return;
                 }
                 if lock(&self.state).status == "paused" {
-                    let _ = self.pod.freeze(false);
+                    let _ = self.pod.resume(&self.id);
                     self.save("running");
                 }
                 self.pod
@@ -411,13 +419,16 @@ impl Sup {
                 if status != want {
                     Err(format!("container {} is {status}, not {want}", self.id))
                 } else {
-                    self.pod
-                        .freeze(pause)
-                        .map(|_| {
-                            self.save(if pause { "paused" } else { "running" });
-                            Reply::default()
-                        })
-                        .map_err(|e| e.to_string())
+                    let done = if pause {
+                        self.pod.pause(&self.id)
+                    } else {
+                        self.pod.resume(&self.id)
+                    };
+                    done.map(|_| {
+                        self.save(if pause { "paused" } else { "running" });
+                        Reply::default()
+                    })
+                    .map_err(|e| e.to_string())
                 }
             }
             Request::Exec { process } => {

@@ -25,10 +25,10 @@ use containerd_shim::protos::topics;
 use containerd_shim::protos::ttrpc::{self, Code};
 use containerd_shim::protos::types::task::ProcessInfo;
 use ember::container::agent::{Note, Sink};
-use ember::container::pod::{Pod, PodConfig, ProcIo, Share};
+use ember::container::pod::{Pod, PodConfig, PodDir, ProcIo};
 use ember::container::rootfs::{self, RootMount};
 use ember::container::spec::{LinuxResources, Process, Spec};
-use ember::container::{ContainerError, GUEST_ROOTS, rootfs::is_mounted};
+use ember::container::{ContainerError, rootfs::is_mounted};
 use ember_agent::Stats;
 use shim::api::{self, Status};
 use shim::publisher::RemotePublisher;
@@ -243,9 +243,9 @@ struct Container {
     bundle: PathBuf,
     /// Where the snapshot is mounted (unmounted on delete), if the shim mounted it.
     rootfs: Option<PathBuf>,
-    /// What the shim mounted in the pod's shared directory for it (its
-    /// root, its bind mounts' sources): unmounted on delete.
-    shared: Vec<PathBuf>,
+    /// The pod's shared directory, where its root and bind mounts'
+    /// sources are mounted: unmounted on delete.
+    dir: PodDir,
     pod: Arc<Pod>,
     init_spec: Process,
     procs: HashMap<String, Proc>,
@@ -256,9 +256,8 @@ struct Container {
 /// others of its sandbox, stopped when the last one is deleted.
 struct PodVm {
     pod: Arc<Pod>,
-    /// The host directory shared into the guest at [`GUEST_ROOTS`]: each
-    /// container's root (and bind mount source) is mounted under it.
-    dir: PathBuf,
+    /// The host directory shared into the guest.
+    dir: PodDir,
 }
 
 #[derive(Default)]
@@ -387,13 +386,11 @@ impl shim::Shim for Service {
             .ok()
             .and_then(|s| sandbox_of(&s).map(str::to_owned))
             .unwrap_or_else(|| id.clone());
-        let dir = pod_dir(&cwd, &sandbox);
+        let dir = PodDir::new(pod_dir(&cwd, &sandbox));
         if sandbox == id {
-            rootfs::unmount_under(&dir);
-            let _ = std::fs::remove_dir_all(&dir);
+            dir.destroy();
         } else {
-            rootfs::unmount_under(&dir.join(&id));
-            rootfs::unmount_under(&dir.join(format!("{id}.binds")));
+            dir.remove(&id);
         }
         // The dead server's socket.
         if let Ok(address) = std::fs::read_to_string(cwd.join("address"))
@@ -433,30 +430,6 @@ fn sandbox_of(spec: &Spec) -> Option<&str> {
 /// one of its containers' bundles).
 fn pod_dir(bundle: &Path, sandbox: &str) -> PathBuf {
     bundle.with_file_name(sandbox).join("pod")
-}
-
-/// The VM's size from the first container's limits: its memory limit on
-/// top of the base (`EMBER_SHIM_MEM`, else ember's 256 MiB; the guest's
-/// kernel and agent live in that), as many vCPUs as its CPU quota asks.
-fn vm_size(spec: &Spec) -> (Option<String>, Option<u32>) {
-    let base = std::env::var("EMBER_SHIM_MEM").ok();
-    let res = spec.linux.resources.as_ref();
-    let mem = match res.and_then(|r| r.memory_limit()) {
-        Some(limit) => {
-            let base_mib = base
-                .as_deref()
-                .map_or(Ok(256), ember::backend::parse_mem_mib)
-                .unwrap_or(256);
-            Some(format!("{}M", base_mib + limit.div_ceil(1 << 20)))
-        }
-        None => base,
-    };
-    let cpus = res.and_then(|r| r.vcpus()).or_else(|| {
-        std::env::var("EMBER_SHIM_CPUS")
-            .ok()
-            .and_then(|c| c.parse().ok())
-    });
-    (mem, cpus)
 }
 
 /// Opens a FIFO containerd made for output. Read-write, so the open does
@@ -563,45 +536,27 @@ impl Service {
         };
         let dir = match &existing {
             Some((_, dir)) => dir.clone(),
-            None => bundle.join("pod"),
+            None => PodDir::new(bundle.join("pod")),
         };
-        let mut shared = Vec::new();
         let made = (|| {
             if let Some((pod, _)) = &existing
                 && pod.has_ended()
             {
                 return Err(ContainerError::AgentGone);
             }
-            // The root and the bind mounts' sources, where the guest sees them.
-            let host_root = dir.join(&req.id);
-            rootfs::bind(&root, &host_root, false)?;
-            shared.push(host_root);
-            let mut guest_binds = Vec::new();
-            for (i, b) in spec.host_binds().iter().enumerate() {
-                let at = dir.join(format!("{}.binds", req.id)).join(i.to_string());
-                rootfs::bind(&b.source, &at, b.readonly)?;
-                shared.push(at);
-                guest_binds.push(format!("{GUEST_ROOTS}/{}.binds/{i}", req.id));
-            }
-            let guest_root = format!("{GUEST_ROOTS}/{}", req.id);
-            let agent_spec = spec.container_with_binds(&req.id, &guest_root, &guest_binds)?;
+            let agent_spec = dir.add(&spec, &req.id, &root)?;
             let pod = match &existing {
                 Some((pod, _)) => pod.clone(),
                 None => {
-                    let (mem, cpus) = vm_size(&spec);
+                    let base_mem = std::env::var("EMBER_SHIM_MEM").ok();
+                    let cpus = std::env::var("EMBER_SHIM_CPUS")
+                        .ok()
+                        .and_then(|c| c.parse().ok());
                     let cfg = PodConfig {
                         backend: std::env::var("EMBER_SHIM_BACKEND").ok(),
                         kernel: std::env::var_os("EMBER_SHIM_KERNEL").map(Into::into),
                         cmdline: std::env::var("EMBER_SHIM_CMDLINE").ok(),
-                        mem,
-                        cpus,
-                        shares: vec![Share {
-                            host: dir.clone(),
-                            guest: GUEST_ROOTS.into(),
-                        }],
-                        boot_timeout: None,
-                        netns: spec.network_namespace(),
-                        ..Default::default()
+                        ..PodConfig::for_spec(&spec, &dir, base_mem.as_deref(), cpus)?
                     };
                     let weak: Weak<Inner> = Arc::downgrade(&self.0);
                     Arc::new(Pod::boot(&cfg, move |n| {
@@ -622,11 +577,9 @@ impl Service {
         let pod = match made {
             Ok(p) => p,
             Err(e) => {
-                for p in shared.iter().rev() {
-                    rootfs::unmount_under(p);
-                }
+                dir.remove(&req.id);
                 if existing.is_none() {
-                    let _ = std::fs::remove_dir_all(&dir);
+                    dir.destroy();
                 }
                 if let Some(r) = &mounted {
                     rootfs::unmount_all(r);
@@ -637,7 +590,7 @@ impl Service {
         if existing.is_none() {
             self.0.state().vm = Some(PodVm {
                 pod: pod.clone(),
-                dir,
+                dir: dir.clone(),
             });
         } else {
             log::info!("{} joins the pod's VM", req.id);
@@ -648,7 +601,7 @@ impl Service {
                 id: req.id.clone(),
                 bundle,
                 rootfs: mounted,
-                shared,
+                dir,
                 pod,
                 init_spec: process,
                 procs: HashMap::new(),
@@ -1061,7 +1014,7 @@ impl shim::Task for Service {
             let holds_vm = st
                 .vm
                 .as_ref()
-                .is_some_and(|v| v.dir.parent() == Some(c.bundle.as_path()));
+                .is_some_and(|v| v.dir.path().parent() == Some(c.bundle.as_path()));
             if holds_vm && st.containers.len() > 1 {
                 return Err(rpc(
                     Code::FAILED_PRECONDITION,
@@ -1080,13 +1033,10 @@ impl shim::Task for Service {
             (c, last_vm)
         };
         let _ = c.pod.destroy(&c.id);
-        for p in c.shared.iter().rev() {
-            rootfs::unmount_under(p);
-        }
+        c.dir.remove(&c.id);
         if let Some(vm) = last_vm {
             vm.pod.shutdown();
-            rootfs::unmount_under(&vm.dir);
-            let _ = std::fs::remove_dir_all(&vm.dir);
+            vm.dir.destroy();
         }
         if let Some(r) = &c.rootfs
             && is_mounted(r)
