@@ -589,3 +589,40 @@ pub fn descendants(pid: u32) -> Vec<u32> {
     out.reverse();
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pod_vm_is_sized_by_its_first_containers_limits() {
+        let dir = PodDir::new("/b/pod");
+        let spec = Spec::parse(
+            br#"{"linux": {"resources": {"memory": {"limit": 314572800}, "cpu": {"quota": 150000, "period": 100000}},
+                           "namespaces": [{"type": "network", "path": "/var/run/netns/x"}]}}"#,
+        )
+        .unwrap();
+        let cfg = PodConfig::for_spec(&spec, &dir, None, Some(4)).unwrap();
+        // The limit on top of the base, the quota's vCPUs rounded up.
+        assert_eq!(cfg.mem.as_deref(), Some("556M"));
+        assert_eq!(cfg.cpus, Some(2));
+        assert_eq!(
+            cfg.shares,
+            [Share {
+                host: "/b/pod".into(),
+                guest: GUEST_ROOTS.into()
+            }]
+        );
+        assert_eq!(cfg.netns, Some(PathBuf::from("/var/run/netns/x")));
+        let cfg = PodConfig::for_spec(&spec, &dir, Some("1G"), None).unwrap();
+        assert_eq!(cfg.mem.as_deref(), Some("1324M"));
+        // No limits: the base as given (ember's default if none), the
+        // caller's vCPUs.
+        let none = Spec::default();
+        let cfg = PodConfig::for_spec(&none, &dir, Some("512M"), Some(3)).unwrap();
+        assert_eq!((cfg.mem.as_deref(), cfg.cpus), (Some("512M"), Some(3)));
+        let cfg = PodConfig::for_spec(&none, &dir, None, None).unwrap();
+        assert_eq!((cfg.mem, cfg.cpus, cfg.netns), (None, None, None));
+        assert!(PodConfig::for_spec(&spec, &dir, Some("lots"), None).is_err());
+    }
+}
