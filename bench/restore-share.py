@@ -60,11 +60,13 @@ for i, d in enumerate(SHARES):
 
 
 def state(snap):
-    """The snapshot's state as JSON (after its binary header)."""
+    """The snapshot's state as JSON, after its binary header: magic (8
+    bytes), format version (4), payload length (8), CRC32 (4) — whose bytes
+    may hold a `{` (crates/ember-vmm/src/snapshot/mod.rs, `encode`)."""
     with open(os.path.join(snap, "state"), "rb") as f:
         b = f.read()
-    at = b.index(b"{")
-    return json.JSONDecoder().raw_decode(b[at:].decode("utf-8", "replace"))[0]
+    n = int.from_bytes(b[12:20], "little")
+    return json.loads(b[24:24 + n])
 
 
 def make_snapshots():

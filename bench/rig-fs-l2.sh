@@ -1,7 +1,9 @@
 #!/bin/sh
 # /init of the guest bench/rig-fs.sh boots under each VMM (Debian's cloud
 # kernel, its own fuse and virtiofs modules): mounts the share (tag `bench`)
-# and runs the workload rig.iter times, each phase timed by /proc/uptime.
+# and runs the workload once to warm up (the guest's first touches of its
+# memory, the L1's first faults on it; not counted), then rig.iter times,
+# each phase timed by /proc/uptime.
 # Lines starting RIG-FS- are for bench/rig-fs-inner.sh, which reads the console.
 b=/bin/busybox
 $b mount -t proc proc /proc
@@ -18,7 +20,7 @@ drop() { $b sync; echo 3 > /proc/sys/vm/drop_caches; }
 $b mkdir -p /mnt
 if $b mount -t virtiofs bench /mnt; then
   names=$(i=0; while [ $i -lt "$n" ]; do echo f$i; i=$((i + 1)); done)
-  for i in $($b seq "$iter"); do
+  for i in $($b seq 0 "$iter"); do
     $b rm -rf /mnt/m /mnt/big
     $b mkdir /mnt/m
     drop
@@ -33,7 +35,8 @@ if $b mount -t virtiofs bench /mnt; then
     cd /
     left=$($b ls /mnt/m | $b wc -l)
     [ "$left" = 0 ] || echo "RIG-FS-FAILED $left files left after rm"
-    echo "RIG-FS-ITER $i $($b awk -v a="$t0 $t1 $t2 $t3 $t4 $t5 $t6 $t7 $t8 $t9" 'BEGIN {
+    tag=RIG-FS-ITER; [ "$i" = 0 ] && tag=RIG-FS-WARMUP
+    echo "$tag $i $($b awk -v a="$t0 $t1 $t2 $t3 $t4 $t5 $t6 $t7 $t8 $t9" 'BEGIN {
       split(a, t, " "); printf "%.2f %.2f %.2f %.2f %.2f", t[2] - t[1], t[4] - t[3], t[6] - t[5], t[8] - t[7], t[10] - t[9] }')"
   done
   $b rm -rf /mnt/m /mnt/big

@@ -8,8 +8,10 @@
 # with kvm-amd). Inside, bench/rig-fs-inner.sh puts the share on a tmpfs in
 # the L1 and boots Debian's cloud kernel (its own fuse and virtiofs modules,
 # a busybox initramfs: bench/rig-fs-l2.sh) under each VMM, both serving that
-# same directory. Each boot runs the workload ITER times, each phase timed by
-# the guest's /proc/uptime (10 ms steps):
+# same directory. Each boot runs the workload once to warm up (its first
+# pass is up to 5x slower: the guest's and the L1's first touches of guest
+# memory; not counted), then ITER times, each phase timed by the guest's
+# /proc/uptime (10 ms steps):
 #   write   dd MB MiB from /dev/zero into the share, bs=1M, conv=fsync
 #   read    dd it back to /dev/null after the guest's caches are dropped
 #   create  one `touch` of N new empty files
@@ -26,11 +28,11 @@
 # Environment:
 #   EMBER_BIN    ember to measure (default: scripts/build-release)
 #   VIRTIOFSD    the vhost-user-fs daemon (default: virtiofsd on PATH)
-#   ITER=2 MB=32 N=200   workload repetitions per boot, file MiB, small files
+#   ITER=2 MB=16 N=200   workload repetitions per boot, file MiB, small files
 set -euo pipefail
 ROUNDS=${1:-3}
 ITER=${ITER:-2}
-MB=${MB:-32}
+MB=${MB:-16}
 N=${N:-200}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
