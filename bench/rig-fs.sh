@@ -28,12 +28,12 @@
 # Environment:
 #   EMBER_BIN    ember to measure (default: scripts/build-release)
 #   VIRTIOFSD    the vhost-user-fs daemon (default: virtiofsd on PATH)
-#   ITER=2 MB=16 N=200   workload repetitions per boot, file MiB, small files
+#   ITER=2 MB=64 N=100   workload repetitions per boot, file MiB, small files
 set -euo pipefail
 ROUNDS=${1:-3}
 ITER=${ITER:-2}
-MB=${MB:-16}
-N=${N:-200}
+MB=${MB:-64}
+N=${N:-100}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 say() { printf '%s\n' "$*" >&2; }
