@@ -64,6 +64,12 @@ impl ShareArg {
         if !host.is_dir() {
             return Err(bad(&format!("{dir} is not a directory")));
         }
+        // Whoever serves it (ember's device, or a virtiofsd) runs as the
+        // caller: a directory the caller cannot list and enter is refused
+        // here, in one line, rather than by the VMM once it starts.
+        std::fs::read_dir(&host)
+            .and_then(|_| std::fs::metadata(host.join(".")))
+            .map_err(|e| bad(&format!("{dir}: {e}")))?;
         let guest = match guest {
             Some(g) => g.to_owned(),
             None => host

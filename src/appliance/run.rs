@@ -565,10 +565,20 @@ fn exit_status(
             EXIT_APPLIANCE
         }
         // Its own message went to our stderr as it came (host::drain).
-        host::Outcome::VmmFailed { status, .. } => {
-            eprintln!(
-                "ember: {vmm} could not start the VM ({status}; its message is above, if any)"
-            );
+        // ember's VMM says what failed in one `ember: ` line (no access to
+        // /dev/kvm, a file it cannot open): a second line would only repeat
+        // that it failed.
+        host::Outcome::VmmFailed { status, tail } => {
+            let said = tail
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .is_some_and(|l| l.trim_start().starts_with("ember: "));
+            if !(vmm == "ember" && said) {
+                eprintln!(
+                    "ember: {vmm} could not start the VM ({status}; its message is above, if any)"
+                );
+            }
             EXIT_APPLIANCE
         }
         host::Outcome::NoReport(tail) => {

@@ -13,16 +13,17 @@
 use crate::common;
 
 use common::{PVM_CMDLINE, Scratch, ember, init_binary, pvm_kernel_dir, require_kvm};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Instant;
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-/// `ember -v run --backend ember` in `cwd`, sharing `share` (`DIR:/data[,rw]`).
+/// `ember -v run --backend ember` in `cwd`, sharing `share` (`DIR:/data[,rw]`),
+/// as the user `setpriv` makes of `user` when it is not empty.
 fn run(
     scratch: &Scratch,
     kernel: &Path,
@@ -30,9 +31,17 @@ fn run(
     cwd: &Path,
     share: &str,
     script: &str,
+    user: &[String],
 ) -> Output {
     let start = Instant::now();
-    let out = ember()
+    let mut cmd = if user.is_empty() {
+        ember()
+    } else {
+        let mut c = Command::new("setpriv");
+        c.args(user).arg(ember().get_program());
+        c
+    };
+    let out = cmd
         .env("EMBER_CACHE", scratch.path("cache"))
         .env("EMBER_INIT", init)
         .env_remove("EMBER_LOG")
@@ -78,7 +87,14 @@ fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories(
     };
     let init = init_binary().unwrap_or_else(|e| panic!("{test}: {e}"));
     let scratch = Scratch::new(test);
-    let kernel = kdir.join("vmlinux");
+    // Step 3 runs as an unprivileged user: the kernel (copied out of a
+    // home the user cannot enter), the cache and the scratch directory are
+    // where it can reach them, from the first run on (the snapshot's key
+    // holds the kernel's path).
+    std::fs::set_permissions(&*scratch.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let kernel = scratch.path("vmlinux");
+    std::fs::copy(kdir.join("vmlinux"), &kernel).unwrap();
+    std::fs::set_permissions(&kernel, std::fs::Permissions::from_mode(0o644)).unwrap();
     let (a, b, home) = (scratch.path("a"), scratch.path("b"), scratch.path("home"));
     for d in [&a, &b, &home] {
         std::fs::create_dir_all(d).unwrap();
@@ -95,6 +111,7 @@ fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories(
         &home,
         &format!("{}:/data,rw", a.display()),
         "read x < /data/in; echo \"got $x\"; echo written > /data/out",
+        &[],
     );
     let err = text(&first.stderr);
     assert_eq!(first.status.code(), Some(0), "stderr:\n{err}");
@@ -119,6 +136,7 @@ fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories(
         &format!("{}:/data", b.display()),
         "read x < /data/in; echo \"got $x\"; read y < late; echo \"$y\"; \
          (echo no > /data/out) 2>/dev/null || echo refused",
+        &[],
     );
     let err = text(&second.stderr);
     assert_eq!(second.status.code(), Some(0), "stderr:\n{err}");
@@ -131,4 +149,114 @@ fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories(
     assert!(!b.join("out").exists());
     assert_eq!(std::fs::read_to_string(a.join("out")).unwrap(), "written\n");
     assert_eq!(snapshots(&scratch).len(), 1, "the restore made another");
+
+    // 3. An unprivileged caller (nobody, in /dev/kvm's group) restores the
+    //    same snapshot (the cache made its own) and shares a directory it
+    //    owns: ember cannot switch to the guest's users, so every request is
+    //    served as the caller's own, and the host's permissions are the
+    //    caller's. Its writes reach the host as its files; a chown, and a
+    //    host file only root may read, are refused in the guest.
+    let Some(nobody) = unprivileged(test) else {
+        return;
+    };
+    let (c, secret) = (scratch.path("c"), scratch.path("secret"));
+    std::fs::create_dir_all(&c).unwrap();
+    std::fs::write(c.join("in"), "from-c\n").unwrap();
+    std::fs::write(&secret, "root-only\n").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    for p in [&c, &home, &scratch.path("cache")] {
+        chown(p, NOBODY);
+    }
+    let third = run(
+        &scratch,
+        &kernel,
+        &init,
+        &home,
+        &format!("{}:/data,rw", c.display()),
+        &format!(
+            "read x < /data/in; echo \"got $x\"; echo mine > /data/mine; \
+             chown 0 /data/mine 2>/dev/null || echo chown-refused; \
+             (read y < {}) 2>/dev/null || echo secret-refused",
+            secret.display()
+        ),
+        &nobody,
+    );
+    let err = text(&third.stderr);
+    assert_eq!(third.status.code(), Some(0), "stderr:\n{err}");
+    assert!(err.contains("from snapshot"), "{err}");
+    assert_eq!(
+        text(&third.stdout),
+        "got from-c\nchown-refused\nsecret-refused\n",
+        "stderr:\n{err}"
+    );
+    let m = std::fs::metadata(c.join("mine")).unwrap();
+    assert_eq!((m.uid(), m.gid()), (NOBODY, kvm_gid()));
+    assert_eq!(std::fs::read_to_string(c.join("mine")).unwrap(), "mine\n");
+
+    // 4. What the caller cannot do is one line, before any boot: share a
+    //    directory it cannot read; run without access to /dev/kvm.
+    let closed = scratch.path("closed");
+    std::fs::create_dir_all(&closed).unwrap();
+    std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let no_kvm = [
+        format!("--reuid={NOBODY}"),
+        format!("--regid={NOBODY}"),
+        "--clear-groups".to_owned(),
+    ];
+    for (share, user, want) in [
+        (&closed, &nobody[..], "Permission denied"),
+        (&c, &no_kvm[..], "no permission to open /dev/kvm"),
+    ] {
+        let out = run(
+            &scratch,
+            &kernel,
+            &init,
+            &home,
+            &share.display().to_string(),
+            "true",
+            user,
+        );
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(125), "{err}");
+        // (`-v`'s debug lines aside.)
+        let lines: Vec<&str> = err
+            .lines()
+            .filter(|l| !l.trim().is_empty() && !l.starts_with("ember: debug:"))
+            .collect();
+        assert_eq!(lines.len(), 1, "one line: {err}");
+        assert!(lines[0].contains(want), "{err}");
+    }
+}
+
+/// The unprivileged user step 3 runs as.
+const NOBODY: u32 = 65534;
+
+fn kvm_gid() -> u32 {
+    std::fs::metadata("/dev/kvm").unwrap().gid()
+}
+
+/// `setpriv` arguments making `nobody` with /dev/kvm's group, or `None`
+/// (said) when this test is not root and so cannot change user.
+fn unprivileged(test: &str) -> Option<Vec<String>> {
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        ember_testing::skip(test, "step 3 changes user (setpriv): run as root");
+        return None;
+    }
+    Some(vec![
+        format!("--reuid={NOBODY}"),
+        format!("--regid={}", kvm_gid()),
+        "--clear-groups".to_owned(),
+    ])
+}
+
+/// `chown -R NOBODY:/dev/kvm's group PATH`.
+fn chown(path: &Path, uid: u32) {
+    let st = Command::new("chown")
+        .arg("-R")
+        .arg(format!("{uid}:{}", kvm_gid()))
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(st.success(), "chown -R {}", path.display());
 }

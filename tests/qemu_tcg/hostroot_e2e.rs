@@ -6,7 +6,7 @@
 
 use crate::common;
 
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -470,4 +470,132 @@ fn virtiofsd_is_gone_however_ember_ends() {
     child.wait().unwrap();
     gone(&pids, "SIGKILL");
     assert_eq!(sockets(pid), Vec::<PathBuf>::new());
+}
+
+/// ember's cache directory as ember finds it (`EMBER_CACHE`, else
+/// `$XDG_CACHE_HOME/ember`, else `~/.cache/ember`).
+fn cache_dir() -> PathBuf {
+    std::env::var_os("EMBER_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("ember")))
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/ember"))
+}
+
+/// The Rust virtiofsd ember would start (`scripts/install-deps` puts it in
+/// ~/.cargo/bin).
+fn rust_virtiofsd() -> PathBuf {
+    let cargo = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cargo"));
+    std::env::var_os("EMBER_VIRTIOFSD")
+        .map(PathBuf::from)
+        .or_else(|| Some(cargo.join("bin/virtiofsd")).filter(|p| p.exists()))
+        .expect("no Rust virtiofsd (scripts/install-deps --test installs it)")
+}
+
+/// `ember run` by an unprivileged user (nobody; no /dev/kvm needed under
+/// TCG) on the host's root, sharing a directory it owns: the virtiofsd runs
+/// as the caller in a user namespace, the guest's root mapped to it. The
+/// guest's writes reach the host as the caller's files and the guest sees
+/// them as its root's; a chown to a user outside the map, and a host file
+/// only root may read, are refused in the guest; a directory the caller
+/// cannot read is refused in one line before any boot.
+#[test]
+fn an_unprivileged_caller_shares_a_directory_it_owns() {
+    const NOBODY: u32 = 65534;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        ember_testing::skip("hostroot nobody", "changes user (setpriv): run as root");
+        return;
+    }
+    let dir = ember_testing::TempDir::new("hostroot-nobody");
+    std::fs::set_permissions(&*dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // What the caller runs and reads, where it can reach them: its own
+    // cache (the kernel and its modules, from this user's), a virtiofsd.
+    let cache = dir.join("cache");
+    let version = std::fs::read_to_string(cache_dir().join("kernel/current")).unwrap();
+    let version = version.trim();
+    std::fs::create_dir_all(cache.join("kernel")).unwrap();
+    std::fs::write(cache.join("kernel/current"), format!("{version}\n")).unwrap();
+    let cp = Command::new("cp")
+        .arg("-r")
+        .arg(cache_dir().join("kernel").join(version))
+        .arg(cache.join("kernel"))
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    std::fs::create_dir_all(dir.join("bin")).unwrap();
+    std::fs::copy(rust_virtiofsd(), dir.join("bin/virtiofsd")).unwrap();
+    let (share, home, closed) = (dir.join("share"), dir.join("home"), dir.join("closed"));
+    for d in [&share, &home, &closed] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    std::fs::write(share.join("in"), "theirs\n").unwrap();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "root-only\n").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o700)).unwrap();
+    for p in [&cache, &share, &home] {
+        let st = Command::new("chown")
+            .args(["-R", &format!("{NOBODY}:{NOBODY}")])
+            .arg(p)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    let as_nobody = |share_arg: &str, script: &str| -> Output {
+        Command::new("setpriv")
+            .args([
+                &format!("--reuid={NOBODY}"),
+                &format!("--regid={NOBODY}"),
+                "--clear-groups",
+            ])
+            .arg(env!("CARGO_BIN_EXE_ember"))
+            .args([
+                "run",
+                "--backend",
+                "qemu",
+                "--timeout",
+                "240",
+                "--share",
+                share_arg,
+            ])
+            .args(["--", "sh", "-c", script])
+            .env("HOME", "/nonexistent")
+            .env("EMBER_CACHE", &cache)
+            .env("EMBER_VIRTIOFSD", dir.join("bin/virtiofsd"))
+            .env(
+                "EMBER_INIT",
+                common::init_binary().unwrap_or_else(|e| panic!("{e}")),
+            )
+            .current_dir(&home)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let script = format!(
+        "cat /data/in; echo mine > /data/mine; stat -c '%u:%g' /data/mine; \
+         chown 5 /data/mine 2>/dev/null || echo chown-refused; \
+         cat {} 2>/dev/null || echo secret-refused",
+        secret.display()
+    );
+    let out = as_nobody(&format!("{}:/data,rw", share.display()), &script);
+    assert_eq!(
+        ok(&out),
+        "theirs\n0:0\nchown-refused\nsecret-refused\n",
+        "{}",
+        text(&out.stderr)
+    );
+    let m = std::fs::metadata(share.join("mine")).unwrap();
+    assert_eq!((m.uid(), m.gid()), (NOBODY, NOBODY));
+    assert_eq!(
+        std::fs::read_to_string(share.join("mine")).unwrap(),
+        "mine\n"
+    );
+
+    let out = as_nobody(&closed.display().to_string(), "true");
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("Permission denied"), "{err}");
 }
