@@ -122,8 +122,7 @@ pub struct RunArgs {
     pub prepare_only: bool,
     /// Give the command a network, without privileges: user-mode, through
     /// passt (the host's addresses, routes and name servers; eth0 is
-    /// configured before CMD starts). Without it the guest has none. qemu
-    /// backend for now.
+    /// configured before CMD starts). Without it the guest has none.
     #[arg(long)]
     pub net: bool,
     /// Forward the host's port HOST (on ADDR only, if given) to the guest's
@@ -133,7 +132,7 @@ pub struct RunArgs {
     /// Give the guest the network namespace PATH's interface (one CNI made,
     /// `/var/run/netns/NAME`): its address, routes, MTU and MAC, the
     /// interface's traffic redirected to and from the guest with tc, as Kata
-    /// Containers does. Needs root. qemu backend for now.
+    /// Containers does. Needs root.
     #[arg(long, value_name = "PATH", conflicts_with_all = ["net", "publish"])]
     pub netns: Option<PathBuf>,
     /// ember backend: boot the appliance cold instead of restoring (or

@@ -147,23 +147,6 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
     let asked = with_devices(args, GuestSpec::new("/"))?;
     backend.command(&asked)?;
     let publish = cli::publish(args)?;
-    // ember's device works with passt (`ember boot --net passt`; a cold
-    // appliance boot fetched 1 MiB files over it, checksums right), but
-    // in a restored appliance on this host's PVM a process now and then
-    // reads 0 through its FS base (busybox's md5sum, wget and dmesg
-    // segfault on a TLS load), with or without a network device: until
-    // such restores are sound, the ember-backend network is not offered.
-    if (cli::wants_net(args) || args.netns.is_some()) && backend.name() == "ember" {
-        let flag = if args.netns.is_some() {
-            "--netns"
-        } else {
-            "--net"
-        };
-        return Err(ApplianceError::BadArg(format!(
-            "ember run {flag}: not on the ember backend yet (use --backend qemu; \
-             `ember boot --net passt` gives a booted guest passt's network)"
-        )));
-    }
     // passt starts now, so it sets itself up while the appliance is made.
     let net = match cli::wants_net(args) && !args.prepare_only {
         true => {

@@ -11,6 +11,7 @@
 mod common;
 
 mod appliance_hostroot;
+mod appliance_net;
 mod appliance_snapshot;
 mod linux_balloon;
 mod linux_disk;

@@ -20,6 +20,7 @@
 mod hostroot;
 mod net;
 mod sys;
+mod vector;
 
 use ember_frames as ft;
 use ember_frames::{applets, module_sig};
@@ -488,6 +489,9 @@ fn receive_command(ch: &mut Channel, arena: &mut Arena) -> Result<Command, &'sta
             _ => return Err(b"unexpected frame before the command"),
         }
     };
+    if vector::kernel_misses_vector_state() {
+        keep_glibc_off_vectors(arena, &mut envp, &mut nenv)?;
+    }
     let base = arena.buf.as_ptr();
     let mut cmd = Command {
         argv: [core::ptr::null(); MAX_PTRS + 1],
@@ -525,6 +529,36 @@ fn receive_command(ch: &mut Channel, arena: &mut Arena) -> Result<Command, &'sta
         cmd.root = unsafe { base.add(off) };
     }
     Ok(cmd)
+}
+
+/// Gives the command's environment (offsets into `arena`) the glibc tunables
+/// of [`vector`], merged into a `GLIBC_TUNABLES` it already has.
+fn keep_glibc_off_vectors(
+    arena: &mut Arena,
+    envp: &mut [usize; MAX_PTRS],
+    nenv: &mut usize,
+) -> Result<(), &'static [u8]> {
+    let entry = |off: usize| {
+        let rest = &arena.buf[off..];
+        &rest[..rest.iter().position(|&b| b == 0).unwrap_or(rest.len())]
+    };
+    let slot = envp[..*nenv]
+        .iter()
+        .position(|&off| entry(off).starts_with(vector::TUNABLES_VAR));
+    let mut buf = [0u8; 4096];
+    let Some(new) = vector::tunables_entry(slot.map(|i| entry(envp[i])), &mut buf) else {
+        return Ok(());
+    };
+    let at = arena.push(new)?;
+    match slot {
+        Some(i) => envp[i] = at,
+        None if *nenv < MAX_PTRS => {
+            envp[*nenv] = at;
+            *nenv += 1;
+        }
+        None => return Err(b"too many arguments or environment entries"),
+    }
+    Ok(())
 }
 
 /// Starts the command with pipes as its stdio and relays until both output

@@ -54,6 +54,7 @@ const SYS_FCNTL: usize = 72;
 const SYS_CHDIR: usize = 80;
 const SYS_MKDIR: usize = 83;
 const SYS_SYMLINK: usize = 88;
+const SYS_ARCH_PRCTL: usize = 158;
 const SYS_CHROOT: usize = 161;
 const SYS_SYNC: usize = 162;
 const SYS_MOUNT: usize = 165;
@@ -313,6 +314,17 @@ pub fn mkdir(path: &[u8], mode: usize) -> Result<usize, Errno> {
 
 pub fn sync() {
     let _ = call(SYS_SYNC, [0; 6]);
+}
+
+/// The extended CPU state components the kernel saves and restores for a
+/// process (`arch_prctl(ARCH_GET_XCOMP_SUPP)`, Linux 5.16 and later), as an
+/// XCR0 bit mask; `None` from an older kernel.
+pub fn kernel_xfeatures() -> Option<u64> {
+    const ARCH_GET_XCOMP_SUPP: usize = 0x1021;
+    let mut mask = 0u64;
+    let arg = core::ptr::addr_of_mut!(mask) as usize;
+    call(SYS_ARCH_PRCTL, [ARCH_GET_XCOMP_SUPP, arg, 0, 0, 0, 0]).ok()?;
+    Some(mask)
 }
 
 /// All arguments NUL-terminated.
