@@ -115,7 +115,7 @@ fn the_ember_backend_reaches_a_server_in_the_tests_namespace_in_a_loop() {
         .env("EMBER_INIT", &init)
         .env_remove("EMBER_LOG")
         .args(["run", "--backend", "ember", "--initramfs", "--mem", "128M"])
-        .args(["--timeout", "600", "--kernel"])
+        .args(["--timeout", "900", "--kernel"])
         .arg(kdir.join("vmlinux"))
         .args(["--cmdline", PVM_CMDLINE, "--netns"])
         .arg(format!("/run/netns/{}", a.0))
