@@ -25,7 +25,7 @@ const SERVER: &str = "10.78.0.2";
 const PORT: u16 = 8078;
 /// Fetches in the loop, each two busybox processes starting at once (each
 /// exec costs the emulated kernel seconds: CI's budget allows a few).
-const FETCHES: usize = 4;
+const FETCHES: usize = 2;
 
 /// The server, killed when dropped.
 struct Server(Child);

@@ -57,7 +57,11 @@ impl Hierarchy {
     /// without it leaves every later call failing in one line.
     pub fn setup() -> Hierarchy {
         Hierarchy {
-            base: setup().map_err(|e| e.to_string()),
+            // Kept as the reason alone: `create` says "not available" once.
+            base: setup().map_err(|e| match e {
+                CgroupError::Unavailable(why) => why,
+                e => e.to_string(),
+            }),
         }
     }
 
