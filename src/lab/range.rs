@@ -205,8 +205,10 @@ pub fn compare(prev: &[f64], cur: &[f64], alpha: f64) -> Option<Change> {
 }
 
 fn git(repo: &Path, args: &[&str]) -> Result<String, RangeError> {
+    // Run in the repository rather than with `-C`, so the error names the
+    // git command as a person would type it there.
     Ok(crate::tool::run(
-        Command::new("git").arg("-C").arg(repo).args(args),
+        Command::new("git").args(args).current_dir(repo),
     )?)
 }
 
