@@ -4,6 +4,7 @@
 pub mod booted;
 pub mod busybox;
 pub mod console_vm;
+pub mod containers;
 pub mod netns;
 
 use std::path::{Path, PathBuf};

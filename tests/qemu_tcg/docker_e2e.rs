@@ -14,35 +14,19 @@
 
 use crate::common;
 
+use common::containers::{MESSAGE, build_companions, mounts_under, processes_mentioning};
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const IMAGE: &str = "ember-oci-test:latest";
-const MESSAGE: &str = "hello from the image";
 /// A command's timeout: a VM's cold boot under TCG on a loaded host, and then some.
 const TIMEOUT: &str = "240";
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
-}
-
-/// Builds ember-oci and the agent (debug, beside the test's `ember`).
-fn build() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "-p", "ember-oci", "-p", "ember-agent"])
-        .current_dir(&root)
-        .status()
-        .expect("run cargo");
-    assert!(status.success(), "building ember-oci and the agent failed");
-    let ember = PathBuf::from(env!("CARGO_BIN_EXE_ember"));
-    let dir = ember.parent().expect("ember's directory").to_path_buf();
-    for b in ["ember-oci", "ember-agent"] {
-        assert!(dir.join(b).is_file(), "{b} missing in {}", dir.display());
-    }
-    dir
 }
 
 /// What this test needs, or why it cannot run.
@@ -69,36 +53,6 @@ fn missing() -> Option<String> {
         }
     }
     None
-}
-
-/// Processes whose command line mentions `needle`, but not this one.
-fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
-    let me = std::process::id();
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|p| *p != me)
-        .filter_map(|p| {
-            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).ok()?;
-            let cmd = text(&cmd).replace('\0', " ");
-            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
-            let zombie = stat.rsplit(')').next()?.trim_start().starts_with('Z');
-            (!zombie && cmd.contains(needle)).then_some((p, cmd))
-        })
-        .collect()
-}
-
-/// Mount points below `dir`.
-fn mounts_below(dir: &Path) -> Vec<String> {
-    let prefix = dir.display().to_string();
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .filter(|p| p.starts_with(&prefix))
-        .map(str::to_owned)
-        .collect()
 }
 
 fn links() -> Vec<String> {
@@ -292,7 +246,7 @@ impl Drop for Docker {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        let mut points = mounts_below(&self.dir);
+        let mut points = mounts_under(&self.dir);
         points.sort_by_key(|p| std::cmp::Reverse(p.len()));
         for p in points {
             if let Ok(c) = std::ffi::CString::new(p) {
@@ -342,7 +296,7 @@ fn docker_runs_containers_in_ember_vms() {
     if let Some(why) = missing() {
         panic!("cannot run: {why}");
     }
-    let bin = build();
+    let bin = build_companions(&["ember-oci", "ember-agent"]);
     let host_release = text(&Command::new("uname").arg("-r").output().unwrap().stdout);
     let links_before = links();
     let vol = ember_testing::TempDir::new("docker-vol");
@@ -563,7 +517,7 @@ fn docker_runs_containers_in_ember_vms() {
             std::thread::sleep(Duration::from_millis(250));
         }
         let data_root = d.dir.join("data").display().to_string();
-        let mounted: Vec<String> = mounts_below(&d.dir)
+        let mounted: Vec<String> = mounts_under(&d.dir)
             .into_iter()
             .filter(|m| *m != data_root)
             .collect();
@@ -576,9 +530,9 @@ fn docker_runs_containers_in_ember_vms() {
         processes_mentioning(&here)
     );
     assert!(
-        mounts_below(Path::new(&here)).is_empty(),
+        mounts_under(Path::new(&here)).is_empty(),
         "left mounted: {:?}",
-        mounts_below(Path::new(&here))
+        mounts_under(Path::new(&here))
     );
     let new_links: Vec<String> = links()
         .into_iter()

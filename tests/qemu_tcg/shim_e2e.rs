@@ -11,44 +11,27 @@
 
 use crate::common;
 
+use common::containers::{
+    Containerd, MESSAGE, RUNTIME, alive, build_companions, mounts_under, tree,
+};
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const RUNTIME: &str = "io.containerd.ember.v2";
 const IMAGE: &str = "localhost/ember-shim-test:latest";
-const MESSAGE: &str = "hello from the image";
+/// The busybox applets the test image links.
+const APPLETS: &[&str] = &[
+    "sh", "cat", "echo", "env", "uname", "sleep", "id", "ls", "grep", "wc", "dd", "nproc", "tty",
+    "stty", "touch", "cut", "tr",
+];
 /// A VM's cold boot under TCG on a loaded host, and then some.
 const VM_TIMEOUT: Duration = Duration::from_secs(240);
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
-}
-
-/// Builds the shim and the agent (debug, beside the test's `ember`).
-fn build_shim() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let status = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "containerd-shim-ember-v2",
-            "-p",
-            "ember-agent",
-        ])
-        .current_dir(&root)
-        .status()
-        .expect("run cargo");
-    assert!(status.success(), "building the shim and the agent failed");
-    let ember = PathBuf::from(env!("CARGO_BIN_EXE_ember"));
-    let dir = ember.parent().expect("ember's directory").to_path_buf();
-    for b in ["containerd-shim-ember-v2", "ember-agent"] {
-        assert!(dir.join(b).is_file(), "{b} missing in {}", dir.display());
-    }
-    dir
 }
 
 /// What this test needs, or why it cannot run.
@@ -73,55 +56,6 @@ fn missing() -> Option<String> {
     None
 }
 
-/// Every process below `pid` (and `pid`), by their parent links.
-fn tree(pid: u32) -> Vec<u32> {
-    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter_map(|p| {
-            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
-            let ppid = stat
-                .rsplit(')')
-                .next()?
-                .split_whitespace()
-                .nth(1)?
-                .parse()
-                .ok()?;
-            Some((p, ppid))
-        })
-        .collect();
-    let mut out = vec![pid];
-    let mut i = 0;
-    while i < out.len() {
-        let parent = out[i];
-        out.extend(
-            parents
-                .iter()
-                .filter(|(_, pp)| *pp == parent)
-                .map(|(p, _)| *p),
-        );
-        i += 1;
-    }
-    out
-}
-
-/// Those of `pids` still alive (zombies count as gone).
-fn alive(pids: &[u32]) -> Vec<u32> {
-    pids.iter()
-        .copied()
-        .filter(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
-                !s.rsplit(')')
-                    .next()
-                    .unwrap_or("")
-                    .trim_start()
-                    .starts_with('Z')
-            })
-        })
-        .collect()
-}
-
 fn wait_gone(pids: &[u32], what: &str) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !alive(pids).is_empty() {
@@ -139,253 +73,28 @@ fn wait_gone(pids: &[u32], what: &str) {
     }
 }
 
-/// A containerd of the test's own.
-struct Containerd {
-    child: Child,
-    sock: PathBuf,
-    bin: PathBuf,
-    dir: ember_testing::TempDir,
+/// Mounts below the test's containerd's directory but its snapshots' (the
+/// containers' roots).
+fn root_mounts(c: &Containerd) -> Vec<String> {
+    mounts_under(c.dir())
+        .into_iter()
+        .filter(|m| !m.contains("/snapshots/"))
+        .collect()
 }
 
-impl Containerd {
-    fn start(bin: &Path) -> Containerd {
-        let dir = ember_testing::TempDir::new("containerd");
-        let sock = dir.join("containerd.sock");
-        let config = dir.join("config.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "version = 2\nroot = \"{root}\"\nstate = \"{state}\"\n\
-                 disabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n\
-                 [grpc]\n  address = \"{sock}\"\n[ttrpc]\n  address = \"{sock}.ttrpc\"\n",
-                root = dir.join("root").display(),
-                state = dir.join("state").display(),
-                sock = sock.display(),
-            ),
-        )
-        .unwrap();
-        let path = format!(
-            "{}:{}",
-            bin.display(),
-            std::env::var("PATH").unwrap_or_default()
-        );
-        let log = std::fs::File::create(dir.join("containerd.log")).unwrap();
-        let child = Command::new("containerd")
-            .arg("--config")
-            .arg(&config)
-            .env("PATH", path)
-            .env(
-                "EMBER_INIT",
-                common::init_binary().unwrap_or_else(|e| panic!("{e}")),
-            )
-            .env("EMBER_SHIM_BACKEND", "qemu")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start containerd");
-        let c = Containerd {
-            child,
-            sock,
-            bin: bin.to_path_buf(),
-            dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !c.ctr(&["version"]).output().unwrap().status.success() {
-            assert!(
-                Instant::now() < deadline,
-                "containerd did not come up: {}",
-                c.log()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        c
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("containerd.log")).unwrap_or_default()
-    }
-
-    fn ctr(&self, args: &[&str]) -> Command {
-        let mut c = Command::new("ctr");
-        c.arg("--address").arg(&self.sock).args(args);
-        c
-    }
-
-    /// Runs ctr to its end (killed after `VM_TIMEOUT`), with `stdin` as its input.
-    fn run(&self, args: &[&str], stdin: &[u8]) -> Output {
-        let mut child = self
-            .ctr(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut input = child.stdin.take().unwrap();
-        input.write_all(stdin).unwrap();
-        drop(input);
-        let pid = child.id();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || tx.send(child.wait_with_output()));
-        match rx.recv_timeout(VM_TIMEOUT) {
-            Ok(out) => out.unwrap(),
-            Err(_) => {
-                // SAFETY: kill has no memory effects; pid is our child.
-                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-                panic!("ctr {args:?} did not end in {VM_TIMEOUT:?}: {}", self.log());
-            }
-        }
-    }
-
-    /// The shim serving container `id`, if one runs.
-    fn shim(&self, id: &str) -> Option<u32> {
-        let want = format!("-id\0{id}\0-address\0{}\0", self.sock.display());
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-            .find(|p| {
-                std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| {
-                    let c = text(&c);
-                    c.contains("containerd-shim-ember-v2") && c.contains(&want)
-                })
-            })
-    }
-
-    /// Mounts below the test's directory (the containers' rootfs).
-    fn mounts(&self) -> Vec<String> {
-        let dir = self.dir.display().to_string();
-        std::fs::read_to_string("/proc/mounts")
-            .unwrap()
-            .lines()
-            .filter_map(|l| l.split(' ').nth(1))
-            .filter(|m| m.starts_with(&dir) && !m.contains("/snapshots/"))
-            .map(str::to_owned)
-            .collect()
-    }
-
-    /// Every shim started for this containerd (their command lines name its socket).
-    fn all_shims(&self) -> Vec<u32> {
-        let want = format!("-address\0{}\0", self.sock.display());
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-            .filter(|p| {
-                std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| {
-                    text(&c).contains("containerd-shim-ember-v2") && text(&c).contains(&want)
-                })
-            })
-            .collect()
-    }
-}
-
-impl Drop for Containerd {
-    fn drop(&mut self) {
-        // Shims outlive containerd by design: each, with its VM, goes here.
-        for shim in self.all_shims() {
-            let t = tree(shim);
-            // SAFETY: kill has no memory effects; these are this test's shims.
-            unsafe { libc::kill(shim as i32, libc::SIGKILL) };
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while !alive(&t).is_empty() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
-        // SAFETY: as above; containerd is our child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.child.try_wait().ok().flatten().is_none() {
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        // Every mount below the directory (deepest first), before it is removed.
-        let dir = self.dir.display().to_string();
-        let mut points: Vec<String> = std::fs::read_to_string("/proc/mounts")
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.split(' ').nth(1))
-            .filter(|m| m.starts_with(&dir))
-            .map(str::to_owned)
-            .collect();
-        points.sort_by_key(|p| std::cmp::Reverse(p.len()));
-        for p in points {
-            let c = std::ffi::CString::new(p).unwrap();
-            // SAFETY: c is a NUL-terminated path alive for the call.
-            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-        }
-        let _ = &self.bin;
-    }
-}
-
-/// A busybox image built with umoci and imported.
-fn import_image(c: &Containerd) {
-    let work = c.dir.join("image");
-    let layout = work.join("oci");
-    let bundle = work.join("bundle");
-    std::fs::create_dir_all(&work).unwrap();
-    let umoci = |args: &[&std::ffi::OsStr]| {
-        let out = Command::new("umoci").args(args).output().unwrap();
-        assert!(
-            out.status.success(),
-            "umoci {args:?}: {}",
-            text(&out.stderr)
-        );
-    };
-    let image = format!("{}:latest", layout.display());
-    let image = std::ffi::OsStr::new(&image);
-    umoci(&["init".as_ref(), "--layout".as_ref(), layout.as_os_str()]);
-    umoci(&["new".as_ref(), "--image".as_ref(), image]);
-    umoci(&[
-        "unpack".as_ref(),
-        "--image".as_ref(),
-        image,
-        bundle.as_os_str(),
-    ]);
-    let rootfs = bundle.join("rootfs");
-    for d in ["bin", "etc", "tmp"] {
-        std::fs::create_dir_all(rootfs.join(d)).unwrap();
-    }
-    let busybox = ember::backend::find_binary("busybox").unwrap();
-    std::fs::copy(busybox, rootfs.join("bin/busybox")).unwrap();
-    for applet in [
-        "sh", "cat", "echo", "env", "uname", "sleep", "id", "ls", "grep", "wc", "dd", "nproc",
-        "tty", "stty", "touch", "cut", "tr",
-    ] {
-        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
-    }
-    std::fs::write(rootfs.join("etc/message"), format!("{MESSAGE}\n")).unwrap();
-    umoci(&[
-        "repack".as_ref(),
-        "--image".as_ref(),
-        image,
-        bundle.as_os_str(),
-    ]);
-    let tar = work.join("image.tar");
-    let out = Command::new("tar")
-        .arg("-C")
-        .arg(&layout)
-        .arg("-cf")
-        .arg(&tar)
-        .arg(".")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "tar: {}", text(&out.stderr));
-    let base = IMAGE.trim_end_matches(":latest");
-    let out = c
-        .ctr(&["images", "import", "--base-name", base])
-        .arg(&tar)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "ctr images import: {}",
-        text(&out.stderr)
+/// This test's containerd: the shim first on its PATH, on the QEMU backend.
+fn start_containerd(bin: &Path) -> Containerd {
+    let init = common::init_binary().unwrap_or_else(|e| panic!("{e}"));
+    let c = Containerd::start(
+        None,
+        bin,
+        &[
+            ("EMBER_INIT", init.as_os_str()),
+            ("EMBER_SHIM_BACKEND", "qemu".as_ref()),
+        ],
     );
+    c.import_image(IMAGE, APPLETS);
+    c
 }
 
 /// Lines of a child's stdout, as they come.
@@ -431,7 +140,7 @@ fn wait_child(child: &mut Child) -> i32 {
 
 /// `ctr task metrics ID`'s figures by name.
 fn metrics(c: &Containerd, id: &str) -> std::collections::HashMap<String, u64> {
-    let out = c.run(&["task", "metrics", id], b"");
+    let out = c.run(&["task", "metrics", id], b"", VM_TIMEOUT);
     assert!(out.status.success(), "metrics: {}", text(&out.stderr));
     text(&out.stdout)
         .lines()
@@ -450,7 +159,7 @@ fn update_memory(c: &Containerd, id: &str, bytes: u64) {
     use containerd_shim_protos::protobuf::well_known_types::any::Any;
     use containerd_shim_protos::shim::shim::UpdateTaskRequest;
     let address_file = c
-        .dir
+        .dir()
         .join("state/io.containerd.runtime.v2.task/default")
         .join(id)
         .join("address");
@@ -514,11 +223,10 @@ fn ctr_run_in_ember_vms() {
         .unwrap()
         .trim()
         .to_owned();
-    let bin = build_shim();
-    let c = Containerd::start(&bin);
-    import_image(&c);
+    let bin = build_companions(&["containerd-shim-ember-v2", "ember-agent"]);
+    let c = start_containerd(&bin);
     // A host directory bound into c1 read-write.
-    let host_dir = c.dir.join("hostdir");
+    let host_dir = c.dir().join("hostdir");
     std::fs::create_dir_all(&host_dir).unwrap();
     std::fs::write(host_dir.join("in"), "from the host\n").unwrap();
     let bind = format!(
@@ -558,7 +266,7 @@ fn ctr_run_in_ember_vms() {
              echo scratch-ok > /scratch/f && cat /scratch/f; grep ' /scratch ' /proc/mounts | cut -d' ' -f3; \
              cat /hostdir/in; echo from the guest > /hostdir/out; nproc; grep MemTotal /proc/meminfo; exit 7",
         ],
-        b"hello stdin\n",
+        b"hello stdin\n", VM_TIMEOUT,
     );
     let stdout = text(&out.stdout);
     assert_eq!(
@@ -608,7 +316,11 @@ fn ctr_run_in_ember_vms() {
         "the bind mount's write reaches the host"
     );
     assert_eq!(c.shim("c1"), None, "the shim outlived --rm");
-    assert_eq!(c.mounts(), Vec::<String>::new(), "mounts left after --rm");
+    assert_eq!(
+        root_mounts(&c),
+        Vec::<String>::new(),
+        "mounts left after --rm"
+    );
 
     // 2. A pod's sandbox: exec, ps, pause/resume, metrics, update and an
     // OOM, a terminal, a stalled stdin, a second container in its VM, and
@@ -667,6 +379,7 @@ fn ctr_run_in_ember_vms() {
             "echo from-exec; cat /etc/message; uname -r",
         ],
         b"",
+        VM_TIMEOUT,
     );
     assert!(out.status.success(), "exec: {}", text(&out.stderr));
     assert_eq!(
@@ -685,17 +398,18 @@ fn ctr_run_in_ember_vms() {
             "exit 5",
         ],
         b"",
+        VM_TIMEOUT,
     );
     assert_eq!(out.status.code(), Some(5), "an exec's exit status");
-    let out = c.run(&["task", "ps", "c2"], b"");
+    let out = c.run(&["task", "ps", "c2"], b"", VM_TIMEOUT);
     let pids = text(&out.stdout).lines().skip(1).count();
     assert!(pids >= 2, "ctr task ps: {}", text(&out.stdout));
 
     // Pause: the ticks stop (the cgroup freezer), the task says PAUSED;
     // resume: they go on.
-    let out = c.run(&["task", "pause", "c2"], b"");
+    let out = c.run(&["task", "pause", "c2"], b"", VM_TIMEOUT);
     assert!(out.status.success(), "pause: {}", text(&out.stderr));
-    let ls = text(&c.run(&["task", "ls"], b"").stdout);
+    let ls = text(&c.run(&["task", "ls"], b"", VM_TIMEOUT).stdout);
     assert!(
         ls.lines()
             .any(|l| l.starts_with("c2 ") && l.contains("PAUSED")),
@@ -705,7 +419,7 @@ fn ctr_run_in_ember_vms() {
     while lines.try_recv().is_ok() {}
     std::thread::sleep(Duration::from_secs(3));
     assert!(lines.try_recv().is_err(), "a paused container ticked");
-    let out = c.run(&["task", "resume", "c2"], b"");
+    let out = c.run(&["task", "resume", "c2"], b"", VM_TIMEOUT);
     assert!(out.status.success(), "resume: {}", text(&out.stderr));
     expect_line(&lines, "tick", &c);
 
@@ -732,6 +446,7 @@ fn ctr_run_in_ember_vms() {
             "count=1",
         ],
         b"",
+        VM_TIMEOUT,
     );
     assert_eq!(
         out.status.code(),
@@ -762,7 +477,7 @@ fn ctr_run_in_ember_vms() {
     // A terminal (`-t`, under `script` for a pty of ctr's own).
     let cmd = format!(
         "ctr --address {} task exec -t --exec-id t1 c2 sh -c 'tty; stty size'",
-        c.sock.display()
+        c.sock().display()
     );
     let mut tty = Command::new("script")
         .args(["-qec", &cmd, "/dev/null"])
@@ -805,7 +520,7 @@ fn ctr_run_in_ember_vms() {
     });
     let slow_lines = lines_of(&mut slow);
     std::thread::sleep(Duration::from_secs(3));
-    let out = c.run(&["task", "ps", "c2"], b"");
+    let out = c.run(&["task", "ps", "c2"], b"", VM_TIMEOUT);
     assert!(
         out.status.success(),
         "ps beside a stalled stdin: {}",
@@ -814,6 +529,7 @@ fn ctr_run_in_ember_vms() {
     let out = c.run(
         &["task", "exec", "--exec-id", "go", "c2", "touch", "/tmp/go"],
         b"",
+        VM_TIMEOUT,
     );
     assert!(
         out.status.success(),
@@ -848,6 +564,7 @@ fn ctr_run_in_ember_vms() {
             "1000",
         ],
         b"",
+        VM_TIMEOUT,
     );
     assert!(out.status.success(), "run p1: {}", text(&out.stderr));
     let out = c.run(
@@ -862,6 +579,7 @@ fn ctr_run_in_ember_vms() {
             "uname -r; cat /proc/[0-9]*/cmdline | tr '\\0' ' '",
         ],
         b"",
+        VM_TIMEOUT,
     );
     assert!(out.status.success(), "exec in p1: {}", text(&out.stderr));
     let seen = text(&out.stdout);
@@ -870,28 +588,32 @@ fn ctr_run_in_ember_vms() {
         seen.contains("echo trapped"),
         "p1 sees c2's processes: {seen}"
     );
-    assert_eq!(c.all_shims(), [shim], "one shim for the pod");
+    assert_eq!(c.shims(), [shim], "one shim for the pod");
     assert_eq!(vms(&tree(shim)), 1, "one VM for the pod");
-    let out = c.run(&["task", "kill", "-s", "KILL", "p1"], b"");
+    let out = c.run(&["task", "kill", "-s", "KILL", "p1"], b"", VM_TIMEOUT);
     assert!(out.status.success(), "kill p1: {}", text(&out.stderr));
     let deadline = Instant::now() + VM_TIMEOUT;
-    while !c.run(&["task", "rm", "p1"], b"").status.success() {
+    while !c
+        .run(&["task", "rm", "p1"], b"", VM_TIMEOUT)
+        .status
+        .success()
+    {
         assert!(Instant::now() < deadline, "p1 never stopped");
         std::thread::sleep(Duration::from_millis(500));
     }
-    let out = c.run(&["containers", "rm", "p1"], b"");
+    let out = c.run(&["containers", "rm", "p1"], b"", VM_TIMEOUT);
     assert!(
         out.status.success(),
         "containers rm p1: {}",
         text(&out.stderr)
     );
 
-    let out = c.run(&["task", "kill", "-s", "SIGUSR1", "c2"], b"");
+    let out = c.run(&["task", "kill", "-s", "SIGUSR1", "c2"], b"", VM_TIMEOUT);
     assert!(out.status.success(), "kill: {}", text(&out.stderr));
     expect_line(&lines, "trapped", &c);
     assert_eq!(wait_child(&mut run), 42);
     wait_gone(&procs, "after the trapped signal and --rm");
-    assert_eq!(c.mounts(), Vec::<String>::new());
+    assert_eq!(root_mounts(&c), Vec::<String>::new());
 
     // 3. ctr task kill -s KILL.
     let mut run = c
@@ -914,11 +636,11 @@ fn ctr_run_in_ember_vms() {
     let lines = lines_of(&mut run);
     expect_line(&lines, "ready", &c);
     let procs = tree(c.shim("c3").expect("c3's shim"));
-    let out = c.run(&["task", "kill", "-s", "KILL", "c3"], b"");
+    let out = c.run(&["task", "kill", "-s", "KILL", "c3"], b"", VM_TIMEOUT);
     assert!(out.status.success(), "kill: {}", text(&out.stderr));
     assert_eq!(wait_child(&mut run), 137);
     wait_gone(&procs, "after kill -s KILL and --rm");
-    assert_eq!(c.mounts(), Vec::<String>::new());
+    assert_eq!(root_mounts(&c), Vec::<String>::new());
 
     // 4. Without --rm: the container's writes land in its snapshot's
     // upper layer; the shim itself killed: its VM goes with it,
@@ -936,9 +658,10 @@ fn ctr_run_in_ember_vms() {
             "echo kept > /written; sleep 1000",
         ],
         b"",
+        VM_TIMEOUT,
     );
     assert!(out.status.success(), "run -d: {}", text(&out.stderr));
-    let out = c.run(&["snapshots", "mounts", "/mnt", "c4"], b"");
+    let out = c.run(&["snapshots", "mounts", "/mnt", "c4"], b"", VM_TIMEOUT);
     let mounts = text(&out.stdout);
     let upper = mounts
         .split(|ch: char| ch == ',' || ch.is_whitespace())
@@ -962,16 +685,16 @@ fn ctr_run_in_ember_vms() {
     unsafe { libc::kill(shim as i32, libc::SIGKILL) };
     wait_gone(&procs, "after the shim was killed");
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !c.mounts().is_empty() {
+    while !root_mounts(&c).is_empty() {
         assert!(
             Instant::now() < deadline,
             "containerd's cleanup left {:?}",
-            c.mounts()
+            root_mounts(&c)
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    let _ = c.run(&["task", "rm", "c4"], b"");
-    let out = c.run(&["containers", "rm", "c4"], b"");
+    let _ = c.run(&["task", "rm", "c4"], b"", VM_TIMEOUT);
+    let out = c.run(&["containers", "rm", "c4"], b"", VM_TIMEOUT);
     assert!(out.status.success(), "containers rm: {}", text(&out.stderr));
 }
 
@@ -1079,9 +802,8 @@ fn a_container_in_a_cni_namespace_reaches_a_server_in_another() {
         .spawn()
         .unwrap();
 
-    let bin = build_shim();
-    let c = Containerd::start(&bin);
-    import_image(&c);
+    let bin = build_companions(&["containerd-shim-ember-v2", "ember-agent"]);
+    let c = start_containerd(&bin);
     let with_ns = format!("network:{}", pod.path().display());
     let out = c.run(
         &[
@@ -1098,6 +820,7 @@ fn a_container_in_a_cni_namespace_reaches_a_server_in_another() {
             "ip addr show eth0; echo got $(wget -q -O - http://10.99.0.1:8099/blob | md5sum)",
         ],
         b"",
+        VM_TIMEOUT,
     );
     let _ = server.kill();
     let _ = server.wait();
