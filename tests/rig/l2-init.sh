@@ -115,7 +115,9 @@ if [ "$RIGCASE" = balloon ]; then
     [ $n -gt 3000 ] && break
     $b sleep 0.2
   done
-  echo "@balloon-vmstat inflate=$(vm balloon_inflate) deflate=$(vm balloon_deflate)"
+  # A page the driver migrates (compaction) reaches the device as one more
+  # inflate and one more deflate, counted by the guest as balloon_migrate.
+  echo "@balloon-vmstat inflate=$(vm balloon_inflate) deflate=$(vm balloon_deflate) migrate=$(vm balloon_migrate)"
   touch_memory
   # The host measures, resizes the virtio-mem region (down, then up), then
   # shuts the VM down through its socket; each MemTotal it sees meanwhile.
@@ -142,7 +144,9 @@ if [ "$RIGCASE" = prefault ]; then
     $b sleep 0.5
     n=$((n + 1))
   done
-  echo "@balloon-vmstat inflate=$(vm balloon_inflate) deflate=$(vm balloon_deflate)"
+  # A page the driver migrates (compaction) reaches the device as one more
+  # inflate and one more deflate, counted by the guest as balloon_migrate.
+  echo "@balloon-vmstat inflate=$(vm balloon_inflate) deflate=$(vm balloon_deflate) migrate=$(vm balloon_migrate)"
   touch_memory
 fi
 if [ "$RIGCASE" = snapshot ]; then

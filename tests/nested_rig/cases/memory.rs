@@ -184,8 +184,11 @@ fn prefault_async_is_fenced_by_debians_balloon_driver() {
     assert_eq!(deflated, inflated, "{}", c.dump());
     assert_eq!(held, 0);
     assert!(resident >= 256 << 10, "resident {resident} KiB");
+    // The device sees the guest's inflates and, for each page the driver
+    // migrated (compaction), one inflate more (CI saw 45057 against 45056).
     let gi = number(c, "balloon-vmstat", Some("inflate"));
-    assert_eq!(gi, inflated, "the guest's count\n{}", c.dump());
+    let migrated = number(c, "balloon-vmstat", Some("migrate"));
+    assert_eq!(gi + migrated, inflated, "the guest's count\n{}", c.dump());
     assert_eq!(number(c, "touched", None), TOUCH_KIB, "{}", c.dump());
     assert!(c.fact("done").is_some(), "{}", c.dump());
 }
