@@ -438,6 +438,21 @@ impl Spec {
         })
     }
 
+    /// The container's process (a spec without one cannot be run).
+    pub fn process_in(&self, bundle: &Path) -> Result<Process, ContainerError> {
+        self.process.clone().ok_or_else(|| ContainerError::Spec {
+            bundle: bundle.display().to_string(),
+            why: "no process".into(),
+        })
+    }
+
+    /// The root filesystem's directory: `root.path` (default `rootfs`),
+    /// relative to the bundle unless absolute.
+    pub fn root_dir(&self, bundle: &Path) -> PathBuf {
+        let root = self.root.as_ref().map_or("rootfs", |r| r.path.as_str());
+        bundle.join(root)
+    }
+
     /// Parses a spec's JSON.
     pub fn parse(json: &[u8]) -> Result<Spec, ContainerError> {
         serde_json::from_slice(json).map_err(|source| ContainerError::Json {
@@ -599,6 +614,26 @@ impl Process {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The root is the bundle's `rootfs` unless the spec names one; a
+    /// relative name is the bundle's, an absolute one is itself.
+    #[test]
+    fn the_root_and_process_come_from_the_spec_and_bundle() {
+        let b = Path::new("/b");
+        let mut s = Spec::parse(b"{}").unwrap();
+        assert_eq!(s.root_dir(b), Path::new("/b/rootfs"));
+        assert!(
+            s.process_in(b)
+                .unwrap_err()
+                .to_string()
+                .contains("no process")
+        );
+        s = Spec::parse(br#"{"root": {"path": "r"}, "process": {"args": ["sh"]}}"#).unwrap();
+        assert_eq!(s.root_dir(b), Path::new("/b/r"));
+        assert_eq!(s.process_in(b).unwrap().args, ["sh"]);
+        s = Spec::parse(br#"{"root": {"path": "/abs/root"}}"#).unwrap();
+        assert_eq!(s.root_dir(b), Path::new("/abs/root"));
+    }
 
     const CTR_LIKE: &str = r#"{
         "ociVersion": "1.0.2-dev",

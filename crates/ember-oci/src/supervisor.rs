@@ -186,20 +186,8 @@ fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup
             o.id
         );
     }
-    let process = spec.process.clone().ok_or_else(|| ContainerError::Spec {
-        bundle: o.bundle.display().to_string(),
-        why: "no process".into(),
-    })?;
-    let root = spec
-        .root
-        .as_ref()
-        .map(|r| r.path.clone())
-        .unwrap_or_else(|| "rootfs".into());
-    let root = if Path::new(&root).is_absolute() {
-        PathBuf::from(root)
-    } else {
-        o.bundle.join(root)
-    };
+    let process = spec.process_in(&o.bundle)?;
+    let root = spec.root_dir(&o.bundle);
     let dir = PodDir::new(crate::state::pod_dir(&o.root, &o.id));
     let agent_spec = dir.add(&spec, &o.id, &root)?;
     let net = ember::passt::GuestNet::from_host().is_ok();

@@ -501,20 +501,8 @@ impl Service {
         }
         let bundle = PathBuf::from(&req.bundle);
         let spec = Spec::load(&bundle)?;
-        let process = spec.process.clone().ok_or_else(|| ContainerError::Spec {
-            bundle: req.bundle.clone(),
-            why: "no process".into(),
-        })?;
-        let root = spec
-            .root
-            .as_ref()
-            .map(|r| r.path.clone())
-            .unwrap_or_else(|| "rootfs".into());
-        let root = if Path::new(&root).is_absolute() {
-            PathBuf::from(root)
-        } else {
-            bundle.join(root)
-        };
+        let process = spec.process_in(&bundle)?;
+        let root = spec.root_dir(&bundle);
         let mounted = if req.rootfs.is_empty() {
             None
         } else {
