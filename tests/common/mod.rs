@@ -134,3 +134,18 @@ pub fn debian_bzimage() -> String {
     assert!(image.is_file(), "{} is missing", image.display());
     image.display().to_string()
 }
+
+/// The appliance snapshots in ember's cache `cache` (its `snapshots/`
+/// entries but the hidden ones being written), sorted.
+pub fn appliance_snapshots(cache: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(cache.join("snapshots"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.path())
+                .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}

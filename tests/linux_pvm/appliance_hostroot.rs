@@ -17,7 +17,7 @@ use crate::common;
 
 use common::{PVM_CMDLINE, Scratch, ember, init_binary, pvm_kernel_dir, require_kvm};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Instant;
 
@@ -68,17 +68,6 @@ fn run(
     out
 }
 
-fn snapshots(scratch: &Scratch) -> Vec<PathBuf> {
-    std::fs::read_dir(scratch.path("cache/snapshots"))
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.path())
-                .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 #[test]
 fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories() {
     let test = "appliance_hostroot";
@@ -125,7 +114,7 @@ fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories(
     // SAFETY: getuid/getgid cannot fail.
     let me = unsafe { (libc::getuid(), libc::getgid()) };
     assert_eq!((owner.uid(), owner.gid()), me);
-    assert_eq!(snapshots(&scratch).len(), 1);
+    assert_eq!(common::appliance_snapshots(&scratch.path("cache")).len(), 1);
 
     // 2. Restores it with the share on another directory, read-only: the
     //    device opens this run's directory; the root shows a file made after
@@ -151,7 +140,11 @@ fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories(
     );
     assert!(!b.join("out").exists());
     assert_eq!(std::fs::read_to_string(a.join("out")).unwrap(), "written\n");
-    assert_eq!(snapshots(&scratch).len(), 1, "the restore made another");
+    assert_eq!(
+        common::appliance_snapshots(&scratch.path("cache")).len(),
+        1,
+        "the restore made another"
+    );
 
     // 3. An unprivileged caller (nobody, in /dev/kvm's group) restores the
     //    same snapshot (the cache made its own) and shares a directory it

@@ -67,16 +67,7 @@ impl Env {
 
     /// The snapshot directories in the cache.
     fn snapshots(&self) -> Vec<PathBuf> {
-        let mut v: Vec<_> = std::fs::read_dir(self.cache().join("snapshots"))
-            .map(|rd| {
-                rd.flatten()
-                    .map(|e| e.path())
-                    .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
+        common::appliance_snapshots(&self.cache())
     }
 }
 

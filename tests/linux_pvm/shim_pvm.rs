@@ -43,17 +43,6 @@ fn release_of(vmlinux: &Path) -> String {
     text(&rest[..end])
 }
 
-/// The snapshots in ember's cache `dir`.
-fn snapshots(cache: &Path) -> usize {
-    std::fs::read_dir(cache.join("snapshots"))
-        .map(|d| {
-            d.flatten()
-                .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
-                .count()
-        })
-        .unwrap_or(0)
-}
-
 #[test]
 #[ignore = "the PVM test kernel has no cgroup v2, which the agent now needs for ctr's \
             default spec (2026-11-29 17:15: `mount cgroup2 on /sys/fs/cgroup: No such file or \
@@ -125,7 +114,7 @@ fn ctr_run_restores_the_pod_vm_from_the_appliance_snapshot() {
         assert_eq!(stdout, format!("{MESSAGE}\n{release}\n"), "{why}");
         assert_eq!(c.shims(), Vec::<u32>::new(), "a shim outlived --rm");
         assert_eq!(
-            snapshots(&cache),
+            common::appliance_snapshots(&cache).len(),
             1,
             "{id}: the first makes the snapshot, the second restores it"
         );

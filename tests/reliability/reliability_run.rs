@@ -824,18 +824,6 @@ fn item5_a_one_byte_cache_evicts_no_appliance_a_run_boots() {
 
 // ---------------------------------------------------------------- item 6
 
-/// The appliance snapshots in `cache`.
-fn snapshots(cache: &Path) -> Vec<PathBuf> {
-    std::fs::read_dir(cache.join("snapshots"))
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.path())
-                .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 #[test]
 fn item6_a_truncated_snapshot_is_rebuilt() {
     let Some(pvm) = Pvm::find("item6_a_truncated_snapshot_is_rebuilt") else {
@@ -844,7 +832,7 @@ fn item6_a_truncated_snapshot_is_rebuilt() {
     let scratch = Scratch::new("rel-truncated");
     let cache = scratch.path("cache");
     pvm.warm_up(&cache);
-    let snaps = snapshots(&cache);
+    let snaps = common::appliance_snapshots(&cache);
     assert_eq!(snaps.len(), 1, "one snapshot made: {snaps:?}");
     let mut problems = Vec::new();
     // The good snapshot, put back after a case the run did not repair, so
@@ -855,7 +843,7 @@ fn item6_a_truncated_snapshot_is_rebuilt() {
         std::fs::copy(snaps[0].join(file), pristine.join(file)).unwrap();
     }
     for file in ["state", "memory"] {
-        let snap = &snapshots(&cache)[0];
+        let snap = &common::appliance_snapshots(&cache)[0];
         let path = snap.join(file);
         let len = std::fs::metadata(&path).unwrap().len();
         std::fs::OpenOptions::new()
