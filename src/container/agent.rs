@@ -171,8 +171,16 @@ fn read_loop(mut reader: Box<dyn Read + Send>, shared: Arc<Mutex<Shared>>, notes
                     // A reader that went away (a closed FIFO) drops the rest.
                     let failed = slot
                         .as_mut()
-                        .is_some_and(|w| w.write_all(bytes).and_then(|_| w.flush()).is_err());
-                    if failed {
+                        .and_then(|w| w.write_all(bytes).and_then(|_| w.flush()).err());
+                    if let Some(e) = failed {
+                        log::warn!(
+                            "process {handle}: its {} is not taken ({e}): the rest of it is dropped",
+                            if frame.kind == kind::STDOUT {
+                                "output"
+                            } else {
+                                "error output"
+                            }
+                        );
                         *slot = None;
                     }
                 }

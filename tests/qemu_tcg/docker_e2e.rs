@@ -24,6 +24,13 @@ use std::time::{Duration, Instant};
 const IMAGE: &str = "ember-oci-test:latest";
 /// A command's timeout: a VM's cold boot under TCG on a loaded host, and then some.
 const TIMEOUT: &str = "240";
+/// Every guest process's pid, name, state and parent, where it sleeps,
+/// and the modes of each terminal a shell holds: what a test that saw no
+/// prompt prints.
+const PS_ALL: &str = "for d in /proc/[0-9]*; do \
+     read -r l < $d/stat; echo \"$(echo \"$l\" | cut -d' ' -f1-8) \
+     $(cat $d/wchan 2>/dev/null) $(readlink $d/fd/0)\"; done; \
+     for t in /dev/pts/[0-9]*; do echo $t; stty -a < $t; done";
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -437,7 +444,7 @@ fn docker_runs_containers_in_ember_vms() {
         // -i -t --rm: typed into a terminal, its status the command's.
         let client = format!(
             "timeout {TIMEOUT} /usr/bin/docker -H unix://{} \
-             run -it --rm --runtime ember {IMAGE} sh",
+             run -it --rm --name tty --runtime ember {IMAGE} sh",
             d.sock.display()
         );
         let mut typist = Command::new("script")
@@ -484,12 +491,19 @@ fn docker_runs_containers_in_ember_vms() {
                     eprintln!("docker_e2e: no prompt after 30 s, pressing Enter");
                     f();
                 }
-                assert!(
-                    start.elapsed() < Duration::from_secs(240),
-                    "no {want:?} on the terminal; it showed {:?}\n{}",
-                    seen.borrow(),
-                    d.tail()
-                );
+                if start.elapsed() > Duration::from_secs(240) {
+                    // What the container's processes were doing: their
+                    // state, where they sleep, and their terminal's modes.
+                    let ps = d.run(&["exec", "tty", "sh", "-c", PS_ALL], b"");
+                    panic!(
+                        "no {want:?} on the terminal; it showed {:?}\n\
+                         the guest's processes:\n{}{}\n{}",
+                        seen.borrow(),
+                        text(&ps.stdout),
+                        text(&ps.stderr),
+                        d.tail()
+                    );
+                }
             }
         };
         wait_for("# ", Some(&mut || keys_nudge.write_all(b"\n").unwrap()));

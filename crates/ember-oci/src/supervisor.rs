@@ -79,6 +79,10 @@ impl Read for StopRead {
             let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
             return if n < 0 {
                 // A terminal whose master closed says EIO: its end.
+                log::info!(
+                    "the terminal's input ended: {}",
+                    std::io::Error::last_os_error()
+                );
                 Ok(0)
             } else {
                 Ok(n as usize)
