@@ -38,22 +38,14 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 say() { printf '%s\n' "$*" >&2; }
 
-EMBER=${EMBER_BIN:-$(scripts/build-release)}
-HOST_EMBER=${EMBER_RIG_TOOL:-$EMBER}
 NAME=rig-fs.sh
 . bench/rig-lib.sh
-rig_ember_init
-KDIR=$(rig_kernel) || exit 1
+rig_begin
 QEMU=$(rig_need qemu-system-x86_64) || exit 1
-BUSYBOX=$(rig_need busybox) || exit 1
 VIRTIOFSD=${VIRTIOFSD:-$(rig_need virtiofsd)} || exit 1
 VER=$(basename "$KDIR")
 MODS=$KDIR/lib/modules/$VER
 
-WORK=$(mktemp -d /tmp/ember-rig-fs.XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
-R=$WORK/rig
-I=$WORK/initrd
 mkdir -p "$R/qemu-share"
 
 rig_guest "$KDIR" "$R" "$I" "$BUSYBOX"

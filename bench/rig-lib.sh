@@ -1,7 +1,25 @@
-# Sourced by the nested-rig benches (bench/rig.sh, bench/rig-memory.sh,
-# bench/rig-snapshot.sh): the staging they do the same way, and the L1 run.
-# The caller sets NAME (its name, for errors), HOST_EMBER (for rig_l1), has
-# `say` and runs from the repository's root.
+# Sourced by the nested-rig benches (bench/rig*.sh): the staging they do the
+# same way, and the L1 run. The caller sets NAME (its name, for errors), has
+# `say`, runs from the repository's root and calls rig_begin first.
+
+# rig_begin: what every rig bench sets up first. EMBER, the ember measured
+# (EMBER_BIN, or the shipped build); HOST_EMBER, the one that runs the rig
+# itself (EMBER_RIG_TOOL, or EMBER); EMBER_INIT (rig_ember_init); KDIR, the
+# kernel `ember setup` fetched; BUSYBOX; and WORK, a scratch directory removed
+# on exit, with R=$WORK/rig (the L1's files, made) and I=$WORK/initrd (the
+# L2's tree, made by rig_guest).
+rig_begin() {
+  EMBER=${EMBER_BIN:-$(scripts/build-release)}
+  HOST_EMBER=${EMBER_RIG_TOOL:-$EMBER}
+  rig_ember_init
+  KDIR=$(rig_kernel) || exit 1
+  BUSYBOX=$(rig_need busybox) || exit 1
+  WORK=$(mktemp -d "/tmp/ember-${NAME%.sh}.XXXXXX")
+  trap 'rm -rf "$WORK"' EXIT
+  R=$WORK/rig
+  I=$WORK/initrd
+  mkdir -p "$R"
+}
 
 # rig_need TOOL: the tool's path, or a loud exit.
 rig_need() {

@@ -30,20 +30,12 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 say() { printf '%s\n' "$*" >&2; }
 
-EMBER=${EMBER_BIN:-$(scripts/build-release)}
-HOST_EMBER=${EMBER_RIG_TOOL:-$EMBER}
 NAME=rig-memory.sh
 . bench/rig-lib.sh
-rig_ember_init
-KDIR=$(rig_kernel) || exit 1
-BUSYBOX=$(rig_need busybox) || exit 1
+rig_begin
 SIZES=${RIG_SIZES:-512 4096 8192}
 L1_MEM=${RIG_L1_MEM:-10G}
 
-WORK=$(mktemp -d /tmp/ember-rig-memory.XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
-R=$WORK/rig
-I=$WORK/initrd
 mkdir -p "$R/qemu-share"
 rig_guest "$KDIR" "$R" "$I" "$BUSYBOX"
 # Debian's modules for the balloon (insmod in dependency order).

@@ -30,23 +30,14 @@ say() { printf '%s\n' "$*" >&2; }
 
 [ -n "${EMBER_FC_BIN:-}" ] && [ -x "$EMBER_FC_BIN" ] ||
   { say "rig-snapshot.sh: *** EMBER_FC_BIN (a Firecracker binary) is required: the anchor IS Firecracker ***"; exit 1; }
-EMBER=${EMBER_BIN:-$(scripts/build-release)}
-HOST_EMBER=${EMBER_RIG_TOOL:-$EMBER}
 NAME=rig-snapshot.sh
 . bench/rig-lib.sh
-rig_ember_init
-KDIR=$(rig_kernel) || exit 1
+rig_begin
 rig_need qemu-system-x86_64 > /dev/null || exit 1
-BUSYBOX=$(rig_need busybox) || exit 1
 # Firecracker's API is HTTP over a unix socket: curl talks to it (it enters
 # the L1 with its shared libraries, as any dynamically linked --file does).
 CURL=$(rig_need curl) || exit 1
 
-WORK=$(mktemp -d /tmp/ember-rig-snap.XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
-R=$WORK/rig
-I=$WORK/initrd
-mkdir -p "$R"
 rig_guest "$KDIR" "$R" "$I" "$BUSYBOX"
 cat > "$I/init" <<'EOF'
 #!/bin/sh

@@ -36,19 +36,11 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 say() { printf '%s\n' "$*" >&2; }
 
-EMBER=${EMBER_BIN:-$(scripts/build-release)}
-HOST_EMBER=${EMBER_RIG_TOOL:-$EMBER} # the ember that runs the rig itself
 NAME=rig.sh
 . bench/rig-lib.sh
-rig_ember_init
-KDIR=$(rig_kernel) || exit 1
+rig_begin
 QEMU=$(rig_need qemu-system-x86_64) || exit 1
-BUSYBOX=$(rig_need busybox) || exit 1
 
-WORK=$(mktemp -d /tmp/ember-rig-bench.XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
-R=$WORK/rig
-I=$WORK/initrd
 mkdir -p "$R/qemu-share"
 # The guest: Debian's vmlinux (PVH entry for ember, QEMU and Cloud Hypervisor;
 # Firecracker's ELF loader) and a busybox initramfs.
