@@ -3,7 +3,7 @@
 
 use crate::fdpass;
 use serde::{Deserialize, Serialize};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -69,9 +69,19 @@ impl Reply {
 }
 
 /// A client's connection.
+///
+/// Unbuffered on purpose: `exec --detach` hands the connection to its relay
+/// process after the first answer, and the exit status may already have
+/// followed it. A buffered reader would take that second line with it and
+/// leave the relay an empty socket (which reads as "the supervisor went").
 pub struct Conn {
-    reader: BufReader<UnixStream>,
+    stream: UnixStream,
 }
+
+/// The longest request or answer read (an OCI process, or a `pids` list of
+/// a busy container, fits many times over): a peer that sends more is
+/// refused, not buffered.
+const MAX_LINE: usize = 1 << 20;
 
 impl Conn {
     /// Sends `req` (with `fds`) to the supervisor at `sock`.
@@ -81,33 +91,46 @@ impl Conn {
         let mut line = serde_json::to_vec(req).map_err(std::io::Error::other)?;
         line.push(b'\n');
         fdpass::send(s.as_raw_fd(), &line, fds)?;
-        Ok(Conn {
-            reader: BufReader::new(s),
-        })
+        Ok(Conn { stream: s })
     }
 
-    /// The next answer; `None` when the supervisor hung up.
+    /// The next answer; `None` when the supervisor hung up. Reads up to its
+    /// newline and not a byte beyond.
     pub fn reply(&mut self, timeout: Option<Duration>) -> std::io::Result<Option<Reply>> {
-        self.reader.get_ref().set_read_timeout(timeout)?;
-        let mut line = String::new();
-        if self.reader.read_line(&mut line)? == 0 {
-            return Ok(None);
+        self.stream.set_read_timeout(timeout)?;
+        let mut line = Vec::new();
+        let mut byte = [0u8; 1];
+        loop {
+            match self.stream.read(&mut byte) {
+                Ok(0) if line.is_empty() => return Ok(None),
+                Ok(0) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the supervisor hung up mid-answer",
+                    ));
+                }
+                Ok(_) if byte[0] == b'\n' => break,
+                Ok(_) if line.len() >= MAX_LINE => {
+                    return Err(std::io::Error::other("the supervisor's answer is too long"));
+                }
+                Ok(_) => line.push(byte[0]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
         }
-        serde_json::from_str(&line)
+        serde_json::from_slice(&line)
             .map(Some)
             .map_err(std::io::Error::other)
     }
 
     /// A connection whose request was sent by another process.
     pub fn from_stream(s: UnixStream) -> Conn {
-        Conn {
-            reader: BufReader::new(s),
-        }
+        Conn { stream: s }
     }
 
     /// The socket, for a relay that waits on it in another process.
     pub fn into_stream(self) -> UnixStream {
-        self.reader.into_inner()
+        self.stream
     }
 }
 
@@ -123,6 +146,9 @@ pub fn read_request(s: &UnixStream) -> std::io::Result<(Request, Vec<OwnedFd>)> 
         }
         data.extend_from_slice(&buf[..n]);
         fds.extend(more);
+        if data.len() > MAX_LINE && !data.contains(&b'\n') {
+            return Err(std::io::Error::other("the request is too long"));
+        }
     }
     let req = serde_json::from_slice(&data).map_err(std::io::Error::other)?;
     Ok((req, fds))
@@ -133,4 +159,44 @@ pub fn write_reply(mut s: &UnixStream, r: &Reply) -> std::io::Result<()> {
     let mut line = serde_json::to_vec(r).map_err(std::io::Error::other)?;
     line.push(b'\n');
     s.write_all(&line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_read_leaves_the_next_one_on_the_socket() {
+        // exec --detach: the status may follow the first answer at once;
+        // the relay that takes the socket over must still find it.
+        let (client, server) = UnixStream::pair().unwrap();
+        let started = Reply {
+            pid: Some(7),
+            ..Default::default()
+        };
+        let exited = Reply {
+            status: Some(3),
+            ..Default::default()
+        };
+        write_reply(&server, &started).unwrap();
+        write_reply(&server, &exited).unwrap();
+        drop(server);
+        let mut conn = Conn::from_stream(client);
+        assert_eq!(conn.reply(None).unwrap().unwrap().pid, Some(7));
+        let mut relay = Conn::from_stream(conn.into_stream());
+        assert_eq!(relay.reply(None).unwrap().unwrap().status, Some(3));
+        assert!(relay.reply(None).unwrap().is_none());
+    }
+
+    #[test]
+    fn an_endless_answer_is_refused() {
+        let (client, mut server) = UnixStream::pair().unwrap();
+        let writer = std::thread::spawn(move || {
+            let chunk = vec![b'x'; 64 * 1024];
+            while server.write_all(&chunk).is_ok() {}
+        });
+        let e = Conn::from_stream(client).reply(None).unwrap_err();
+        assert!(e.to_string().contains("too long"), "{e}");
+        writer.join().unwrap();
+    }
 }
