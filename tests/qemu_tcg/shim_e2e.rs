@@ -474,9 +474,13 @@ fn ctr_run_in_ember_vms() {
     let _ = events.kill();
     let _ = events.wait();
 
-    // A terminal (`-t`, under `script` for a pty of ctr's own).
+    // A terminal (`-t`, under `script` for a pty of ctr's own), sized
+    // 33x101: ctr sends the size (resize-pty) once the process has
+    // started, so the process waits for it (up to 30 s).
     let cmd = format!(
-        "ctr --address {} task exec -t --exec-id t1 c2 sh -c 'tty; stty size'",
+        "stty rows 33 cols 101; ctr --address {} task exec -t --exec-id t1 c2 \
+         sh -c 'tty; i=0; while [ \"$(stty size)\" = \"0 0\" ] && [ $i -lt 300 ]; \
+         do sleep 0.1; i=$((i+1)); done; echo size $(stty size)'",
         c.sock().display()
     );
     let mut tty = Command::new("script")
@@ -494,6 +498,10 @@ fn ctr_run_in_ember_vms() {
     assert!(
         said.iter().any(|l| l.starts_with("/dev/pts/")),
         "no terminal: {said:?}"
+    );
+    assert!(
+        said.iter().any(|l| l == "size 33 101"),
+        "the terminal's size did not reach the guest: {said:?}"
     );
 
     // A process that does not read its stdin while 1 MiB waits for it:
