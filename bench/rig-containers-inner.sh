@@ -1,0 +1,93 @@
+#!/bin/sh
+# The inside of bench/rig-containers.sh: runs in the nested rig's L1 guest
+# (busybox sh, /dev/kvm from kvm-amd), from /rig. Starts containerd (its
+# root and state on a tmpfs of its own), imports the image, runs one warm-up
+# `ctr run` of each runtime (ember's first boots the pod VM cold and saves
+# the appliance's snapshot; runc's fills the caches), then ROUNDS rounds of
+# `ctr run --rm` with each runtime, the order alternating. Prints
+#   RIG-CTR <runtime> <round> <ms to the first line> <ms to exit> <status>
+# (round 0: the warm-up), RIG-NOTE lines from the shim's log (its timings),
+# and RIG-FAILED-LOG with the output of a run that printed no first line.
+# Configuration (environment): ROUNDS.
+b=/bin/busybox
+$b mkdir -p /tmp/rig-bin && $b --install -s /tmp/rig-bin
+export PATH=/usr/local/bin:/usr/bin:/usr/sbin:/tmp/rig-bin:$PATH
+ROUNDS=${ROUNDS:-5}
+IMAGE=localhost/rig-bench:latest
+WORKLOAD='echo RIG-FIRST-LINE; cat /etc/message'
+D=/tmp/ctd
+
+now_us() { adjtimex | awk '/time.tv_sec/ { s = $2 } /time.tv_usec/ { u = $2 } END { printf "%.0f\n", s * 1000000 + u }'; }
+ms_since() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "none") print "none"; else printf "%.1f", (a - b) / 1000 }'; }
+
+# runc's cgroups, containerd's overlay snapshots (the L1 loads only its own
+# modules), containerd's files on a tmpfs (overlayfs wants xattrs on its
+# upper layer, which the L1's root may lack).
+grep -q cgroup2 /proc/mounts || mount -t cgroup2 none /sys/fs/cgroup
+grep -qw overlay /proc/filesystems || for m in $(cat ko/order); do insmod "ko/$m"; done
+mkdir -p $D && mount -t tmpfs tmpfs $D
+cat > $D/config.toml <<EOF
+version = 2
+root = "$D/root"
+state = "$D/state"
+disabled_plugins = ["io.containerd.grpc.v1.cri"]
+[grpc]
+  address = "$D/containerd.sock"
+[ttrpc]
+  address = "$D/containerd.sock.ttrpc"
+[debug]
+  level = "info"
+EOF
+containerd --config $D/config.toml > $D/containerd.log 2>&1 &
+ctr() { command ctr --address $D/containerd.sock "$@"; }
+i=0
+until ctr version > /dev/null 2>&1; do
+  i=$((i + 1)); [ $i -gt 600 ] && { echo "RIG-FAILED containerd did not come up"; tail -30 $D/containerd.log; exit 1; }
+  usleep 200000
+done
+ctr images import --base-name localhost/rig-bench ./image.tar > /dev/null ||
+  { echo "RIG-FAILED ctr images import"; exit 1; }
+
+# run RUNTIME ROUND: one timed `ctr run --rm`.
+n=0
+run() {
+  n=$((n + 1))
+  log=/tmp/ctr-$1-$2.log
+  case $1 in
+    ember) opts="--runtime io.containerd.ember.v2" ;;
+    # runc cannot pivot_root away from the L1's initramfs root (Docker's
+    # DOCKER_RAMDISK case): it chroots instead.
+    runc) opts="--no-pivot" ;;
+  esac
+  t0=$(now_us)
+  {
+    # shellcheck disable=SC2086 # opts is a list of arguments
+    ctr run --rm $opts $IMAGE "bench-$1-$n" sh -c "$WORKLOAD" 2>&1
+    echo "RIG-STATUS $?"
+  } | {
+    m=none; st=none
+    while IFS= read -r l; do
+      case $l in
+        RIG-FIRST-LINE*) [ $m = none ] && m=$(now_us) ;;
+        RIG-STATUS*) st=${l#RIG-STATUS } ;;
+      esac
+      printf '%s\n' "$l" >> "$log"
+    done
+    echo "$m $st" > /tmp/mark
+  }
+  t1=$(now_us)
+  read -r m st < /tmp/mark
+  echo "RIG-CTR $1 $2 $(ms_since "$m" "$t0") $(ms_since "$t1" "$t0") $st"
+  if [ "$m" = none ] || [ "$st" != 0 ]; then echo "RIG-FAILED-LOG $1 $2:"; tail -20 "$log"; fi
+}
+
+run ember 0
+run runc 0
+for r in $(seq "$ROUNDS"); do
+  if [ $((r % 2)) = 1 ]; then run ember "$r"; run runc "$r"; else run runc "$r"; run ember "$r"; fi
+done
+# The shim's own timings (the pod VM's start, the agent's answer).
+grep -i -e 'agent answered' -e 'pod VM' $D/containerd.log | sed 's/^/RIG-NOTE /' | tail -40
+kill %1 2>/dev/null
+wait
+echo "RIG-DONE"
