@@ -18,6 +18,63 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// Builds a busybox image with umoci in `work` (`applets` linked to
+/// busybox, and [`MESSAGE`] in /etc/message): its OCI layout as a tar,
+/// for `ctr images import`.
+pub fn image_tar(work: &Path, applets: &[&str]) -> PathBuf {
+    let layout = work.join("oci");
+    let bundle = work.join("bundle");
+    std::fs::create_dir_all(work).unwrap();
+    let umoci = |args: &[&OsStr]| {
+        let out = Command::new("umoci")
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("umoci (scripts/install-deps --test): {e}"));
+        assert!(
+            out.status.success(),
+            "umoci {args:?}: {}",
+            text(&out.stderr)
+        );
+    };
+    let tagged = format!("{}:latest", layout.display());
+    let tagged = OsStr::new(&tagged);
+    umoci(&["init".as_ref(), "--layout".as_ref(), layout.as_os_str()]);
+    umoci(&["new".as_ref(), "--image".as_ref(), tagged]);
+    umoci(&[
+        "unpack".as_ref(),
+        "--image".as_ref(),
+        tagged,
+        bundle.as_os_str(),
+    ]);
+    let rootfs = bundle.join("rootfs");
+    for d in ["bin", "etc", "tmp"] {
+        std::fs::create_dir_all(rootfs.join(d)).unwrap();
+    }
+    let busybox = ember::backend::find_binary("busybox").unwrap();
+    std::fs::copy(busybox, rootfs.join("bin/busybox")).unwrap();
+    for applet in applets {
+        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
+    }
+    std::fs::write(rootfs.join("etc/message"), format!("{MESSAGE}\n")).unwrap();
+    umoci(&[
+        "repack".as_ref(),
+        "--image".as_ref(),
+        tagged,
+        bundle.as_os_str(),
+    ]);
+    let tar = work.join("image.tar");
+    let out = Command::new("tar")
+        .arg("-C")
+        .arg(&layout)
+        .arg("-cf")
+        .arg(&tar)
+        .arg(".")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "tar: {}", text(&out.stderr));
+    tar
+}
+
 /// Builds `packages` (debug, beside the test's `ember`); their directory.
 pub fn build_companions(packages: &[&str]) -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
@@ -248,54 +305,7 @@ impl Containerd {
     /// Builds a busybox image with umoci (`applets` linked to busybox, and
     /// [`MESSAGE`] in /etc/message) and imports it as `image`.
     pub fn import_image(&self, image: &str, applets: &[&str]) {
-        let work = self.dir.join("image");
-        let layout = work.join("oci");
-        let bundle = work.join("bundle");
-        std::fs::create_dir_all(&work).unwrap();
-        let umoci = |args: &[&OsStr]| {
-            let out = Command::new("umoci").args(args).output().unwrap();
-            assert!(
-                out.status.success(),
-                "umoci {args:?}: {}",
-                text(&out.stderr)
-            );
-        };
-        let tagged = format!("{}:latest", layout.display());
-        let tagged = OsStr::new(&tagged);
-        umoci(&["init".as_ref(), "--layout".as_ref(), layout.as_os_str()]);
-        umoci(&["new".as_ref(), "--image".as_ref(), tagged]);
-        umoci(&[
-            "unpack".as_ref(),
-            "--image".as_ref(),
-            tagged,
-            bundle.as_os_str(),
-        ]);
-        let rootfs = bundle.join("rootfs");
-        for d in ["bin", "etc", "tmp"] {
-            std::fs::create_dir_all(rootfs.join(d)).unwrap();
-        }
-        let busybox = ember::backend::find_binary("busybox").unwrap();
-        std::fs::copy(busybox, rootfs.join("bin/busybox")).unwrap();
-        for applet in applets {
-            std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
-        }
-        std::fs::write(rootfs.join("etc/message"), format!("{MESSAGE}\n")).unwrap();
-        umoci(&[
-            "repack".as_ref(),
-            "--image".as_ref(),
-            tagged,
-            bundle.as_os_str(),
-        ]);
-        let tar = work.join("image.tar");
-        let out = Command::new("tar")
-            .arg("-C")
-            .arg(&layout)
-            .arg("-cf")
-            .arg(&tar)
-            .arg(".")
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "tar: {}", text(&out.stderr));
+        let tar = image_tar(&self.dir.join("image"), applets);
         let out = self
             .ctr(&["images", "import", "--base-name"])
             .arg(image.trim_end_matches(":latest"))

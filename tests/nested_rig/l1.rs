@@ -74,6 +74,13 @@ pub fn command(
     // The vsock and net cases' host side (socat), and the net case's taps
     // (iproute2's ip: busybox's makes none).
     c.args(["--with", "socat", "--with", "ip"]);
+    // The containers case's containerd and ctr, when it could be staged
+    // (a machine without them fails that case alone, saying why).
+    if staged.containers.is_ok() {
+        for tool in crate::stage::CONTAINER_TOOLS {
+            c.args(["--with", tool]);
+        }
+    }
     for (k, v) in [
         ("EMBER_INIT", "/rig/ember-init".to_owned()),
         ("RIG_VERSION", staged.version.clone()),

@@ -5,8 +5,9 @@
 //! ember once per case (L2) and prints structured `@@ CASE …` lines; each
 //! test in `cases` judges one case. Entry paths (bzImage, vmlinux via PVH, vmlinux
 //! via the 64-bit boot protocol) with 1 and 2 vCPUs; virtio devices found
-//! through ACPI alone and driven by Debian's own modules; the appliance and
-//! `ember analyze` on the ember backend.
+//! through ACPI alone and driven by Debian's own modules; the appliance,
+//! `ember analyze` and containers (containerd with ember's shim) on the
+//! ember backend.
 //!
 //! Where the rig cannot start (no QEMU, no SVM, no cached kernel) every test
 //! FAILS with the reason. Each case has its own time limit in the suite: a

@@ -26,6 +26,8 @@ pub struct Rig {
     pub token: String,
     /// Debian's generic kernel (for the snapshot cases), or why it is missing.
     pub generic: Result<String, String>,
+    /// The containers case's files, or why they are missing.
+    pub containers: Result<(), String>,
     l1_first_line_s: f64,
     total_s: f64,
     /// Why the L1 did not finish the suite (it died, or ran out of time).
@@ -129,6 +131,7 @@ fn run_rig() -> Result<Rig, String> {
         version: staged.version,
         token,
         generic: staged.generic,
+        containers: staged.containers,
         l1_first_line_s: run.first_line_s.unwrap_or(0.0),
         total_s: run.total_s,
         l1_failure,

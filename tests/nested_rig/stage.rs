@@ -21,8 +21,13 @@ const L2_GROUPS: &[(&str, &[&str])] = &[
 ];
 
 /// Modules the L1 itself loads for a case (the appliance loads only its own):
-/// `tun`, for the net case's taps.
-const L1_MODULES: &[&str] = &["tun"];
+/// `tun`, for the net case's taps; `overlay`, for containerd's snapshots.
+const L1_MODULES: &[&str] = &["tun", "overlay"];
+/// What the appliance on the host's root (the containers case's pod VM)
+/// loads besides its groups: the root's virtio-fs and the overlay on it.
+const HOSTROOT_MODULES: &[&str] = &["virtiofs", "overlay"];
+/// The containers case's host programs, carried into the L1 (`--with`).
+pub const CONTAINER_TOOLS: &[&str] = &["containerd", "ctr"];
 
 /// What the L1 gets, staged.
 pub struct Staged {
@@ -41,6 +46,9 @@ pub struct Staged {
     /// Debian's generic kernel's release (for the snapshot cases), or why it
     /// is missing.
     pub generic: Result<String, String>,
+    /// The containers case's files are in `/rig/ctr` (the shim, the agent,
+    /// the image), or why not (then the L1 carries no containerd).
+    pub containers: Result<(), String>,
 }
 
 /// Debian's cloud kernel as `ember setup` cached it.
@@ -84,6 +92,10 @@ pub fn stage() -> Result<Staged, String> {
     let cache = stage.join("cache");
     appliance_cache(&cache, &k)?;
     let ember = staged_ember(&stage);
+    let containers = containers(&stage.join("image"), &rigdir.join("ctr"));
+    if let Err(why) = &containers {
+        eprintln!("nested rig: *** NO CONTAINERS, the containers case fails: {why} ***");
+    }
     Ok(Staged {
         _scratch: scratch,
         rigdir,
@@ -92,7 +104,51 @@ pub fn stage() -> Result<Staged, String> {
         version: k.version,
         note_off: k.note_off,
         generic,
+        containers,
     })
+}
+
+/// The containers case's files in `dir` (the L1's `/rig/ctr`): ember's
+/// shim and guest agent without their debug info, and a busybox image
+/// built with umoci (`work` is its scratch). Or why they cannot be made.
+fn containers(work: &Path, dir: &Path) -> Result<(), String> {
+    for tool in CONTAINER_TOOLS.iter().chain(&["umoci", "tar"]) {
+        if ember::backend::find_binary(tool).is_none() {
+            return Err(format!(
+                "`{tool}` is not installed (scripts/install-deps --test)"
+            ));
+        }
+    }
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let built = std::panic::catch_unwind(|| {
+        let bin =
+            common::containers::build_companions(&["containerd-shim-ember-v2", "ember-agent"]);
+        let tar = common::containers::image_tar(work, &["sh", "cat", "uname"]);
+        (bin, tar)
+    })
+    .map_err(|_| "building the shim, the agent or the image failed (above)".to_owned())?;
+    let (bin, tar) = built;
+    for b in ["containerd-shim-ember-v2", "ember-agent"] {
+        strip_debug(&bin.join(b), &dir.join(b))?;
+    }
+    std::fs::rename(&tar, dir.join("image.tar")).map_err(|e| format!("{}: {e}", tar.display()))
+}
+
+/// `objcopy --strip-debug FROM TO` (a debug build is mostly DWARF, which the
+/// L1 would unpack under TCG), or a copy where objcopy fails.
+fn strip_debug(from: &Path, to: &Path) -> Result<(), String> {
+    let stripped = Command::new("objcopy")
+        .arg("--strip-debug")
+        .arg(from)
+        .arg(to)
+        .status()
+        .is_ok_and(|s| s.success());
+    if stripped {
+        return Ok(());
+    }
+    std::fs::copy(from, to)
+        .map(drop)
+        .map_err(|e| format!("{}: {e}", from.display()))
 }
 
 fn cloud_kernel() -> Result<CloudKernel, String> {
@@ -144,7 +200,9 @@ fn disk_images(fill: &Path, rigdir: &Path) -> Result<(), String> {
 }
 
 /// ember's cache as the L2 appliance needs it, in `cache`: the vmlinux and
-/// the appliance's modules (not the whole 90 MB module tree).
+/// the appliance's modules, with those that mount the host's root (the
+/// containers case's pod VM runs on the L1's root), not the whole 90 MB
+/// module tree.
 fn appliance_cache(cache: &Path, k: &CloudKernel) -> Result<(), String> {
     let cdir = cache.join("kernel");
     std::fs::create_dir_all(&cdir).map_err(|e| e.to_string())?;
@@ -155,13 +213,25 @@ fn appliance_cache(cache: &Path, k: &CloudKernel) -> Result<(), String> {
     for f in ["modules.order", "modules.builtin"] {
         symlink(&k.modules.join(f), &cm.join(f))?;
     }
-    for m in k
+    let mut all: Vec<PathBuf> = k
         .tree
         .resolve_groups(modules::BLACKLIST)
         .map_err(|e| e.to_string())?
-    {
-        let rel = m.path.strip_prefix(&k.modules).map_err(|e| e.to_string())?;
-        symlink(&m.path, &cm.join(rel))?;
+        .into_iter()
+        .map(|m| m.path)
+        .collect();
+    let hostroot = k
+        .tree
+        .resolve(HOSTROOT_MODULES, modules::BLACKLIST)
+        .map_err(|e| e.to_string())?;
+    for p in hostroot {
+        if !all.contains(&p) {
+            all.push(p);
+        }
+    }
+    for p in all {
+        let rel = p.strip_prefix(&k.modules).map_err(|e| e.to_string())?;
+        symlink(&p, &cm.join(rel))?;
     }
     Ok(())
 }

@@ -441,6 +441,78 @@ snap_restore() {
   echo "restore-ms=$(($(ms) - t0))"
   return $rc
 }
+# Containers on the ember backend (issue 27): containerd started here (its
+# root and state on a tmpfs of its own), the image the harness built with
+# umoci, and `ctr run --rm --runtime io.containerd.ember.v2` twice with the
+# shim on the ember backend: the first pod VM boots Debian's cloud kernel on
+# this L1's root and saves the appliance's snapshot, the second is restored
+# from it. The container prints the image's file, its kernel's release and
+# command line (EMBER_SHIM_CMDLINE's word marks the L2's kernel: the L1 runs
+# the same release) and exits 7. Then nothing may be left: no shim, no
+# ember, no mount of the containers', and containerd stopped here.
+ctr_case() {
+  d=/tmp/ctd
+  $b grep -qw overlay /proc/filesystems || for m in $($b cat /rig/ko/order); do $b insmod /rig/ko/$m 2>/dev/null; done
+  $b grep -q cgroup2 /proc/mounts || $b mount -t cgroup2 none /sys/fs/cgroup
+  $b mkdir -p $d && $b mount -t tmpfs tmpfs $d || return 1
+  printf '%s\n' 'version = 2' "root = \"$d/root\"" "state = \"$d/state\"" \
+    'disabled_plugins = ["io.containerd.grpc.v1.cri"]' '[grpc]' "  address = \"$d/sock\"" \
+    '[ttrpc]' "  address = \"$d/sock.ttrpc\"" >$d/config.toml
+  echo "@ctr-l1-cmdline $($b cat /proc/cmdline)"
+  snaps=/root/.cache/ember/snapshots
+  before=$($b ls $snaps 2>/dev/null | $b tr '\n' ' ')
+  PATH=/rig/ctr:$PATH EMBER_SHIM_BACKEND=ember EMBER_SHIM_CMDLINE="rigctr=$RIG_TOKEN" \
+    EMBER_BIN=/usr/local/bin/ember containerd --config $d/config.toml >$d/log 2>&1 &
+  cpid=$!
+  ctr_steps
+  steps=$?
+  $b kill $cpid 2>/dev/null
+  wait $cpid
+  # The shim's lines (the pod VM's start, the agent's answer and kernel).
+  $b grep -e 'pod VM' -e 'agent answered' $d/log | $b sed 's/^/@ctr-shim /'
+  [ $steps = 0 ] || $b tail -n 40 $d/log | $b sed 's/^/@ctr-log /'
+  $b umount $d/root/io.containerd.snapshotter.v1.overlayfs/snapshots/*/fs 2>/dev/null
+  $b umount $d && $b rmdir $d
+  echo "@ctr-left-ps $(ctr_procs . | $b tr '\n' ';')"
+  echo "@ctr-left-mounts $($b grep -c -e $d -e ember-containers /proc/mounts)"
+  # The snapshot the case made (its memory is in this L1's RAM) goes with it.
+  for s in $($b ls $snaps 2>/dev/null); do
+    case " $before " in *" $s "*) ;; *) $b rm -rf "${snaps:?}/$s" ;; esac
+  done
+  return $steps
+}
+# ctr_procs PATTERN: the live processes of ctr_case (containerd, its shims,
+# their ember) whose command line matches PATTERN, one `PID ARGS` a line.
+# Zombies are gone (the L1's init reaps the shims' orphans late).
+ctr_procs() {
+  for p in /proc/[0-9]*; do
+    $b grep -q '^State:.*Z' $p/status 2>/dev/null && continue
+    a=$($b tr '\0' ' ' <$p/cmdline 2>/dev/null)
+    case $a in *containerd* | */usr/local/bin/ember* | */rig/ctr/*) ;; *) continue ;; esac
+    echo "${p#/proc/} $a" | $b grep -e "$1"
+  done
+}
+# ctr_case's steps, to the first that fails (the log is still printed).
+ctr_steps() {
+  n=0
+  until ctr --address $d/sock version >/dev/null 2>&1; do
+    n=$((n + 1)) && [ $n -gt 300 ] && echo "@ctr-no-containerd" && return 1
+    $b usleep 200000
+  done
+  ctr --address $d/sock images import --base-name localhost/rig /rig/ctr/image.tar >/dev/null || return 1
+  echo "@ctr-snapshots-0 $($b ls $snaps 2>/dev/null | $b wc -l)"
+  for run in 1 2; do
+    t0=$(ms)
+    ctr --address $d/sock run --rm --runtime io.containerd.ember.v2 localhost/rig:latest "rig-$run" \
+      sh -c 'cat /etc/message; uname -r; cat /proc/cmdline; exit 7' >$d/out 2>&1
+    rc=$?
+    $b sed "s/^/@ctr-$run /" $d/out
+    echo "@ctr-rc-$run $rc ms=$(($(ms) - t0))"
+    echo "@ctr-snapshots-$run $($b ls $snaps 2>/dev/null | $b wc -l)"
+    echo "@ctr-shims-$run $(ctr_procs containerd-shim-ember | $b grep -c .)"
+    echo "@ctr-bundle-mounts-$run $($b grep -c -e "$d/state" -e ember-containers /proc/mounts)"
+  done
+}
 # A case, run by run_case in a process group of its own. CASE_END: when a
 # case's own waits give up (the uptime, s), 20 s before its limit, so that a
 # case that waited in vain still prints what it has (a guest's console)
@@ -530,4 +602,7 @@ run_case doctor-verbose 240 doctor "" doctor-verbose
 run_case doctor-quiet 180 doctor quiet doctor-quiet
 # The verbose boot's recording (every console line), for `ember analyze --load`.
 run_case doctor-verbose-boot 30 sh -c 'cat /tmp/doctor-verbose.json; echo'
+# Containers on the ember backend: the harness staged /rig/ctr when it could
+# (else the case's test fails, saying why).
+[ -e /rig/ctr/image.tar ] && run_case containers 300 ctr_case
 echo "@@ l1 out done uptime_ms=$(ms)"

@@ -3,6 +3,7 @@
 
 mod appliance;
 mod boot;
+mod containers;
 mod fs;
 mod lab;
 mod memory;
