@@ -5,8 +5,9 @@
 # `ctr run` of each runtime (ember's first boots the pod VM cold and saves
 # the appliance's snapshot; runc's fills the caches), then ROUNDS rounds of
 # `ctr run --rm` with each runtime, the order alternating. Prints
-#   RIG-CTR <runtime> <round> <ms to the first line> <ms to exit> <status>
-# (round 0: the warm-up), RIG-NOTE lines from the shim's log (its timings),
+#   RIG-CTR <runtime> <round> <ms to the first line> <ms to exit> <status> <start, us>
+# (round 0: the warm-up; the start on the L1's wall clock, as the shim's log
+# times its lines), RIG-NOTE lines from the shim's log (its timings),
 # and RIG-FAILED-LOG with the output of a run that printed no first line.
 # Configuration (environment): ROUNDS.
 b=/bin/busybox
@@ -77,7 +78,7 @@ run() {
   }
   t1=$(now_us)
   read -r m st < /tmp/mark
-  echo "RIG-CTR $1 $2 $(ms_since "$m" "$t0") $(ms_since "$t1" "$t0") $st"
+  echo "RIG-CTR $1 $2 $(ms_since "$m" "$t0") $(ms_since "$t1" "$t0") $st $t0"
   if [ "$m" = none ] || [ "$st" != 0 ]; then echo "RIG-FAILED-LOG $1 $2:"; tail -20 "$log"; fi
 }
 
@@ -87,7 +88,7 @@ for r in $(seq "$ROUNDS"); do
   if [ $((r % 2)) = 1 ]; then run ember "$r"; run runc "$r"; else run runc "$r"; run ember "$r"; fi
 done
 # The shim's own timings (the pod VM's start, the agent's answer).
-grep -i -e 'agent answered' -e 'pod VM' $D/containerd.log | sed 's/^/RIG-NOTE /' | tail -40
+grep -e 'agent answered' -e 'booting the pod VM' $D/containerd.log | sed 's/^/RIG-NOTE /' 
 kill %1 2>/dev/null
 wait
 echo "RIG-DONE"

@@ -109,10 +109,15 @@ rig_l1 "$OUT" --mem 2G --timeout 2400 --file "$R:/rig" --file "$BUSYBOX:/bin/bus
   -- /bin/busybox sh -c 'cd /rig && exec /bin/busybox sh ./rig-containers-inner.sh'
 grep -q '^RIG-CTR ' "$OUT" || { say "$NAME: the rig measured nothing"; cat "$OUT" >&2; exit 1; }
 [ -n "${RIG_OUT:-}" ] && cp "$OUT" "$RIG_OUT"
-tr -d '\r' < "$OUT" | grep '^RIG-NOTE' >&2 || true
+
 say "$NAME: done at load $(cut -d' ' -f1-3 /proc/loadavg)"
 
-# RIG-CTR <runtime> <round> <ms to the first line> <ms to exit> <status>
+# RIG-CTR <runtime> <round> <ms to the first line> <ms to exit> <status> <start us>;
+# the shim's RIG-NOTE lines, one "booting the pod VM" and one "agent
+# answered" per ember run, in the runs' order: they split ember's first
+# line into exec -> the shim starts ember (containerd, the shim's start and
+# the rootfs mounts), -> the agent answers (the restore), -> the first line
+# (the container's creation and start in the guest, its output relayed).
 tr -d '\r' < "$OUT" | awk '
 function median(a, c,   i, j, t) {
   for (i = 2; i <= c; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
@@ -123,11 +128,16 @@ function stat(k, col,   c, i, a) {
   med[k, col] = median(a, c)
   return sprintf("%.0f ms (%.0f–%.0f)", med[k, col], a[1], a[c])
 }
-$1 == "RIG-CTR" && $2 != "" && $3 == 0 { warm[$2] = sprintf("%s ms (exit %s ms, status %s)", $4, $5, $6) }
+# time="2026-11-29T19:35:09.10658532Z" -> seconds into the day.
+function tod(l,   t) { match(l, /T[0-9:.]+Z/); t = substr(l, RSTART + 1, RLENGTH - 2); split(t, h, ":"); return h[1] * 3600 + h[2] * 60 + h[3] }
+$1 == "RIG-CTR" && $3 == 0 { warm[$2] = sprintf("%s ms (exit %s ms, status %s)", $4, $5, $6) }
+$1 == "RIG-CTR" && $2 == "ember" { ne++; er[ne] = $3; et0[ne] = ($7 / 1e6) % 86400; efirst[ne] = $4 }
 $1 == "RIG-CTR" && $3 > 0 {
   if ($4 == "none" || $6 != 0) { bad[$2]++; next }
   cnt[$2]++; val[$2, cnt[$2], 1] = $4; val[$2, cnt[$2], 2] = $5
 }
+$1 == "RIG-NOTE" && /booting the pod VM/ { nb++; boot[nb] = tod($0) }
+$1 == "RIG-NOTE" && /agent answered/ { na++; ans[na] = tod($0) }
 END {
   print "| runtime | ctr run -> first line, median (min–max) | -> exit | warm-up run (first line) | runs |"
   print "| --- | --- | --- | --- | --- |"
@@ -139,4 +149,20 @@ END {
   }
   if (cnt["ember"] && cnt["runc"])
     printf "\nember / runc, first line: %.2f×; exit: %.2f×\n", med["ember", 1] / med["runc", 1], med["ember", 2] / med["runc", 2]
+  # The phases of the restored runs (round > 0), when every run has its two lines.
+  if (nb != ne || na != ne || ne < 2) { printf "\n(phases: %d runs, %d boot and %d answer lines: not split)\n", ne, nb, na; exit }
+  for (i = 1; i <= ne; i++) {
+    if (er[i] == 0 || efirst[i] == "none") continue
+    n++; p["shim", n] = (boot[i] - et0[i]) * 1000; p["restore", n] = (ans[i] - boot[i]) * 1000
+    p["guest", n] = efirst[i] - (ans[i] - et0[i]) * 1000
+  }
+  if (!n) exit
+  printf "\nember, where the first line'\''s time goes (median of %d restored runs, min–max):\n", n
+  split("shim restore guest", P, " ")
+  split("exec -> the shim starts the pod VM (containerd, the shim, the rootfs mounts)|the pod VM started -> its agent answers (restore from the snapshot)|the agent answered -> the first line (container created and started in the guest, output relayed)", L, "|")
+  for (j = 1; j <= 3; j++) {
+    for (i = 1; i <= n; i++) a[i] = p[P[j], i]
+    m = median(a, n)
+    printf "  %s: %.0f ms (%.0f–%.0f)\n", L[j], m, a[1], a[n]
+  }
 }'
