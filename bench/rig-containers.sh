@@ -30,22 +30,18 @@ NAME=rig-containers.sh
 if [ -z "${EMBER_BIN:-}" ] || [ -z "${EMBER_SHIM_BIN:-}" ] || [ -z "${EMBER_AGENT_BIN:-}" ]; then
   cargo build --locked --release --quiet -p ember -p containerd-shim-ember-v2 -p ember-agent
 fi
-EMBER=${EMBER_BIN:-$PWD/target/release/ember}
+# The L1 carries the three with their libraries (as --file does), so ember
+# need not be the static shipped build: the one built beside the shim.
+export EMBER_BIN=${EMBER_BIN:-$PWD/target/release/ember}
 SHIM=${EMBER_SHIM_BIN:-$PWD/target/release/containerd-shim-ember-v2}
 AGENT=${EMBER_AGENT_BIN:-$PWD/target/release/ember-agent}
-HOST_EMBER=${EMBER_RIG_TOOL:-$EMBER}
 . bench/rig-lib.sh
-rig_ember_init
-KDIR=$(rig_kernel) || exit 1
+rig_begin
 rig_need qemu-system-x86_64 > /dev/null || exit 1
-BUSYBOX=$(rig_need busybox) || exit 1
 for t in containerd ctr runc containerd-shim-runc-v2 umoci tar; do rig_need "$t" > /dev/null || exit 1; done
 VER=$(basename "$KDIR")
 MODS=$KDIR/lib/modules/$VER
 
-WORK=$(mktemp -d /tmp/ember-rig-ctr.XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
-R=$WORK/rig
 C=$WORK/cache
 mkdir -p "$R/ko" "$C/kernel/$VER/lib/modules/$VER"
 
