@@ -5,6 +5,7 @@ pub mod booted;
 pub mod busybox;
 pub mod console_vm;
 pub mod containers;
+pub mod memtouch;
 pub mod netns;
 
 use std::path::{Path, PathBuf};

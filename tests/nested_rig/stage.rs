@@ -304,6 +304,13 @@ fn l2_initramfs(out: &Path, tree: &modules::ModuleTree) -> Result<(), String> {
     }
     w.char_dev("dev/console", 0o600, 5, 1).map_err(e)?;
     w.file("bin/busybox", 0o755, &busybox).map_err(e)?;
+    // The balloon case writes and verifies 64 MiB after each deflate.
+    w.file(
+        "bin/memtouch",
+        0o755,
+        &crate::common::memtouch::memtouch(64),
+    )
+    .map_err(e)?;
     w.file("init", 0o755, include_bytes!("../rig/l2-init.sh"))
         .map_err(e)?;
     let mut wanted: Vec<&str> = Vec::new();

@@ -118,7 +118,23 @@ if [ "$RIGCASE" = balloon ]; then
   # A page the driver migrates (compaction) reaches the device as one more
   # inflate and one more deflate, counted by the guest as balloon_migrate.
   echo "@balloon-vmstat inflate=$(vm balloon_inflate) deflate=$(vm balloon_deflate) migrate=$(vm balloon_migrate)"
+  # (Read before the host can start the cycles below: it waits for @touched.)
+  i0=$(vm balloon_inflate)
   touch_memory
+  # Memory that comes back must be the guest's own and intact (issue 26):
+  # the host inflates 64 MiB and deflates, three times; after each deflate
+  # /bin/memtouch maps 64 MiB (from the free lists the deflate refilled),
+  # writes every word, reads every word back and says TOUCH-OK or TOUCH-BAD.
+  for c in 1 2 3; do
+    n=0
+    until [ $(($(vm balloon_inflate) - i0)) -ge 16384 ] && [ "$(vm balloon_deflate)" -ge "$(vm balloon_inflate)" ]; do
+      n=$((n + 1))
+      [ $n -gt 3000 ] && break
+      $b sleep 0.2
+    done
+    i0=$(vm balloon_inflate)
+    echo "@deflate-touch $c $(/bin/memtouch) inflated=$(vm balloon_inflate) deflated=$(vm balloon_deflate)"
+  done
   # The host measures, resizes the virtio-mem region (down, then up), then
   # shuts the VM down through its socket; each MemTotal it sees meanwhile.
   last=

@@ -378,6 +378,15 @@ balloon_steps() {
   wait_line "$con" '^@touched' || return 1
   $b sleep 1
   echo "@rss-touched $(rss_kib $pid)"
+  # Three times 64 MiB inflated and deflated; the guest writes and verifies
+  # what came back after each (its @deflate-touch lines).
+  for c in 1 2 3; do
+    ember ctl --api-socket "$s" balloon --target-mib 64 >/dev/null
+    wait_actual "$s" 16384 || return 1
+    ember ctl --api-socket "$s" balloon --target-mib 0 >/dev/null
+    wait_actual "$s" 0 || return 1
+    wait_line "$con" "^@deflate-touch $c " || return 1
+  done
   # The virtio-mem region (one 128 MiB block) unplugged and plugged again
   # through the socket; the guest prints each MemTotal it sees.
   echo "@ctl-mem-shrink $(ember ctl --api-socket "$s" mem --size 256M)"
@@ -546,7 +555,7 @@ run_case virtio 180 l2 "$vmlinux" 2 virtio \
 run_case virtio-host 30 sh -c "echo token-copies=\$($b grep -c '$RIG_TOKEN' /rig/data.img); \
   echo ro-unchanged=\$([ \"\$($b md5sum /rig/ro.img | $b cut -d' ' -f1)\" = $ro_sum ] && echo yes || echo no)"
 
-run_case balloon-socket 360 balloon_socket
+run_case balloon-socket 480 balloon_socket
 
 # --prefault async with Debian's kernel: the background commit (paced, so it
 # is still running when the driver comes up) ends, the unmodified driver
