@@ -88,16 +88,16 @@ failed() {
   tr -d '\r' < "/tmp/$1.console" | tail -25 | sed "s/^/RIG-TAIL $1 $2 /"
   stop "$1"
   start "$1"
-  wait_for "$1" '^@ready' || echo "RIG-NOTE $1 did not come up again: $why"
+  wait_for "$1" '@ready' || echo "RIG-NOTE $1 did not come up again: $why"
   eval "cyc_$1=1"
 }
 
 free -m | sed 's/^/RIG-NOTE L1 /'
 for v in $VMMS; do start "$v"; done
 for v in $VMMS; do
-  wait_for "$v" '^@ready' || { echo "RIG-NOTE $v did not boot: $why"; tail -30 "/tmp/$v.console" | sed "s/^/RIG-TAIL $v 0 /"; }
+  wait_for "$v" '@ready' || { echo "RIG-NOTE $v did not boot: $why"; tail -30 "/tmp/$v.console" | sed "s/^/RIG-TAIL $v 0 /"; }
   eval "cyc_$v=1"
-  echo "RIG-NOTE $v $(tr -d '\r' < "/tmp/$v.console" | grep '^@ready')"
+  echo "RIG-NOTE $v $(tr -d '\r' < "/tmp/$v.console" | grep '@ready')"
 done
 for c in $(seq "$CYCLES"); do
   for v in $VMMS; do
