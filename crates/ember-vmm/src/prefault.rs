@@ -616,8 +616,12 @@ impl Committer {
 
     /// Once the fence is down: gives the host back what the balloon still holds.
     fn release_held(&self, balloon: &BalloonHandle) {
-        balloon.with_held(|held| {
+        balloon.with_held(|held, holes| {
             for (s, e) in held.iter() {
+                // Off huge pages first (`vstate::holes`), as the balloon's own discards.
+                if let Some(h) = holes {
+                    h.punch(s, e);
+                }
                 self.inner.discard(s, e);
             }
         });

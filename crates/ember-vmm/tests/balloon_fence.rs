@@ -4,7 +4,10 @@
 //! real guest memory whose residency is checked from the host with mincore.
 //!
 //! The invariant under test: every page the guest owns (not in the balloon) after
-//! it inflated, and every page it gets back by a deflate, is committed.
+//! it inflated, and every page it gets back by a deflate, is committed. And the
+//! converse: a page the balloon holds, once discarded, stays off the host even
+//! when the kernel collapses huge pages (`MADV_COLLAPSE`, as khugepaged does)
+//! or a neighbour faults in.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,7 +17,7 @@ use ember_vmm::devices::virtio::{Balloon, BalloonHandle, MmioTransport};
 use ember_vmm::events::Recorder;
 use ember_vmm::prefault::{self, Committer, MemoryOptions};
 use ember_vmm::vstate::bus::BusDevice;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 const PAGE: u64 = 4096;
 /// Not a multiple of the chunk (nor of 2 MiB): the last step is a short one.
@@ -181,6 +184,76 @@ impl Driver {
         self.mem.write_obj(pfn ^ 0x5a5a_5a5a, at).unwrap();
         assert_eq!(self.mem.read_obj::<u32>(at).unwrap(), pfn ^ 0x5a5a_5a5a);
     }
+}
+
+const HUGE: u64 = 2 << 20;
+/// `MADV_COLLAPSE` (Linux 6.1), not in every libc crate release.
+const MADV_COLLAPSE: i32 = 25;
+
+fn host(mem: &GuestMemoryMmap, addr: u64) -> u64 {
+    mem.get_host_address(GuestAddress(addr)).unwrap() as u64
+}
+
+/// How many pages of guest `addr..addr+len` are resident on the host.
+fn resident_pages(mem: &GuestMemoryMmap, addr: u64, len: u64) -> usize {
+    let mut vec = vec![0u8; len.div_ceil(PAGE) as usize];
+    // SAFETY: `addr..addr+len` is guest memory, mapped; mincore only reads
+    // the page tables into `vec`, one byte a page.
+    let rc = unsafe { libc::mincore(host(mem, addr) as *mut _, len as usize, vec.as_mut_ptr()) };
+    assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+    vec.iter().filter(|&&b| b & 1 != 0).count()
+}
+
+/// Asks the kernel to collapse the 2 MiB range of guest memory at `at` into
+/// one huge page, as khugepaged would (filling holes with zeroes); the error
+/// when it refuses.
+fn collapse(mem: &GuestMemoryMmap, at: u64) -> Result<(), std::io::Error> {
+    let at = at / HUGE * HUGE;
+    // SAFETY: a 2 MiB range of guest memory (host-aligned with it); collapsing
+    // moves pages into a huge page without changing what they read.
+    let rc = unsafe { libc::madvise(host(mem, at) as *mut _, HUGE as usize, MADV_COLLAPSE) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Collapses every 2 MiB range around `ranges` (guest-physical), whatever
+/// the kernel says: a range it refuses stays as it was.
+fn collapse_around(mem: &GuestMemoryMmap, ranges: &[(u64, u64)]) {
+    let mut done = std::collections::BTreeSet::new();
+    for &(s, e) in ranges {
+        for at in (s / HUGE * HUGE..e).step_by(HUGE as usize) {
+            if done.insert(at) {
+                let _ = collapse(mem, at);
+            }
+        }
+    }
+}
+
+/// Fails loudly where the collapse these tests rely on does not work: a
+/// 2 MiB range of `mem` with one page touched must become one huge page.
+fn check_collapse_works(mem: &GuestMemoryMmap, at: u64) {
+    mem.write_obj(1u8, GuestAddress(at)).unwrap();
+    let mut last = None;
+    for _ in 0..20 {
+        match collapse(mem, at) {
+            Ok(()) => {
+                assert_eq!(resident_pages(mem, at, HUGE), 512);
+                return;
+            }
+            // No huge page free right now: compaction may find one.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::ENOMEM)) => {
+                last = Some(e);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!(
+                "MADV_COLLAPSE does not work on this host (Linux 6.1+ with transparent huge pages is needed): {e}"
+            ),
+        }
+    }
+    panic!("MADV_COLLAPSE found no free huge page in 20 tries: {last:?}");
 }
 
 /// A balloon fenced by a committer over `SIZE` bytes with the window committed.
@@ -365,7 +438,7 @@ fn a_hostile_driver_cannot_crash_leak_or_get_uncommitted_memory() {
 
 #[test]
 fn background_commit_completes_and_releases_what_the_user_asked_for() {
-    let (_mem, committer, handle, mut d) = setup();
+    let (mem, committer, handle, mut d) = setup();
     d.bring_up();
     let user_target = 4 << 20;
     let recorder = Arc::new(Recorder::new(true));
@@ -414,7 +487,9 @@ fn background_commit_completes_and_releases_what_the_user_asked_for() {
     assert_eq!(kinds, [prefault::EVENT_COMMITTED, prefault::EVENT_VISIBLE]);
     assert_eq!(u64::from(d.target()) * PAGE, user_target);
     assert_eq!(handle.held_bytes(), user_target);
-    // What the balloon still holds went back to the host once the fence came down.
+    // What the balloon still holds went back to the host once the fence came
+    // down, and stays there when huge pages are collapsed around it.
+    collapse_around(&mem, &handle.held());
     for (s, e) in handle.held() {
         assert!(!committer.is_resident(s, e - s), "{s:#x} still resident");
     }
@@ -423,6 +498,7 @@ fn background_commit_completes_and_releases_what_the_user_asked_for() {
     // Now inflates discard at once, and a deflate commits again.
     let more: Vec<u32> = (1000..1016).collect();
     d.inflate(&more);
+    collapse_around(&mem, &[(1000 * PAGE, 1016 * PAGE)]);
     for &p in &more {
         assert!(!committer.is_resident(u64::from(p) * PAGE, PAGE));
     }
@@ -430,6 +506,72 @@ fn background_commit_completes_and_releases_what_the_user_asked_for() {
     for &p in &more {
         assert!(committer.is_resident(u64::from(p) * PAGE, PAGE));
     }
+    // Their 2 MiB range holds no other page of the balloon's: it may be a
+    // huge page again.
+    assert!(
+        handle
+            .not_held(1000 * PAGE / HUGE * HUGE, 1016 * PAGE, 0)
+            .is_empty()
+    );
+    collapse(&mem, 1000 * PAGE).expect("given back to huge pages");
+}
+
+/// Without a fence (no `--prefault`): inflated pages are discarded at once, and
+/// neither a collapse nor a fault next to them brings them back; deflated, their
+/// memory goes back to huge pages.
+#[test]
+fn ballooned_pages_stay_discarded_around_huge_pages() {
+    let mem = prefault::create_memory(SIZE, &MemoryOptions::default()).unwrap();
+    check_collapse_works(&mem, 30 << 20);
+    let balloon = Balloon::new(0).unwrap();
+    let handle = balloon.handle();
+    let mut d = Driver::new(&mem, balloon);
+    d.bring_up();
+    // Guest memory in use (huge pages, as the guest's first touch makes them).
+    let (scattered, whole) = (16u64 << 20, 18u64 << 20);
+    for at in (scattered..whole + HUGE).step_by(PAGE as usize) {
+        mem.write_obj(0xa5u8, GuestAddress(at)).unwrap();
+    }
+    // Every eighth page of one 2 MiB range, and all of the next.
+    let page = |a: u64| (a / PAGE) as u32;
+    let mut pfns: Vec<u32> = (page(scattered)..page(whole)).step_by(8).collect();
+    pfns.extend(page(whole)..page(whole + HUGE));
+    d.inflate(&pfns);
+    assert_eq!(resident_pages(&mem, scattered, 2 * HUGE), 512 - 64);
+    collapse_around(&mem, &[(scattered, whole + HUGE)]);
+    for &p in &pfns {
+        assert_eq!(
+            resident_pages(&mem, u64::from(p) * PAGE, PAGE),
+            0,
+            "ballooned page {p:#x} is back after a collapse"
+        );
+    }
+    // One page of the whole range comes back and the guest touches it: that
+    // fault must not bring the other 511 back with it as one huge page.
+    let back = d.deflate(1);
+    assert_eq!(back, [page(whole + HUGE) - 1]);
+    d.touch(back[0]);
+    assert_eq!(
+        resident_pages(&mem, whole, HUGE),
+        1,
+        "a huge page was faulted in"
+    );
+    assert!(collapse(&mem, whole).is_err(), "still off huge pages");
+    // All back: huge pages again (a collapse succeeds), and the guest's data
+    // around the holes survived.
+    d.deflate(pfns.len());
+    assert_eq!(handle.held_bytes(), 0);
+    collapse(&mem, scattered).expect("back on huge pages");
+    collapse(&mem, whole).expect("back on huge pages");
+    assert_eq!(
+        mem.read_obj::<u8>(GuestAddress(scattered + PAGE)).unwrap(),
+        0xa5
+    );
+    assert_eq!(
+        mem.read_obj::<u8>(GuestAddress(scattered)).unwrap(),
+        0,
+        "ballooned"
+    );
 }
 
 #[test]

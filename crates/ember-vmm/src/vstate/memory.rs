@@ -147,19 +147,26 @@ pub(crate) fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
         let len = region.len() as usize;
         if let Ok(addr) = region.get_host_address(vm_memory::MemoryRegionAddress(0)) {
             // The low range stays on small pages (see `layout::SMALL_PAGES_END`).
-            let small =
-                (layout::SMALL_PAGES_END.saturating_sub(region.start_addr().0) as usize).min(len);
-            // SAFETY: `addr+small..addr+len` lies within one mapping vm-memory owns and
-            // keeps alive as long as `mem`; MADV_HUGEPAGE only changes how future faults
-            // are backed, never the contents, so it cannot break any Rust reference.
-            let rc =
-                unsafe { libc::madvise(addr.add(small).cast(), len - small, libc::MADV_HUGEPAGE) };
-            if rc != 0 {
-                // THP disabled on the host: a performance hint lost, not an error.
-                log::debug!(
-                    "madvise(MADV_HUGEPAGE) failed: {}",
-                    std::io::Error::last_os_error()
-                );
+            if let Some((start, end)) = huge_page_part(region) {
+                let small = (start - region.start_addr().0) as usize;
+                // SAFETY: `addr+small..addr+small+(end-start)` lies within one mapping
+                // vm-memory owns and keeps alive as long as `mem`; MADV_HUGEPAGE only
+                // changes how future faults are backed, never the contents, so it
+                // cannot break any Rust reference.
+                let rc = unsafe {
+                    libc::madvise(
+                        addr.add(small).cast(),
+                        (end - start) as usize,
+                        libc::MADV_HUGEPAGE,
+                    )
+                };
+                if rc != 0 {
+                    // THP disabled on the host: a performance hint lost, not an error.
+                    log::debug!(
+                        "madvise(MADV_HUGEPAGE) failed: {}",
+                        std::io::Error::last_os_error()
+                    );
+                }
             }
             // A child forked later (a helper process) must not inherit guest
             // memory: fork would copy its page tables and make its pages
@@ -174,6 +181,20 @@ pub(crate) fn create(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
         }
     }
     Ok(mem)
+}
+
+/// The guest-physical part of `region` ember advises for huge pages: an
+/// anonymous region's (only [`create`] and [`add_hotplug`] map those) above
+/// the small-page low range; none of hugetlbfs memory's, nor of a restored
+/// VM's memory file. Balloon holes go by it (`holes`).
+pub(crate) fn huge_page_part(region: &GuestRegionMmap) -> Option<(u64, u64)> {
+    let flags = region.flags();
+    if flags & libc::MAP_ANONYMOUS == 0 || flags & libc::MAP_HUGETLB != 0 {
+        return None;
+    }
+    let (start, end) = (region.start_addr().0, region.start_addr().0 + region.len());
+    let start = start.max(layout::SMALL_PAGES_END).min(end);
+    (start < end).then_some((start, end))
 }
 
 /// Adds a virtio-mem region of `size` bytes at guest-physical `addr` to

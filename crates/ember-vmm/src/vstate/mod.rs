@@ -5,6 +5,7 @@
 pub mod bus;
 pub mod control;
 pub mod end;
+pub mod holes;
 pub(crate) mod kvm;
 pub mod memory;
 pub(crate) mod teardown;

@@ -6,7 +6,8 @@
 //! - Inflated pages are dropped from the host with `madvise(MADV_DONTNEED)`; they read
 //!   back as zeroes if the guest touches them again. The device keeps the pages it holds
 //!   as merged guest-physical ranges ([`BalloonHandle::held`]), its own count beside the
-//!   driver's `actual`.
+//!   driver's `actual`. Discarded pages are [`Holes`]: their 2 MiB ranges stay off
+//!   transparent huge pages until deflated, or the kernel would refill them.
 //! - A [`MemoryFence`] (ember's memory committer, `prefault`) may be attached: a
 //!   deflate is then acknowledged only once the committer has committed the pages it
 //!   returns (the driver must not reuse them before, `VIRTIO_BALLOON_F_MUST_TELL_HOST`),
@@ -34,6 +35,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::ranges::RangeSet;
+use crate::vstate::holes::Holes;
 
 use super::worker::{QueueHandler, Worker, spawn_queue_worker};
 use super::{
@@ -183,6 +185,9 @@ struct Shared {
     held_stats: Option<u16>,
     /// Offer `FREE_PAGE_REPORTING` (on unless turned off).
     reporting: bool,
+    /// The held pages discarded (the device's and the committer's), kept off
+    /// huge pages; made from guest memory when a driver first activates.
+    holes: Option<Holes>,
 }
 
 /// Most held ranges and statistics a [`BalloonState`] may carry (a forged state
@@ -389,11 +394,13 @@ impl BalloonHandle {
         self.lock().fence = Some(fence);
     }
 
-    /// Runs `f` on the held ranges with the device's lock held, so no inflate or
-    /// deflate runs meanwhile (the committer uses it to release what the balloon
-    /// holds once the fence comes down).
-    pub(crate) fn with_held<R>(&self, f: impl FnOnce(&RangeSet) -> R) -> R {
-        f(&self.lock().held)
+    /// Runs `f` on the held ranges (and their [`Holes`], once a driver is
+    /// active) with the device's lock held, so no inflate or deflate runs
+    /// meanwhile (the committer uses it to release what the balloon holds once
+    /// the fence comes down).
+    pub(crate) fn with_held<R>(&self, f: impl FnOnce(&RangeSet, Option<&Holes>) -> R) -> R {
+        let s = self.lock();
+        f(&s.held, s.holes.as_ref())
     }
 
     /// The latest statistics the driver reported, if any.
@@ -581,7 +588,15 @@ impl VirtioDevice for Balloon {
             .try_clone()
             .map_err(ActivateError::EventFd)?;
         let stats_fd = stats_request.as_raw_fd();
+        // Kept across a driver's resets: the advice it holds is for the pages held.
+        let holes = self
+            .handle
+            .lock()
+            .holes
+            .get_or_insert_with(|| Holes::new(&mem))
+            .clone();
         let handler = BalloonHandler {
+            holes,
             mem,
             queues: qs,
             roles,
@@ -626,6 +641,8 @@ enum Role {
 /// The balloon's queue work.
 pub(crate) struct BalloonHandler {
     mem: GuestMemory,
+    /// Inflated pages' huge-page advice (`vstate::holes`).
+    holes: Holes,
     queues: Vec<Queue>,
     roles: Vec<Role>,
     irq: VirtioInterrupt,
@@ -716,6 +733,8 @@ impl BalloonHandler {
                 fence.as_ref().is_none_or(|f| f.discard_inflated())
             };
             if discard {
+                // Off huge pages first: khugepaged would refill the holes.
+                self.holes.punch(start, end);
                 self.discard(GuestAddress(start), end - start);
                 if let Some(f) = &fence {
                     f.discarded(start, end - start);
@@ -735,6 +754,8 @@ impl BalloonHandler {
                 s.held.remove(start, end);
                 s.deflated_pages += (end - start) / BALLOON_PAGE_SIZE;
             }
+            // Back on huge pages where no hole is left, before they are committed.
+            self.holes.give_back(start, end);
             if let Some(f) = &fence {
                 if let Err(e) = f.commit(start, end - start) {
                     // Host out of memory: the pages fault in lazily instead.
@@ -749,6 +770,8 @@ impl BalloonHandler {
 
     fn report_free_pages(&self, chain: DescriptorChain<&GuestMemory>) {
         // The reported ranges are the (device-writable) descriptors themselves.
+        // They are no holes: Linux reports whole 2 MiB blocks (nothing to
+        // refill) and reuses them without a word.
         for desc in chain {
             self.discard(desc.addr(), u64::from(desc.len()));
         }
@@ -890,6 +913,7 @@ pub(crate) fn fuzz_queues(
         return;
     };
     let mut h = BalloonHandler {
+        holes: Holes::default(),
         mem,
         queues,
         roles: vec![Role::Inflate, Role::Deflate, Role::Stats, Role::Reporting],
@@ -952,6 +976,7 @@ mod tests {
 
     fn handler(rig: &Rig, vqs: &[&TestQueue], roles: &[Role]) -> BalloonHandler {
         BalloonHandler {
+            holes: Holes::default(),
             mem: rig.mem.clone(),
             queues: vqs.iter().map(|v| v.create_queue().unwrap()).collect(),
             roles: roles.to_vec(),
@@ -1205,6 +1230,7 @@ mod tests {
         // its used index, where the held statistics buffer still waits.
         let irq = Arc::new(CountingInterrupt::default());
         let mut h2 = BalloonHandler {
+            holes: Holes::default(),
             mem: rig.mem.clone(),
             queues: vqs.iter().map(|v| v.create_queue().unwrap()).collect(),
             roles: roles.to_vec(),
@@ -1281,6 +1307,7 @@ mod tests {
         add_chain(&deflate, 0, &[r(DATA_START, pfns.len() as u32)]);
         let irq = Arc::new(CountingInterrupt::default());
         let mut h = BalloonHandler {
+            holes: Holes::default(),
             mem: mem.clone(),
             queues: vec![
                 inflate.create_queue().unwrap(),
