@@ -621,6 +621,41 @@ mod tests {
         );
     }
 
+    /// Unplugged blocks are whole 2 MiB-aligned huge pages of the region
+    /// (`memory::add_hotplug` maps it 2 MiB-aligned; blocks are 2 MiB or
+    /// more): no page is left around them for the kernel to collapse or fault
+    /// back in, so unlike the balloon's holes they need no huge-page advice.
+    #[test]
+    fn an_unplugged_block_stays_discarded_when_huge_pages_are_collapsed() {
+        const MADV_COLLAPSE: i32 = 25;
+        let ram = crate::vstate::memory::create(16 << 20).unwrap();
+        let at = 4u64 << 30;
+        let (mem, _) = crate::vstate::memory::add_hotplug(&ram, at, 128 << 20).unwrap();
+        let host = |a: u64| mem.get_host_address(GuestAddress(a)).unwrap();
+        let resident = |a: u64| {
+            let mut v = vec![0u8; (BS / 4096) as usize];
+            // SAFETY: a block of the region, mapped; mincore only fills `v`.
+            let rc = unsafe { libc::mincore(host(a).cast(), BS as usize, v.as_mut_ptr()) };
+            assert_eq!(rc, 0);
+            v.iter().filter(|&&b| b & 1 != 0).count()
+        };
+        mem.write_slice(&vec![0xab; 3 * BS as usize], GuestAddress(at))
+            .unwrap();
+        assert!(discard(&mem, at + BS, at + 2 * BS));
+        // Collapse each block as khugepaged would (MADV_COLLAPSE, Linux 6.1+);
+        // the kernel may refuse (nothing to collapse, no huge page free).
+        for b in 0..3 {
+            // SAFETY: one block of the region; collapsing changes no contents.
+            unsafe { libc::madvise(host(at + b * BS).cast(), BS as usize, MADV_COLLAPSE) };
+        }
+        assert_eq!(resident(at + BS), 0, "the unplugged block came back");
+        assert_eq!((resident(at), resident(at + 2 * BS)), (512, 512));
+        // A neighbour's fault stays in its own block.
+        discard(&mem, at, at + BS);
+        mem.write_obj(1u8, GuestAddress(at + BS - 1)).unwrap();
+        assert_eq!(resident(at + BS), 0);
+    }
+
     #[test]
     fn a_resize_changes_the_config_space_and_interrupts_an_active_driver() {
         let dev = VirtioMem::new(&MemConfig::new(256 << 20).unwrap(), 4 << 30).unwrap();
