@@ -173,23 +173,31 @@ impl Holes {
         s.all_off = true;
     }
 
-    /// Advises guest `a..b` (inside one advised range) `advice`; whether the
-    /// kernel took it.
+    /// Advises the advised memory in guest `a..b` `advice` (a range may
+    /// run from one region into the next: the virtio-mem region can start
+    /// where RAM ends); whether the kernel took all of it.
     fn advise(&self, a: u64, b: u64, advice: i32) -> bool {
-        let Some(&(g0, _, host)) = self.advised.iter().find(|r| a >= r.0 && b <= r.1) else {
-            return false;
-        };
-        // SAFETY: `a..b` lies inside guest memory mapped for as long as
-        // `self.advised` is used (ember never unmaps guest memory); huge-page
-        // advice changes how pages are backed, never their contents.
-        let rc = unsafe { libc::madvise((host + (a - g0)) as *mut _, (b - a) as usize, advice) };
-        if rc != 0 {
-            log::debug!(
-                "madvise({advice}) of guest {a:#x}..{b:#x}: {}",
-                std::io::Error::last_os_error()
-            );
+        let mut ok = true;
+        for &(g0, g1, host) in self.advised.iter() {
+            let (x, y) = (a.max(g0), b.min(g1));
+            if x >= y {
+                continue;
+            }
+            // SAFETY: `x..y` lies inside guest memory mapped for as long as
+            // `self.advised` is used (ember never unmaps guest memory);
+            // huge-page advice changes how pages are backed, never their
+            // contents.
+            let rc =
+                unsafe { libc::madvise((host + (x - g0)) as *mut _, (y - x) as usize, advice) };
+            if rc != 0 {
+                log::debug!(
+                    "madvise({advice}) of guest {x:#x}..{y:#x}: {}",
+                    std::io::Error::last_os_error()
+                );
+                ok = false;
+            }
         }
-        rc == 0
+        ok
     }
 
     /// Guest-physical 2 MiB ranges now kept off huge pages.
@@ -210,7 +218,12 @@ mod tests {
 
     /// (start, end, huge-page advice) of the mappings over `mem`'s first region.
     fn advice(mem: &GuestMemoryMmap) -> Vec<(u64, u64, Option<bool>)> {
-        let r = mem.iter().next().unwrap();
+        advice_of(mem, 0)
+    }
+
+    /// The same over `mem`'s region `i`.
+    fn advice_of(mem: &GuestMemoryMmap, i: usize) -> Vec<(u64, u64, Option<bool>)> {
+        let r = mem.iter().nth(i).unwrap();
         let host = r.get_host_address(MemoryRegionAddress(0)).unwrap() as u64;
         let end = host + r.len();
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
@@ -280,6 +293,28 @@ mod tests {
         h.punch(PAGE, 2 * PAGE);
         assert_eq!(h.off(), []);
         mem.write_obj(1u8, GuestAddress(PAGE)).unwrap();
+    }
+
+    #[test]
+    fn a_2mib_range_either_side_of_two_adjacent_regions_goes_back_to_huge_pages() {
+        // The virtio-mem region starts where RAM ends (two mappings).
+        let ram = memory::create(16 * M).unwrap();
+        let (mem, _) = memory::add_hotplug(&ram, 16 * M, 128 * M).unwrap();
+        let h = Holes::new(&mem);
+        h.punch(15 * M, 15 * M + PAGE);
+        h.punch(16 * M, 16 * M + PAGE);
+        h.punch(40 * M, 40 * M + PAGE);
+        assert_eq!(h.off(), [(14 * M, 18 * M), (40 * M, 42 * M)]);
+        assert_eq!(advice(&mem).last(), Some(&(14 * M, 16 * M, Some(false))));
+        assert_eq!(advice_of(&mem, 1)[0], (0, 2 * M, Some(false)));
+        // One deflate across both: one 4 MiB piece back, in two mappings.
+        h.give_back(15 * M, 16 * M + PAGE);
+        assert_eq!(h.off(), [(40 * M, 42 * M)]);
+        assert_eq!(advice(&mem).last(), Some(&(2 * M, 16 * M, Some(true))));
+        h.give_back(40 * M, 40 * M + PAGE);
+        assert_eq!(h.off(), []);
+        assert_eq!(advice(&mem).last(), Some(&(2 * M, 16 * M, Some(true))));
+        assert_eq!(advice_of(&mem, 1), [(0, 128 * M, Some(true))]);
     }
 
     #[test]
