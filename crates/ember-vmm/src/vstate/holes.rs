@@ -13,7 +13,7 @@
 //! `MADV_HUGEPAGE` again once its last hole is given back.
 //!
 //! Each advice splits a mapping, and a process has at most
-//! `vm.max_map_count` (65530) of them: past [`MAX_RUNS`] runs of advised
+//! `vm.max_map_count` (65530) of them: past `MAX_RUNS` runs of advised
 //! ranges, the whole of guest RAM goes off huge pages until the last hole is
 //! given back (slower memory, never more of it).
 //!
@@ -56,7 +56,7 @@ struct State {
 
 impl Holes {
     /// The holes of `mem`, whose huge-page advice is ember's own
-    /// ([`super::memory::huge_page_part`]).
+    /// (`memory::huge_page_part`).
     pub fn new(mem: &GuestMemoryMmap) -> Self {
         let advised = mem
             .iter()
