@@ -38,6 +38,7 @@
 //! ember controls and confinement rules of its own (see there).
 
 pub(crate) mod abi;
+pub mod idmap;
 pub(crate) mod passthrough;
 
 use std::path::PathBuf;
@@ -55,6 +56,7 @@ use super::{
     ActivateError, ActiveQueue, GuestMemory, VIRTIO_F_VERSION_1, VIRTIO_RING_F_INDIRECT_DESC,
     VirtioDevice, VirtioInterrupt, check_queues, read_config_bytes, serve_queue,
 };
+pub use idmap::IdMap;
 pub use passthrough::FsState;
 use passthrough::{Reply, Server};
 

@@ -38,7 +38,9 @@
 //! switch fails (a uid not mapped in ember's user namespace) is refused with
 //! `EPERM` rather than served as root. When ember is not root, the thread
 //! cannot switch and every request is served as ember's user: files the
-//! guest creates belong to the user who started ember.
+//! guest creates belong to the user who started ember, and the guest sees
+//! that user as its root and every other owner as the overflow id
+//! (`idmap`, the view the QEMU backend's virtiofsd gives).
 //!
 //! # Node IDs across a snapshot
 //!
@@ -63,6 +65,7 @@ use thiserror::Error;
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 use super::abi::{self, *};
+use super::idmap::IdMap;
 
 /// The most bytes one READ or WRITE moves (INIT's `max_write`, and
 /// `max_pages` × 4 KiB for reads).
@@ -160,7 +163,8 @@ fn stat_at(dir: RawFd, name: &[u8]) -> Res<libc::stat> {
     Ok(unsafe { st.assume_init() })
 }
 
-fn attr(st: &libc::stat) -> Attr {
+/// The guest's view of `st`: its owner and group through `map`.
+fn attr(st: &libc::stat, map: IdMap) -> Attr {
     Attr {
         ino: st.st_ino,
         size: st.st_size as u64,
@@ -173,8 +177,8 @@ fn attr(st: &libc::stat) -> Attr {
         ctimensec: st.st_ctime_nsec as u32,
         mode: st.st_mode,
         nlink: st.st_nlink as u32,
-        uid: st.st_uid,
-        gid: st.st_gid,
+        uid: map.uid_to_guest(st.st_uid),
+        gid: map.gid_to_guest(st.st_gid),
         rdev: st.st_rdev as u32,
         blksize: st.st_blksize as u32,
         flags: 0,
@@ -374,6 +378,8 @@ pub(crate) struct Server {
     /// ember's (euid, egid) when it is root: requests are served as their
     /// guest caller (see the module's doc); `None` when it is not.
     switch_from: Option<Ids>,
+    /// How owners appear in the guest (see `idmap`).
+    id_map: IdMap,
     inodes: HashMap<u64, Inode>,
     ids: HashMap<(u64, u64), u64>,
     next_node: u64,
@@ -397,6 +403,12 @@ impl std::fmt::Debug for Server {
 impl Server {
     /// A server for `dir` (a directory), nothing looked up yet.
     pub(crate) fn new(dir: &Path, read_only: bool) -> std::io::Result<Self> {
+        Self::with_id_map(dir, read_only, IdMap::of_process())
+    }
+
+    /// A server for `dir` showing owners through `id_map`; requests are
+    /// served as their callers only when it is the identity and ember root.
+    pub(crate) fn with_id_map(dir: &Path, read_only: bool, id_map: IdMap) -> std::io::Result<Self> {
         use std::os::unix::fs::OpenOptionsExt;
         let open_path = |p: &Path| {
             std::fs::OpenOptions::new()
@@ -415,7 +427,8 @@ impl Server {
             root,
             proc_fd,
             read_only,
-            switch_from: (own.0 == 0).then_some(own),
+            switch_from: (own.0 == 0 && id_map == IdMap::Identity).then_some(own),
+            id_map,
             inodes: HashMap::new(),
             ids: HashMap::new(),
             next_node: ROOT_ID + 1,
@@ -565,13 +578,13 @@ impl Server {
             abi::INTERRUPT => return Ok(Reply::None),
             abi::GETATTR => {
                 let fd = self.inode_fd(node)?;
-                push(out, &attr_out(&fstat(fd)?));
+                push(out, &attr_out(&fstat(fd)?, self.id_map));
             }
             abi::SETATTR => {
                 let (s, _) = take::<SetattrIn>(arg)?;
                 self.setattr(node, &s)?;
                 let fd = self.inode_fd(node)?;
-                push(out, &attr_out(&fstat(fd)?));
+                push(out, &attr_out(&fstat(fd)?, self.id_map));
             }
             abi::READLINK => {
                 let fd = self.inode_fd(node)?;
@@ -584,7 +597,7 @@ impl Server {
                 out.truncate(n as usize);
             }
             abi::SYMLINK => {
-                self.writable()?;
+                self.may_create(h)?;
                 let (n, rest) = name(arg)?;
                 let (target, _) = name(rest)?;
                 let dir = self.inode_fd(node)?;
@@ -594,7 +607,7 @@ impl Server {
                 push(out, &self.lookup(node, n)?);
             }
             abi::MKNOD => {
-                self.writable()?;
+                self.may_create(h)?;
                 let (m, rest) = take::<MknodIn>(arg)?;
                 let (n, _) = name(rest)?;
                 let kind = m.mode & libc::S_IFMT;
@@ -609,7 +622,7 @@ impl Server {
                 push(out, &self.lookup(node, n)?);
             }
             abi::MKDIR => {
-                self.writable()?;
+                self.may_create(h)?;
                 let (m, rest) = take::<MkdirIn>(arg)?;
                 let (n, _) = name(rest)?;
                 let dir = self.inode_fd(node)?;
@@ -684,7 +697,7 @@ impl Server {
                 );
             }
             abi::CREATE => {
-                self.writable()?;
+                self.may_create(h)?;
                 let (c, rest) = take::<CreateIn>(arg)?;
                 let (n, _) = name(rest)?;
                 let dir = self.inode_fd(node)?;
@@ -868,6 +881,19 @@ impl Server {
         Ok(())
     }
 
+    /// A new file made for `h`'s caller must be one the guest can see as
+    /// the caller's: one of the map's (see `idmap`).
+    fn may_create(&self, h: &InHeader) -> Res<()> {
+        self.writable()?;
+        match (
+            self.id_map.uid_to_host(h.uid),
+            self.id_map.gid_to_host(h.gid),
+        ) {
+            (Some(_), Some(_)) => Ok(()),
+            _ => Err(libc::EINVAL),
+        }
+    }
+
     fn writable(&self) -> Res<()> {
         if self.read_only {
             Err(libc::EROFS)
@@ -945,7 +971,7 @@ impl Server {
                 inode.id = Some(id);
                 inode.lookups += 1;
                 self.ids.insert(id, node);
-                return Ok(entry(node, &st));
+                return Ok(entry(node, &st, self.id_map));
             }
         }
         let node = match self.ids.get(&id).copied() {
@@ -979,7 +1005,7 @@ impl Server {
                 node
             }
         };
-        Ok(entry(node, &st))
+        Ok(entry(node, &st, self.id_map))
     }
 
     /// Indexes the inodes a restore left closed by their paths.
@@ -1098,6 +1124,19 @@ impl Server {
 
     fn setattr(&mut self, node: u64, s: &SetattrIn) -> Res<()> {
         self.writable()?;
+        // An owner the map has no host id for is refused as chown(2)
+        // refuses an id its user namespace does not map, before anything
+        // else in the request is changed.
+        let uid = if s.valid & FATTR_UID != 0 {
+            self.id_map.uid_to_host(s.uid).ok_or(libc::EINVAL)?
+        } else {
+            u32::MAX
+        };
+        let gid = if s.valid & FATTR_GID != 0 {
+            self.id_map.gid_to_host(s.gid).ok_or(libc::EINVAL)?
+        } else {
+            u32::MAX
+        };
         let fd = self.inode_fd(node)?;
         let kind = self.inodes[&node].kind;
         let proc = self.proc_name(node)?;
@@ -1111,16 +1150,6 @@ impl Server {
             check(unsafe { libc::fchmodat(proc_fd, proc.as_ptr(), s.mode & 0o7777, 0) }.into())?;
         }
         if s.valid & (FATTR_UID | FATTR_GID) != 0 {
-            let uid = if s.valid & FATTR_UID != 0 {
-                s.uid
-            } else {
-                u32::MAX
-            };
-            let gid = if s.valid & FATTR_GID != 0 {
-                s.gid
-            } else {
-                u32::MAX
-            };
             // SAFETY: "" with AT_EMPTY_PATH changes `fd` itself.
             let r = unsafe {
                 libc::fchownat(
@@ -1264,21 +1293,21 @@ fn open_flags(flags: i32) -> i32 {
             | libc::O_EXCL)
 }
 
-fn entry(node: u64, st: &libc::stat) -> EntryOut {
+fn entry(node: u64, st: &libc::stat, map: IdMap) -> EntryOut {
     EntryOut {
         nodeid: node,
         generation: 0,
         entry_valid: VALID_SECS,
         attr_valid: VALID_SECS,
-        attr: attr(st),
+        attr: attr(st, map),
         ..Default::default()
     }
 }
 
-fn attr_out(st: &libc::stat) -> AttrOut {
+fn attr_out(st: &libc::stat, map: IdMap) -> AttrOut {
     AttrOut {
         attr_valid: VALID_SECS,
-        attr: attr(st),
+        attr: attr(st, map),
         ..Default::default()
     }
 }

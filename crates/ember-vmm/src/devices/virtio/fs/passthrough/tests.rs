@@ -1,3 +1,4 @@
+use super::super::idmap::OVERFLOW_ID;
 use super::*;
 use std::os::unix::fs::symlink;
 
@@ -615,4 +616,165 @@ fn bind_mounts_in_a_share_and_a_share_of_one() {
     );
     drop(binds);
     assert!(!share.join("sub/bound/secret").exists(), "unmounted");
+}
+
+/// `nobody`: the unprivileged caller of the id-map tests.
+const NOBODY: u32 = OVERFLOW_ID;
+
+/// Runs `f` on a thread of its own that has become `nobody` for good (the
+/// raw syscalls change the calling thread's credentials only), as an
+/// unprivileged ember's I/O thread is.
+fn as_nobody<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+    std::thread::spawn(move || {
+        // SAFETY: plain syscalls changing this thread's credentials only.
+        unsafe {
+            assert_eq!(
+                libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<u32>()),
+                0
+            );
+            assert_eq!(
+                libc::syscall(libc::SYS_setresgid, NOBODY, NOBODY, NOBODY),
+                0
+            );
+            assert_eq!(
+                libc::syscall(libc::SYS_setresuid, NOBODY, NOBODY, NOBODY),
+                0
+            );
+        }
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+fn attr_of(t: &mut T, node: u64) -> Attr {
+    t.call(GETATTR, node, &[]).unwrap();
+    AttrOut::read_from_prefix(&t.out).unwrap().0.attr
+}
+
+#[test]
+fn an_unprivileged_caller_is_the_guests_root_and_owns_nothing_else() {
+    use std::os::unix::fs::PermissionsExt;
+    if !root("an_unprivileged_caller_is_the_guests_root_and_owns_nothing_else") {
+        return;
+    }
+    let tree = Tree::new();
+    let share = tree.share();
+    // The share and a file in it are the caller's; hello.txt stays root's.
+    std::os::unix::fs::chown(&share, Some(NOBODY), Some(NOBODY)).unwrap();
+    std::fs::write(share.join("mine"), b"x").unwrap();
+    std::os::unix::fs::chown(share.join("mine"), Some(NOBODY), Some(NOBODY)).unwrap();
+    std::fs::set_permissions(share.join("mine"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let dir = share.clone();
+    let mine_mode = as_nobody(move || {
+        let mut t = T::new(&dir, false);
+        assert_eq!(t.s.id_map, IdMap::for_caller(NOBODY, NOBODY));
+        // Host to guest: the caller's files are root's, root's are nobody's.
+        let share_attr = attr_of(&mut t, ROOT_ID);
+        assert_eq!((share_attr.uid, share_attr.gid), (0, 0));
+        let mine = t.lookup(ROOT_ID, "mine").unwrap();
+        assert_eq!((mine.attr.uid, mine.attr.gid), (0, 0));
+        let hello = t.lookup(ROOT_ID, "hello.txt").unwrap();
+        assert_eq!((hello.attr.uid, hello.attr.gid), (NOBODY, NOBODY));
+
+        // What the guest's root makes is the caller's, and shown as root's.
+        let c = CreateIn {
+            flags: libc::O_RDWR as u32,
+            mode: libc::S_IFREG | 0o644,
+            umask: 0o022,
+            ..Default::default()
+        };
+        t.call_as((0, 0), CREATE, ROOT_ID, &with_name(c.as_bytes(), "made"))
+            .unwrap();
+        let made = EntryOut::read_from_prefix(&t.out).unwrap().0;
+        assert_eq!((made.attr.uid, made.attr.gid), (0, 0));
+        let m = MkdirIn {
+            mode: 0o755,
+            umask: 0o022,
+        };
+        t.call_as((0, 0), MKDIR, ROOT_ID, &with_name(m.as_bytes(), "d"))
+            .unwrap();
+        t.call_as((0, 0), SYMLINK, ROOT_ID, b"l\0made\0").unwrap();
+        // Another guest user has no host id to own a file.
+        for (who, op, arg) in [
+            ((1000, 1000), CREATE, with_name(c.as_bytes(), "u")),
+            ((0, 1000), MKDIR, with_name(m.as_bytes(), "g")),
+            ((NOBODY, NOBODY), SYMLINK, b"n\0made\0".to_vec()),
+        ] {
+            assert_eq!(t.call_as(who, op, ROOT_ID, &arg).unwrap_err(), libc::EINVAL);
+        }
+
+        // The guest's root may chown within the map (to itself)...
+        let chown = |uid, gid, extra| SetattrIn {
+            valid: FATTR_UID | FATTR_GID | extra,
+            uid,
+            gid,
+            mode: 0o600,
+            ..Default::default()
+        };
+        t.call_as((0, 0), SETATTR, mine.nodeid, chown(0, 0, 0).as_bytes())
+            .unwrap();
+        let a = AttrOut::read_from_prefix(&t.out).unwrap().0.attr;
+        assert_eq!((a.uid, a.gid), (0, 0));
+        // ...not to an id outside it, and then changes nothing else of the
+        // request (the mode asked for with it).
+        for (uid, gid) in [(5, 0), (0, 5), (NOBODY, 0), (0, NOBODY)] {
+            let s = chown(uid, gid, FATTR_MODE);
+            assert_eq!(
+                t.call_as((0, 0), SETATTR, mine.nodeid, s.as_bytes())
+                    .unwrap_err(),
+                libc::EINVAL,
+                "{uid}:{gid}"
+            );
+        }
+        // A chown the map allows but the host does not (root's file).
+        assert_eq!(
+            t.call_as((0, 0), SETATTR, hello.nodeid, chown(0, 0, 0).as_bytes())
+                .unwrap_err(),
+            libc::EPERM
+        );
+        attr_of(&mut t, mine.nodeid).mode & 0o7777
+    });
+    assert_eq!(mine_mode, 0o644, "a refused chown changed the mode");
+    for name in ["mine", "made", "d", "l"] {
+        assert_eq!(owner(&share.join(name)), (NOBODY, NOBODY), "{name}");
+    }
+    assert_eq!(owner(&share.join("hello.txt")), (0, 0));
+    for name in ["u", "g", "n"] {
+        assert!(!share.join(name).exists(), "{name}");
+    }
+}
+
+#[test]
+fn a_restore_shows_the_restoring_users_view_not_the_snapshots() {
+    if !root("a_restore_shows_the_restoring_users_view_not_the_snapshots") {
+        return;
+    }
+    let tree = Tree::new();
+    let share = tree.share();
+    std::os::unix::fs::chown(share.join("hello.txt"), Some(NOBODY), Some(NOBODY)).unwrap();
+    // Taken by root: the identity.
+    let mut t = T::new(&share, false);
+    let hello = t.lookup(ROOT_ID, "hello.txt").unwrap();
+    assert_eq!((hello.attr.uid, hello.attr.gid), (NOBODY, NOBODY));
+    let sub = t.lookup(ROOT_ID, "sub").unwrap().nodeid;
+    let state = t.s.state();
+    let json = serde_json::to_string(&state).unwrap();
+    assert!(!json.contains("uid") && !json.contains("map"), "{json}");
+    // Restored by nobody: its files are root's, root's are nobody's.
+    let node = hello.nodeid;
+    let (h, s) = as_nobody(move || {
+        let mut r = T::new(&share, false);
+        r.s.restore(&state).unwrap();
+        let (h, s) = (attr_of(&mut r, node), attr_of(&mut r, sub));
+        ((h.uid, h.gid), (s.uid, s.gid))
+    });
+    assert_eq!(h, (0, 0));
+    assert_eq!(s, (NOBODY, NOBODY));
+    // And back by root: the identity again.
+    let mut r = T::new(&tree.share(), false);
+    r.s.restore(&t.s.state()).unwrap();
+    let a = attr_of(&mut r, node);
+    assert_eq!((a.uid, a.gid), (NOBODY, NOBODY));
+    assert_eq!(attr_of(&mut r, sub).uid, 0);
 }
