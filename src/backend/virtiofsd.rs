@@ -14,6 +14,7 @@
 
 use super::Share;
 use crate::cleanup::{self, TempPath};
+use ember_vmm::devices::virtio::fs::IdMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -108,22 +109,25 @@ impl Virtiofsd {
     /// process `marker` names (its argv[0], so `ps` and the tests see whose
     /// daemon it is).
     pub fn command(&self, share: &Share, fd: i32, marker: &str) -> Command {
+        self.command_mapping(share, fd, marker, IdMap::of_process())
+    }
+
+    /// [`Self::command`] for a daemon whose ids the guest sees through
+    /// `ids`: the map ember's own device uses, so the guest sees the same
+    /// owners on both backends.
+    fn command_mapping(&self, share: &Share, fd: i32, marker: &str, ids: IdMap) -> Command {
         let mut c = Command::new(&self.binary);
         {
             use std::os::unix::process::CommandExt;
             c.arg0(marker);
         }
-        // SAFETY: geteuid has no preconditions.
-        let uid = unsafe { libc::geteuid() };
-        // SAFETY: getegid has no preconditions.
-        let gid = unsafe { libc::getegid() };
         match self.flavour {
             Flavour::Rust => {
                 c.arg("--shared-dir").arg(&share.dir);
                 c.arg(format!("--fd={fd}"));
                 // As root, a chroot into the directory is the whole
                 // sandbox, in this one process; otherwise a user namespace.
-                c.arg(if uid == 0 {
+                c.arg(if ids.caller().is_none() {
                     "--sandbox=chroot"
                 } else {
                     "--sandbox=namespace"
@@ -139,9 +143,10 @@ impl Virtiofsd {
                     // under TCG).
                     c.args(["--readonly", "--cache=always"]);
                 }
-                if uid != 0 {
+                if let Some((uid, gid)) = ids.caller() {
                     // The guest's root is the caller: what it creates is
-                    // the caller's on the host.
+                    // the caller's on the host. The namespace maps no other
+                    // host id, so the guest sees those as the overflow id.
                     c.arg(format!("--translate-uid=map:0:{uid}:1"));
                     c.arg(format!("--translate-gid=map:0:{gid}:1"));
                 }
@@ -308,6 +313,23 @@ mod tests {
         assert!(s.contains("--readonly") && s.contains("--no-announce-submounts"));
         let rw = d.command(&share("/srv", false), 7, "m");
         assert!(!rw.get_args().any(|a| a == "--readonly"));
+        // Its ids are those ember's own device shows the guest.
+        let args = |ids| {
+            let c = d.command_mapping(&share("/srv", false), 7, "m", ids);
+            c.get_args()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let user = args(IdMap::for_caller(1000, 100));
+        assert!(user.contains("--sandbox=namespace"), "{user}");
+        assert!(
+            user.contains("--translate-uid=map:0:1000:1 --translate-gid=map:0:100:1"),
+            "{user}"
+        );
+        let root = args(IdMap::Identity);
+        assert!(root.contains("--sandbox=chroot"), "{root}");
+        assert!(!root.contains("translate"), "{root}");
         let c = Virtiofsd {
             binary: QEMU_VIRTIOFSD.into(),
             flavour: Flavour::C,

@@ -147,11 +147,15 @@ fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories(
     );
 
     // 3. An unprivileged caller (nobody, in /dev/kvm's group) restores the
-    //    same snapshot (the cache made its own) and shares a directory it
-    //    owns: ember cannot switch to the guest's users, so every request is
-    //    served as the caller's own, and the host's permissions are the
-    //    caller's. Its writes reach the host as its files; a chown, and a
-    //    host file only root may read, are refused in the guest.
+    //    same snapshot (the cache made its own, as root's) and shares a
+    //    directory it owns: ember cannot switch to the guest's users, so
+    //    every request is served as the caller's own, and the host's
+    //    permissions are the caller's. The guest sees the caller as its root
+    //    (its files 0:0, root's the overflow id), as virtiofsd shows them on
+    //    the QEMU backend: the map is this run's, not the snapshot's maker's.
+    //    Its writes reach the host as the caller's files; a chown within the
+    //    map works, one outside it, and a host file only root may read, are
+    //    refused in the guest.
     let Some(nobody) = unprivileged(test) else {
         return;
     };
@@ -171,9 +175,11 @@ fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories(
         &format!("{}:/data,rw", c.display()),
         &format!(
             "read x < /data/in; echo \"got $x\"; echo mine > /data/mine; \
-             chown 0 /data/mine 2>/dev/null || echo chown-refused; \
-             (read y < {}) 2>/dev/null || echo secret-refused",
-            secret.display()
+             chown 0:0 /data/mine && echo chown-in-map; \
+             chown 5 /data/mine 2>/dev/null || echo chown-refused; \
+             busybox stat -c %u:%g /data/in /data/mine {s}; \
+             (read y < {s}) 2>/dev/null || echo secret-refused",
+            s = secret.display()
         ),
         &nobody,
     );
@@ -182,7 +188,7 @@ fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories(
     assert!(err.contains("from snapshot"), "{err}");
     assert_eq!(
         text(&third.stdout),
-        "got from-c\nchown-refused\nsecret-refused\n",
+        "got from-c\nchown-in-map\nchown-refused\n0:0\n0:0\n65534:65534\nsecret-refused\n",
         "stderr:\n{err}"
     );
     let m = std::fs::metadata(c.join("mine")).unwrap();
