@@ -114,6 +114,11 @@ pub(crate) struct NetHandler {
     tx_limit: Limiter,
     /// When the rate limiter (or a backend error) lets each direction go on.
     rx_wait: Option<Instant>,
+    /// The receive ring had no buffer and the driver was asked to notify when
+    /// it adds one: until then a readable backend is no reason to wake (it
+    /// stays readable, and watching it would spin the I/O thread on a core
+    /// the driver needs to refill the ring).
+    rx_starved: bool,
     tx_wait: Option<Instant>,
     /// The driver broke the protocol: nothing more until a reset.
     broken: bool,
@@ -164,6 +169,7 @@ impl NetHandler {
             rx_limit,
             tx_limit,
             rx_wait: None,
+            rx_starved: false,
             tx_wait: None,
             broken: false,
             chains: Vec::new(),
@@ -178,9 +184,9 @@ impl NetHandler {
     }
 
     /// Whether the backend's descriptor should be watched: there is room for a frame
-    /// (none waiting) and the rate limit allows one.
+    /// (none waiting, a buffer to put it in) and the rate limit allows one.
     pub(crate) fn wants_backend(&self) -> bool {
-        !self.broken && self.rx_len == 0 && self.rx_wait.is_none()
+        !self.broken && self.rx_len == 0 && self.rx_wait.is_none() && !self.rx_starved
     }
 
     /// The earliest moment a rate-limited direction may go on.
@@ -383,6 +389,7 @@ impl NetHandler {
     /// the device finds too few buffers (`rx_notify_after`).
     pub(crate) fn process_rx(&mut self) {
         let mut returned = false;
+        self.rx_starved = false;
         if !self.broken
             && let Err(e) = self.rx.disable_notification(&self.mem)
         {
@@ -401,6 +408,8 @@ impl NetHandler {
                     if self.rx_short(seen) {
                         continue;
                     }
+                    // The driver's notification brings us back.
+                    self.rx_starved = !self.broken;
                     break;
                 }
                 if self.backend.scatters() && self.backend.vnet_hdr() {
@@ -1143,7 +1152,7 @@ mod tests {
                 t.peer.send(&f).unwrap();
             }
             t.h.process_rx();
-            assert!(t.h.wants_backend(), "every frame delivered");
+            assert_eq!(t.h.rx_len, 0, "every frame delivered");
         }
         stop.store(true, Ordering::Release);
         watcher.join().unwrap();
@@ -1281,6 +1290,36 @@ mod tests {
         for _ in 0..3 {
             assert!(t.peer.recv(&mut [0; 100]).is_ok());
         }
+    }
+
+    #[test]
+    fn an_empty_receive_ring_stops_the_watch_on_the_backend_until_the_driver_adds_a_buffer() {
+        let mem = memory();
+        let mut t = rig(&mem, true, true, RateLimit::default());
+        with_event_idx(&mut t);
+        t.peer.send(&frame(HDR_LEN + 100, 1)).unwrap();
+        t.h.process_rx();
+        // The backend is readable but there is nowhere to put its frame:
+        // watching it would wake the I/O thread again and again.
+        assert!(
+            !t.h.wants_backend(),
+            "no buffer: the driver's kick wakes us"
+        );
+        assert_eq!(
+            t.rxq.avail_event(),
+            0,
+            "the driver is asked for the next buffer"
+        );
+        add_chain(&t.rxq, 0, &[w(DATA_START, 2048)]);
+        add_chain(&t.rxq, 1, &[w(DATA_START + 0x1000, 2048)]);
+        // The kick.
+        t.h.process_rx();
+        assert_eq!(used(&t.rxq).len(), 1);
+        assert!(t.h.wants_backend(), "a buffer waits: frames wake us again");
+        t.peer.send(&frame(HDR_LEN + 100, 2)).unwrap();
+        t.h.process_rx();
+        assert_eq!(used(&t.rxq).len(), 2);
+        assert!(!t.h.wants_backend(), "the ring is empty again");
     }
 
     #[test]
