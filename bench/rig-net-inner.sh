@@ -34,9 +34,9 @@ iperf3 -s -D -B 10.0.2.1 || echo "RIG-NOTE iperf3 server did not start"
 vmm_cmd() {
   c="console=ttyS0 quiet panic=-1 reboot=k rig.mode=$2 rig.secs=$SECS rig.mib=$VSOCK_MIB"
   case $1 in
-    ember)
+    ember | ember-base)
       v=; [ "$2" = vsock ] && v="--vsock cid=3,uds=/tmp/v.sock"
-      echo "./ember boot --kernel $K --initrd $I --mem 256M --cpus 1 --cmdline '$c' --net tap=tap0,mac=$MAC $v" ;;
+      echo "./$1 boot --kernel $K --initrd $I --mem 256M --cpus 1 --cmdline '$c' --net tap=tap0,mac=$MAC $v" ;;
     qemu | qemu-vhost)
       vh=off; [ "$1" = qemu-vhost ] && vh=on
       echo "qemu-system-x86_64 -L ./qemu-share -M microvm -enable-kvm -cpu host -m 256M -smp 1 -nodefaults -no-user-config -nographic -serial stdio -no-reboot -global virtio-mmio.force-legacy=false -netdev tap,id=n0,ifname=tap0,script=no,downscript=no,vnet_hdr=on,vhost=$vh -device virtio-net-device,netdev=n0,mac=$MAC -kernel $K -initrd $I -append '$c'" ;;

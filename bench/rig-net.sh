@@ -18,9 +18,11 @@
 # Usage: bench/rig-net.sh [ROUNDS]          (default 2)
 # Environment:
 #   EMBER_BIN       ember to measure (default: scripts/build-release)
+#   EMBER_BASE_BIN  another ember, measured as the VMM `ember-base` (a change's
+#                   before and after in one run)
 #   EMBER_FC_BIN    Firecracker binary, built from its own source
 #   EMBER_CH_BIN    Cloud Hypervisor binary, built from its own source
-#   RIG_VMMS        the VMMs, of: ember qemu qemu-vhost firecracker cloud-hypervisor
+#   RIG_VMMS        the VMMs, of: ember ember-base qemu qemu-vhost firecracker cloud-hypervisor
 #   RIG_SECS        seconds of each iperf3 direction (default 4)
 #   RIG_VSOCK_MIB   MiB each vsock direction (default 16; 0 skips vsock)
 set -euo pipefail
@@ -79,6 +81,7 @@ rig_cpio "$I" "$R/initrd.cpio"
 VMMS=""
 stage() { rig_stage "$2" "$R/$1"; VMMS="$VMMS $1"; }
 stage ember "$EMBER"
+[ -n "${EMBER_BASE_BIN:-}" ] && stage ember-base "$EMBER_BASE_BIN"
 for f in bios-microvm.bin qboot.rom linuxboot_dma.bin pvh.bin; do
   [ -e "/usr/share/qemu/$f" ] && cp -L "/usr/share/qemu/$f" "$R/qemu-share/"
 done
