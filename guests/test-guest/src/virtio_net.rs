@@ -200,6 +200,33 @@ impl Device {
     }
 }
 
+/// Reads the device status (for `NEEDS_RESET`) at most once a millisecond:
+/// each read is an exit to the VMM, which would otherwise cost more than the
+/// frames being measured while the loops poll.
+struct StatusWatch {
+    next: u64,
+    every: u64,
+}
+
+impl StatusWatch {
+    fn new(clock: &Clock) -> StatusWatch {
+        StatusWatch {
+            next: 0,
+            every: clock.ticks(1_000_000),
+        }
+    }
+
+    /// Whether the device needs a reset (checked if a millisecond passed).
+    fn needs_reset(&mut self, dev: &Device) -> bool {
+        let now = io::rdtsc();
+        if now < self.next {
+            return false;
+        }
+        self.next = now + self.every;
+        dev.status() & STATUS_NEEDS_RESET != 0
+    }
+}
+
 impl Drop for Device {
     fn drop(&mut self) {
         self.mmio.write(reg::STATUS, 0);
@@ -327,6 +354,7 @@ fn tx(
     let mut sent = 0u64;
     let mut sum = 0u64;
     let mut in_flight = dev.reap_tx();
+    let mut watch = StatusWatch::new(clock);
     loop {
         let more = match deadline {
             Some(d) => io::rdtsc() < d,
@@ -366,7 +394,7 @@ fn tx(
             dev.publish_tx();
         }
         in_flight = dev.reap_tx();
-        if dev.status() & STATUS_NEEDS_RESET != 0 {
+        if queued == 0 && watch.needs_reset(dev) {
             return Err("the device needs a reset");
         }
     }
@@ -466,6 +494,7 @@ fn tso(dev: &mut Device, n: u64, count: u64, secs: u64, clock: &Clock) -> Result
     let start = io::rdtsc();
     let deadline = (secs > 0).then(|| start + clock.ticks(secs * 1_000_000_000));
     let mut sent = 0u64;
+    let mut watch = StatusWatch::new(clock);
     loop {
         let more = match deadline {
             Some(d) => io::rdtsc() < d,
@@ -487,12 +516,12 @@ fn tso(dev: &mut Device, n: u64, count: u64, secs: u64, clock: &Clock) -> Result
         if queued > 0 {
             dev.publish_tx();
         }
-        if dev.status() & STATUS_NEEDS_RESET != 0 {
+        if queued == 0 && watch.needs_reset(dev) {
             return Err("the device needs a reset");
         }
     }
     while dev.reap_tx() != 0 {
-        if dev.status() & STATUS_NEEDS_RESET != 0 {
+        if watch.needs_reset(dev) {
             return Err("the device needs a reset");
         }
         core::hint::spin_loop();
@@ -583,7 +612,8 @@ fn rx(dev: &mut Device, count: u64, bytes: u64, secs: u64, clock: &Clock) {
     let mut reposted = 0u16;
     let mut gathered = 0u64;
     let mut left = 0u16;
-    'outer: loop {
+    let mut watch = StatusWatch::new(clock);
+    loop {
         let done = if secs > 0 {
             false
         } else if bytes > 0 {
@@ -602,6 +632,10 @@ fn rx(dev: &mut Device, count: u64, bytes: u64, secs: u64, clock: &Clock) {
                 wr16(RX_AVAIL + 2, dev.rx_avail);
                 dev.notify(RX);
                 reposted = 0;
+            }
+            if watch.needs_reset(dev) {
+                s.bad += 1;
+                break;
             }
             core::hint::spin_loop();
             continue;
@@ -647,10 +681,6 @@ fn rx(dev: &mut Device, count: u64, bytes: u64, secs: u64, clock: &Clock) {
                 wr16(RX_AVAIL + 2, dev.rx_avail);
                 dev.notify(RX);
                 reposted = 0;
-            }
-            if dev.status() & STATUS_NEEDS_RESET != 0 {
-                s.bad += 1;
-                break 'outer;
             }
         }
     }
