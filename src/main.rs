@@ -114,6 +114,7 @@ enum BootOnly {
 fn main() {
     ember_vmm::events::process_start();
     let (command, verbose) = if std::env::args_os().nth(1).is_some_and(|a| a == "boot") {
+        ember_vmm::events::stage("vmm_main");
         let BootOnly::Boot(args) = BootCli::parse().command;
         (Command::Boot(args), 0)
     } else {

@@ -227,6 +227,7 @@ pub fn run(
     let daemons = start_daemons(backend, &mut spec)?;
 
     let mut cmd = backend.command(&spec).map_err(HostError::Backend)?;
+    ember_vmm::events::stage("run_spawn_vmm");
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

@@ -129,13 +129,18 @@ pub fn run_command(args: &RunArgs) -> anyhow::Result<i32> {
 
 /// Runs `ember run`; returns the command's exit status.
 pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
+    ember_vmm::events::stage("run_main");
     if args.cpus == 0 {
         return Err(ApplianceError::BadArg("--cpus must be at least 1".into()));
     }
     // First, before ember starts any thread or child: they all inherit the
     // namespace (the VMM opens the tap there).
     let pod_net = match &args.netns {
-        Some(path) if !args.prepare_only => Some(crate::netns::join(path)?),
+        Some(path) if !args.prepare_only => {
+            let joined = crate::netns::join(path)?;
+            ember_vmm::events::stage("run_netns_tap_tc");
+            Some(joined)
+        }
         _ => None,
     };
     let timeout = cli::timeout(args)?;
@@ -199,6 +204,7 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
             (a, None)
         }
     };
+    ember_vmm::events::stage("run_assembled");
     let channel_dev = match backend.channel_kind() {
         ChannelKind::Serial => "/dev/ttyS1",
         ChannelKind::VirtioConsole => "/dev/hvc0",
@@ -253,6 +259,7 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
             None
         }
     };
+    ember_vmm::events::stage("run_warm_spec");
     let spec = match warm {
         Some(spec) => spec,
         None => {

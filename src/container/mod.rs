@@ -17,6 +17,10 @@ pub mod pod;
 pub mod rootfs;
 pub mod spec;
 
+/// Stamps a stage of a container's start in `EMBER_STAGES`'s file, which
+/// `ember run` and the VMM stamp theirs in too (bench/containers.py).
+pub use ember_vmm::events::stage;
+
 use thiserror::Error;
 
 /// Where containers' roots are shared in the guest (`GUEST_ROOTS/ID`).

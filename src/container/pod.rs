@@ -257,6 +257,7 @@ impl Pod {
             std::thread::Builder::new()
                 .name("ember-vm".into())
                 .spawn(move || {
+                    super::stage("shim_spawn_vm");
                     let mut child = match cmd.spawn() {
                         Ok(c) => c,
                         Err(e) => {
@@ -320,6 +321,7 @@ impl Pod {
         };
         match hello {
             Ok(Response::Hello { kernel_release, .. }) => {
+                super::stage("shim_agent_hello");
                 log::info!(
                     "the pod VM's agent answered after {} ms (guest kernel {kernel_release})",
                     started.elapsed().as_millis()

@@ -516,6 +516,7 @@ impl Service {
                 })
                 .collect();
             rootfs::mount_all(&mounts, &root)?;
+            ember::container::stage("shim_rootfs_mounted");
             Some(root.clone())
         };
         let existing = {
@@ -533,6 +534,7 @@ impl Service {
                 return Err(ContainerError::AgentGone);
             }
             let agent_spec = dir.add(&spec, &req.id, &root)?;
+            ember::container::stage("shim_pod_dir");
             let pod = match &existing {
                 Some((pod, _)) => pod.clone(),
                 None => {
@@ -704,6 +706,7 @@ impl shim::Task for Service {
         _ctx: &TtrpcContext,
         req: api::CreateTaskRequest,
     ) -> TtrpcResult<api::CreateTaskResponse> {
+        ember::container::stage("shim_create");
         log::info!("create {} (bundle {})", req.id, req.bundle);
         let _one_at_a_time = self.0.creating.lock().unwrap_or_else(|p| p.into_inner());
         if self.0.state().containers.contains_key(&req.id) {
@@ -713,6 +716,7 @@ impl shim::Task for Service {
             ));
         }
         let (mut container, pid) = self.do_create(&req).map_err(internal)?;
+        ember::container::stage("shim_created");
         {
             let mut st = self.0.state();
             let handle = st.next_handle;

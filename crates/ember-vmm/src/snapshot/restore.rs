@@ -287,6 +287,7 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Arc<Machin
     if let Some(b) = &balloon {
         restore_fence(b, &mem);
     }
+    crate::events::stage("devices_restored");
 
     // 6. Legacy devices; COM1 as it was.
     let sink = ConsoleSink::new(cfg.console, recorder.clone());
