@@ -546,6 +546,12 @@ impl Service {
                         backend: std::env::var("EMBER_SHIM_BACKEND").ok(),
                         kernel: std::env::var_os("EMBER_SHIM_KERNEL").map(Into::into),
                         cmdline: std::env::var("EMBER_SHIM_CMDLINE").ok(),
+                        // A cold boot of an emulated guest kernel on a loaded
+                        // host can outlast the default.
+                        boot_timeout: std::env::var("EMBER_SHIM_BOOT_TIMEOUT")
+                            .ok()
+                            .and_then(|s| s.parse().ok())
+                            .map(std::time::Duration::from_secs),
                         ..PodConfig::for_spec(&spec, &dir, base_mem.as_deref(), cpus)?
                     };
                     let weak: Weak<Inner> = Arc::downgrade(&self.0);
