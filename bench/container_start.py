@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 
-from containers import build_rootfs, run, wait_up
+from containers import build_rootfs, run, teardown, wait_up
 
 # (label, stage that ends the part); each part starts at the previous stage.
 PARTS = [
@@ -191,29 +191,7 @@ def main():
             v = [s[label] for s in samples]
             print(f"{label:20} {statistics.median(v):8.2f}  {min(v):.2f}–{max(v):.2f}")
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for pid in os.listdir("/proc"):
-            if pid.isdigit() and int(pid) != os.getpid():
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        if tmp.encode() in f.read():
-                            os.kill(int(pid), 9)
-                except OSError:
-                    pass
-        time.sleep(1)
-        with open("/proc/self/mountinfo") as f:
-            points = [l.split()[4] for l in f if l.split()[4].startswith(tmp)]
-        for p in sorted(points, key=len, reverse=True):
-            subprocess.run(["umount", "-l", p], capture_output=True)
-        for ns in (pod_ns, peer_ns):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        teardown(procs, tmp, [pod_ns, peer_ns])
 
 
 if __name__ == "__main__":

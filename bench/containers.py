@@ -161,29 +161,36 @@ def main():
             r_ = statistics.median(res[f"{tool}-runc"]["first"])
             print(f"{tool}: ember / runc, first line: {e / r_:.1f}x")
     finally:
-        for p in reversed(procs):
-            p.terminate()
+        teardown(procs, tmp, [netns])
+
+
+def teardown(procs, tmp, namespaces):
+    """Stops the daemons in `procs` (last started first), kills what a
+    failure left mentioning `tmp` (shims, supervisors, VMs), unmounts what is
+    mounted below it, deletes the network namespaces and removes `tmp`."""
+    for p in reversed(procs):
+        p.terminate()
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
             try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        # Shims and supervisors left by a failure mention the directory.
-        for pid in os.listdir("/proc"):
-            if pid.isdigit() and int(pid) != os.getpid():
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        if tmp.encode() in f.read():
-                            os.kill(int(pid), 9)
-                except OSError:
-                    pass
-        time.sleep(1)
-        with open("/proc/self/mountinfo") as f:
-            points = [l.split()[4] for l in f if l.split()[4].startswith(tmp)]
-        for p in sorted(points, key=len, reverse=True):
-            subprocess.run(["umount", "-l", p], capture_output=True)
-        subprocess.run(["ip", "netns", "del", netns], capture_output=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if tmp.encode() in f.read():
+                        os.kill(int(pid), 9)
+            except OSError:
+                pass
+    time.sleep(1)
+    with open("/proc/self/mountinfo") as f:
+        points = [l.split()[4] for l in f if l.split()[4].startswith(tmp)]
+    for p in sorted(points, key=len, reverse=True):
+        subprocess.run(["umount", "-l", p], capture_output=True)
+    for ns in namespaces:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def wait_up(argv):
