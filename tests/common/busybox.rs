@@ -44,6 +44,23 @@ pub fn initramfs_with_files(path: &Path, init: &str, applets: &[&str], files: &[
     for (at, data) in files {
         w.file(at, 0o755, data).unwrap();
     }
-    w.file("/init", 0o755, init.as_bytes()).unwrap();
+    w.file("/init", 0o755, with_vector_tunables(init).as_bytes())
+        .unwrap();
     std::fs::write(path, w.finish().unwrap().0).unwrap();
+}
+
+/// `init` with, when it is a shell script, the glibc tunables exported
+/// first: the PVM test kernel does not switch the vector registers' upper
+/// halves between processes, and busybox's glibc `memcpy` would otherwise
+/// use them (a busybox segfaulted in CI: ARCHITECTURE.md on `noxsave`).
+/// Every program the script starts gets them; the script's own shell is then
+/// the only process that may use those registers.
+fn with_vector_tunables(init: &str) -> String {
+    match init.split_once('\n') {
+        Some((shebang, rest)) if shebang.starts_with("#!") => format!(
+            "{shebang}\nexport GLIBC_TUNABLES={}\n{rest}",
+            ember_frames::GLIBC_HWCAPS
+        ),
+        _ => init.to_owned(),
+    }
 }

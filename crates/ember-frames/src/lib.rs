@@ -3,7 +3,9 @@
 //! appliance channel protocol (ember's host side, `src/appliance/protocol.rs`,
 //! describes the conversation); the busybox applet list ([`applets`]); where
 //! a kernel module's signature starts ([`module_sig`]); the guest's network
-//! configuration for `ember run --net` ([`netconf`]). Hence `no_std`, no
+//! configuration for `ember run --net` ([`netconf`]); the glibc tunables that
+//! keep a process off vector state a guest kernel does not switch
+//! ([`GLIBC_HWCAPS`]). Hence `no_std`, no
 //! allocation and no dependencies. Its functions are `#[inline]`: compiled
 //! in the caller, as they were when ember-init included these files itself,
 //! they give ember-init the same instructions (without, LLVM optimises them
@@ -17,6 +19,16 @@ extern crate std;
 pub mod applets;
 pub mod module_sig;
 pub mod netconf;
+
+/// The `GLIBC_TUNABLES` value that keeps glibc off vector registers whose
+/// state a guest kernel does not save between processes (the PVM test
+/// kernel runs with `noxsave`: ARCHITECTURE.md). ember-init gives it to the
+/// appliance's command; the PVM tests' busybox scripts export it.
+/// `-AVX_Fast_Unaligned_Load` matters most: the preferred bit survives
+/// `-AVX` and would still select the AVX `memcpy`; the named features are
+/// for older glibcs. Names a glibc does not know are ignored.
+pub const GLIBC_HWCAPS: &str = "glibc.cpu.hwcaps=-AVX_Fast_Unaligned_Load,-OSXSAVE,-XSAVEC,-XSAVE,\
+-AVX,-AVX2,-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,-AVX512CD,-FMA,-FMA4";
 
 /// Frame header: type byte + little-endian u32 payload length.
 pub const HEADER_LEN: usize = 5;

@@ -26,8 +26,7 @@ const CPUID1_ECX_OSXSAVE: u32 = 1 << 27;
 /// survives that and would still select the AVX `memcpy`; the named
 /// features are for older glibcs. Names a glibc does not know are ignored.
 pub const TUNABLES_VAR: &[u8] = b"GLIBC_TUNABLES=";
-pub const HWCAPS: &[u8] = b"glibc.cpu.hwcaps=-AVX_Fast_Unaligned_Load,-OSXSAVE,-XSAVEC,-XSAVE,\
--AVX,-AVX2,-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,-AVX512CD,-FMA,-FMA4";
+pub const HWCAPS: &[u8] = ember_frames::GLIBC_HWCAPS.as_bytes();
 
 /// Whether user mode can use extended state that the kernel does not save
 /// across a context switch.
