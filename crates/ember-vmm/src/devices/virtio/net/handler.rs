@@ -426,6 +426,12 @@ impl NetHandler {
                 } else if !self.read_frame() {
                     break;
                 }
+                // A frame too short for its header is nothing a tap sends:
+                // dropped, and the next one read.
+                if self.rx_len < HDR_LEN {
+                    self.rx_len = 0;
+                    continue;
+                }
             }
             if !self.rx_paid {
                 if let Err(wait) = self.rx_limit.consume(self.rx_len - HDR_LEN) {
