@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 
-from containers import build_rootfs, run, teardown, wait_up
+from containers import containerd_with_image, run, teardown
 
 # (label, stage that ends the part); each part starts at the previous stage.
 PARTS = [
@@ -136,26 +136,7 @@ def main():
         run(["ip", "-n", peer_ns, "addr", "add", "10.213.10.1/24", "dev", "peer0"])
         run(["ip", "-n", peer_ns, "link", "set", "peer0", "up"])
 
-        rootfs = build_rootfs(tmp)
-        sock = os.path.join(tmp, "containerd.sock")
-        with open(os.path.join(tmp, "containerd.toml"), "w") as f:
-            f.write(f'version = 2\nroot = "{tmp}/c-root"\nstate = "{tmp}/c-state"\n'
-                    f'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
-                    f'[grpc]\n  address = "{sock}"\n[ttrpc]\n  address = "{sock}.ttrpc"\n')
-        log = open(os.path.join(tmp, "containerd.log"), "w")
-        procs.append(subprocess.Popen(["containerd", "--config", os.path.join(tmp, "containerd.toml")],
-                                      stdout=log, stderr=log, env=env))
-        ctr = ["ctr", "--address", sock]
-        wait_up(ctr + ["version"])
-        layout = os.path.join(tmp, "oci")
-        run(["umoci", "init", "--layout", layout])
-        run(["umoci", "new", "--image", f"{layout}:latest"])
-        run(["umoci", "unpack", "--image", f"{layout}:latest", os.path.join(tmp, "bundle")])
-        shutil.rmtree(os.path.join(tmp, "bundle/rootfs"))
-        shutil.copytree(rootfs, os.path.join(tmp, "bundle/rootfs"), symlinks=True)
-        run(["umoci", "repack", "--image", f"{layout}:latest", os.path.join(tmp, "bundle")])
-        run(["tar", "-C", layout, "-cf", os.path.join(tmp, "image.tar"), "."])
-        run(ctr + ["images", "import", "--base-name", "localhost/bench", os.path.join(tmp, "image.tar")])
+        ctr, _ = containerd_with_image(tmp, env, procs)
 
         def ctr_run(i):
             argv = ctr + ["run", "--rm", "--runtime", "io.containerd.ember.v2",

@@ -80,27 +80,7 @@ def main():
                EMBER_SHIM_BACKEND="qemu", EMBER_OCI_BACKEND="qemu")
     procs = []
     try:
-        rootfs = build_rootfs(tmp)
-        # containerd, with the image built by umoci.
-        sock = os.path.join(tmp, "containerd.sock")
-        with open(os.path.join(tmp, "containerd.toml"), "w") as f:
-            f.write(f'version = 2\nroot = "{tmp}/c-root"\nstate = "{tmp}/c-state"\n'
-                    f'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
-                    f'[grpc]\n  address = "{sock}"\n[ttrpc]\n  address = "{sock}.ttrpc"\n')
-        log = open(os.path.join(tmp, "containerd.log"), "w")
-        procs.append(subprocess.Popen(["containerd", "--config", os.path.join(tmp, "containerd.toml")],
-                                      stdout=log, stderr=log, env=env))
-        ctr = ["ctr", "--address", sock]
-        wait_up(ctr + ["version"])
-        layout = os.path.join(tmp, "oci")
-        run(["umoci", "init", "--layout", layout])
-        run(["umoci", "new", "--image", f"{layout}:latest"])
-        run(["umoci", "unpack", "--image", f"{layout}:latest", os.path.join(tmp, "bundle")])
-        shutil.rmtree(os.path.join(tmp, "bundle/rootfs"))
-        shutil.copytree(rootfs, os.path.join(tmp, "bundle/rootfs"), symlinks=True)
-        run(["umoci", "repack", "--image", f"{layout}:latest", os.path.join(tmp, "bundle")])
-        run(["tar", "-C", layout, "-cf", os.path.join(tmp, "image.tar"), "."])
-        run(ctr + ["images", "import", "--base-name", "localhost/bench", os.path.join(tmp, "image.tar")])
+        ctr, rootfs = containerd_with_image(tmp, env, procs)
         image = "localhost/bench:latest"
         # dockerd, in a namespace of its own, with ember-oci registered.
         run(["ip", "netns", "add", netns])
@@ -162,6 +142,34 @@ def main():
             print(f"{tool}: ember / runc, first line: {e / r_:.1f}x")
     finally:
         teardown(procs, tmp, [netns])
+
+
+def containerd_with_image(tmp, env, procs):
+    """Starts a containerd of its own under `tmp` (appended to `procs`, for
+    `teardown`) and imports a busybox image built with umoci as
+    localhost/bench:latest: the `ctr` command line that talks to it, and the
+    image's root directory."""
+    rootfs = build_rootfs(tmp)
+    sock = os.path.join(tmp, "containerd.sock")
+    with open(os.path.join(tmp, "containerd.toml"), "w") as f:
+        f.write(f'version = 2\nroot = "{tmp}/c-root"\nstate = "{tmp}/c-state"\n'
+                f'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
+                f'[grpc]\n  address = "{sock}"\n[ttrpc]\n  address = "{sock}.ttrpc"\n')
+    log = open(os.path.join(tmp, "containerd.log"), "w")
+    procs.append(subprocess.Popen(["containerd", "--config", os.path.join(tmp, "containerd.toml")],
+                                  stdout=log, stderr=log, env=env))
+    ctr = ["ctr", "--address", sock]
+    wait_up(ctr + ["version"])
+    layout = os.path.join(tmp, "oci")
+    run(["umoci", "init", "--layout", layout])
+    run(["umoci", "new", "--image", f"{layout}:latest"])
+    run(["umoci", "unpack", "--image", f"{layout}:latest", os.path.join(tmp, "bundle")])
+    shutil.rmtree(os.path.join(tmp, "bundle/rootfs"))
+    shutil.copytree(rootfs, os.path.join(tmp, "bundle/rootfs"), symlinks=True)
+    run(["umoci", "repack", "--image", f"{layout}:latest", os.path.join(tmp, "bundle")])
+    run(["tar", "-C", layout, "-cf", os.path.join(tmp, "image.tar"), "."])
+    run(ctr + ["images", "import", "--base-name", "localhost/bench", os.path.join(tmp, "image.tar")])
+    return ctr, rootfs
 
 
 def teardown(procs, tmp, namespaces):
