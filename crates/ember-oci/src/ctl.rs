@@ -39,6 +39,13 @@ pub enum Request {
         /// The OCI process, as JSON.
         process: String,
     },
+    /// New limits for the container's cgroup in the guest.
+    Update {
+        /// The limits, checked by the client.
+        resources: ember_agent::Resources,
+    },
+    /// The container's figures (its cgroup in the guest).
+    Stats,
 }
 
 /// An answer.
@@ -56,6 +63,9 @@ pub struct Reply {
     /// An exited process's status.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<i32>,
+    /// The container's figures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stats: Option<ember_agent::Stats>,
 }
 
 impl Reply {

@@ -11,6 +11,7 @@
 
 mod ctl;
 mod fdpass;
+mod resources;
 mod state;
 mod supervisor;
 
@@ -171,17 +172,30 @@ enum Cmd {
         /// The container.
         id: String,
     },
-    /// Change a container's resources (a running VM keeps its size).
+    /// Change the limits of a container's cgroup in its VM (the VM keeps
+    /// its size: a memory limit above it is refused).
     Update {
-        /// linux.resources as JSON, `-` for stdin.
+        /// linux.resources as JSON, `-` for stdin (the flags are then ignored).
         #[arg(short, long)]
         resources: Option<String>,
-        /// Memory limit.
-        #[arg(short, long)]
+        /// Memory limit (bytes, or 200m, 1g; -1 for none).
+        #[arg(short, long, allow_hyphen_values = true)]
         memory: Option<String>,
-        /// CPU quota.
-        #[arg(long = "cpu-quota")]
+        /// Memory plus swap (as --memory; -1 for unlimited swap).
+        #[arg(long = "memory-swap", allow_hyphen_values = true)]
+        memory_swap: Option<String>,
+        /// CFS quota, microseconds per period (-1 for none).
+        #[arg(long = "cpu-quota", allow_hyphen_values = true)]
         cpu_quota: Option<String>,
+        /// CFS period, microseconds.
+        #[arg(long = "cpu-period", allow_hyphen_values = true)]
+        cpu_period: Option<String>,
+        /// CPU shares (a relative weight).
+        #[arg(long = "cpu-share", alias = "cpu-shares", allow_hyphen_values = true)]
+        cpu_share: Option<String>,
+        /// Most processes (-1 for no limit).
+        #[arg(long = "pids-limit", allow_hyphen_values = true)]
+        pids_limit: Option<String>,
         /// The container.
         id: String,
     },
@@ -397,9 +411,25 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Update {
             resources,
             memory,
+            memory_swap,
             cpu_quota,
+            cpu_period,
+            cpu_share,
+            pids_limit,
             id,
-        } => update(&cli.root, id, resources.as_deref(), memory, cpu_quota),
+        } => update(
+            &cli.root,
+            id,
+            resources.as_deref(),
+            &resources::Flags {
+                memory: memory.clone(),
+                memory_swap: memory_swap.clone(),
+                cpu_quota: cpu_quota.clone(),
+                cpu_period: cpu_period.clone(),
+                cpu_shares: cpu_share.clone(),
+                pids_limit: pids_limit.clone(),
+            },
+        ),
         Cmd::Events {
             stats,
             interval,
@@ -813,71 +843,43 @@ fn relay(fd: i32, _id: &str) -> Result<()> {
     std::process::exit(wait_status(&mut conn));
 }
 
-fn update(
-    root: &Path,
-    id: &str,
-    resources: Option<&str>,
-    memory: &Option<String>,
-    cpu_quota: &Option<String>,
-) -> Result<()> {
+fn update(root: &Path, id: &str, resources: Option<&str>, flags: &resources::Flags) -> Result<()> {
     existing(root, id)?;
-    let json = match resources {
-        Some("-") => {
-            let mut s = String::new();
-            std::io::stdin().read_to_string(&mut s)?;
-            s
+    let wanted = match resources {
+        Some(from) => {
+            if flags.any() {
+                log::warn!(
+                    "update {id}: --resources given, so the other flags are ignored (as runc does)"
+                );
+            }
+            let json = if from == "-" {
+                let mut s = Vec::new();
+                std::io::stdin()
+                    .read_to_end(&mut s)
+                    .context("read the resources from stdin")?;
+                s
+            } else {
+                std::fs::read(from).with_context(|| format!("--resources {from}"))?
+            };
+            ember::container::spec::LinuxResources::parse(&json)?
         }
-        Some(p) => std::fs::read_to_string(p)?,
-        None => String::new(),
+        None => flags.to_resources()?,
     };
-    let r: serde_json::Value = if json.trim().is_empty() {
-        serde_json::Value::Null
-    } else {
-        serde_json::from_str(&json)?
-    };
-    let sizes = r
-        .pointer("/memory/limit")
-        .is_some_and(|v| v.as_i64().unwrap_or(0) > 0)
-        || r.pointer("/cpu/quota")
-            .is_some_and(|v| v.as_i64().unwrap_or(0) > 0)
-        || memory.is_some()
-        || cpu_quota.is_some();
-    if sizes {
-        bail!("not implemented: resizing a running container's VM (memory, CPUs): recreate it");
+    let resources = resources::to_agent(&wanted)?;
+    if resources == ember_agent::Resources::default() {
+        // Nothing asked (runc's update without flags): nothing to do.
+        return Ok(());
     }
-    Ok(())
+    ask(root, id, Request::Update { resources }).map(drop)
 }
 
-/// The container's resource use: its host processes' (the VM's).
-fn stats(st: &State) -> serde_json::Value {
-    let pids = ember::container::pod::descendants(st.pid);
-    // SAFETY: sysconf has no preconditions.
-    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    // SAFETY: as above.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as u64;
-    let (mut cpu, mut rss) = (0u64, 0u64);
-    for p in &pids {
-        if let Ok(s) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
-            let f: Vec<&str> = s
-                .rsplit(')')
-                .next()
-                .unwrap_or("")
-                .split_whitespace()
-                .collect();
-            let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-            cpu += t(11) + t(12);
-            rss += t(21) * page;
-        }
-    }
-    serde_json::json!({
-        "type": "stats",
-        "id": st.id,
-        "data": {
-            "cpu": {"usage": {"total": cpu * 1_000_000_000 / tick}},
-            "memory": {"usage": {"usage": rss}},
-            "pids": {"current": pids.len()},
-        }
-    })
+/// The container's figures, from its cgroup in the guest.
+fn stats(root: &Path, id: &str) -> Result<serde_json::Value> {
+    let reply = ask(root, id, Request::Stats)?;
+    let s = reply
+        .stats
+        .ok_or_else(|| anyhow!("container \"{id}\"'s supervisor sent no figures"))?;
+    Ok(resources::event(id, &s))
 }
 
 fn events(root: &Path, id: &str, once: bool, interval: &str) -> Result<()> {
@@ -901,7 +903,12 @@ fn events(root: &Path, id: &str, once: bool, interval: &str) -> Result<()> {
             }
             return Ok(());
         }
-        println!("{}", stats(&st));
+        match stats(root, id) {
+            Ok(e) => println!("{e}"),
+            // It ended between the two looks: the stream ends with it.
+            Err(_) if !once && !st.alive() => return Ok(()),
+            Err(e) => return Err(e),
+        }
         if once {
             return Ok(());
         }

@@ -113,6 +113,8 @@ struct Sup {
     id: String,
     spec: Spec,
     pod: Arc<Pod>,
+    /// The VM's memory, MiB: no limit in it can be more.
+    vm_mib: u64,
     /// The VM's shared directory (the root, bind mounts' sources).
     dir: PodDir,
     state: Mutex<State>,
@@ -215,6 +217,11 @@ fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup
             return Err(e);
         }
     };
+    let vm_mib = cfg
+        .mem
+        .as_deref()
+        .and_then(|m| ember::backend::parse_mem_mib(m).ok())
+        .unwrap_or(ember::container::pod::BASE_MEM_MIB);
     log::info!(
         "{}: booting its VM (mem {:?}, cpus {:?}, net {}, publish {:?})",
         o.id,
@@ -267,6 +274,7 @@ fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup
         id: o.id.clone(),
         spec,
         pod: Arc::new(pod),
+        vm_mib,
         dir,
         state: Mutex::new(state),
         tty,
@@ -427,6 +435,23 @@ impl Sup {
                 self.exec(&conn, &process, fds);
                 return;
             }
+            Request::Update { resources } => crate::resources::fits_vm(&resources, self.vm_mib)
+                .map_err(|e| e.to_string())
+                .and_then(|()| {
+                    log::info!("{}: update {resources:?}", self.id);
+                    self.pod
+                        .update(&self.id, resources)
+                        .map_err(|e| e.to_string())
+                })
+                .map(|()| Reply::default()),
+            Request::Stats => self
+                .pod
+                .stats(&self.id)
+                .map(|s| Reply {
+                    stats: Some(s),
+                    ..Default::default()
+                })
+                .map_err(|e| e.to_string()),
         };
         let _ = ctl::write_reply(&conn, &reply.unwrap_or_else(Reply::error));
     }
