@@ -377,6 +377,177 @@ fn import_image(d: &Docker) {
     assert!(out.status.success(), "docker import: {}", text(&out.stderr));
 }
 
+/// A figure as `docker stats` prints it (`12.5MiB`), in bytes.
+fn docker_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let unit = s.find(|c: char| c.is_ascii_alphabetic())?;
+    let (n, u) = s.split_at(unit);
+    let scale = match u {
+        "B" => 1u64,
+        "KiB" | "kB" => 1 << 10,
+        "MiB" | "MB" => 1 << 20,
+        "GiB" | "GB" => 1 << 30,
+        "TiB" | "TB" => 1 << 40,
+        _ => return None,
+    };
+    Some((n.parse::<f64>().ok()? * scale as f64) as u64)
+}
+
+/// `docker update` on the running container (`main`), seen by it in its
+/// cgroup in the guest; `ember-oci update`'s refusals and `events
+/// --stats` beside Docker; and what `docker stats` shows. The container's
+/// memory cgroup on the host, which must go with it.
+fn resize_and_figures(d: &Docker, bin: &Path, id: &str) -> PathBuf {
+    d.ok(&["update", "--memory", "200m", "--cpus", "1", "main"]);
+    // The container's cgroup (the agent's, in the guest) as the container
+    // sees it: its /sys/fs/cgroup is the guest's hierarchy.
+    let cgroup = "read -r l < /proc/self/cgroup; cg=/sys/fs/cgroup${l#0::}; \
+                  cat $cg/memory.max $cg/cpu.max $cg/memory.current";
+    let seen = d.ok(&["exec", "main", "sh", "-c", cgroup]);
+    let lines: Vec<&str> = seen.lines().collect();
+    assert_eq!(
+        lines.get(..2),
+        Some(&["209715200", "100000 100000"][..]),
+        "the container's cgroup after docker update: {seen}"
+    );
+    let guest_used: u64 = lines.get(2).and_then(|l| l.parse().ok()).unwrap_or(0);
+    assert!(guest_used > 0, "memory.current: {seen}");
+
+    // ember-oci itself, on Docker's state of the container.
+    // Docker's runtime root for it: EXEC-ROOT/runtime-runc/NAMESPACE (20.10).
+    let root = std::fs::read_dir(d.dir.join("exec"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|e| std::fs::read_dir(e.path()).into_iter().flatten().flatten())
+        .map(|e| e.path())
+        .find(|p| p.join(id).join("state.json").is_file())
+        .unwrap_or_else(|| panic!("no ember-oci state for {id}: {}", d.tail()));
+    let oci = |args: &[&str]| {
+        Command::new(bin.join("ember-oci"))
+            .arg("--root")
+            .arg(&root)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let refused = |args: &[&str], stdin: Option<&str>, want: &str| {
+        let out = match stdin {
+            None => oci(args),
+            Some(json) => {
+                let mut c = Command::new(bin.join("ember-oci"))
+                    .arg("--root")
+                    .arg(&root)
+                    .args(args)
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                c.stdin.take().unwrap().write_all(json.as_bytes()).unwrap();
+                c.wait_with_output().unwrap()
+            }
+        };
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "ember-oci {args:?}: {err}");
+        assert!(
+            err.contains(want),
+            "ember-oci {args:?}: {err:?}, not {want:?}"
+        );
+    };
+    refused(
+        &["update", "--memory", "8g", id],
+        None,
+        "more than the container's VM has",
+    );
+    refused(&["update", "--memory", "-5m", id], None, "a size below 0");
+    refused(
+        &["update", "--resources", "-", id],
+        Some("{\"memory\": {"),
+        "resources: ",
+    );
+    refused(
+        &["update", "--resources", "-", id],
+        Some(r#"{"pids": {"limit": -9}}"#),
+        "pids.limit is -9",
+    );
+    let out = oci(&["update", "--pids-limit", "50", id]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // The refusals changed nothing; the flag did.
+    let seen = d.ok(&[
+        "exec",
+        "main",
+        "sh",
+        "-c",
+        &cgroup.replace("memory.current", "pids.max"),
+    ]);
+    assert_eq!(seen, "209715200\n100000 100000\n50\n");
+    let out = oci(&["events", "--stats", id]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let ev: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ev["type"], "stats");
+    assert_eq!(ev["data"]["memory"]["usage"]["limit"], 200u64 << 20, "{ev}");
+    assert_eq!(ev["data"]["pids"]["limit"], 50, "{ev}");
+    let used = ev["data"]["memory"]["usage"]["usage"].as_u64().unwrap_or(0);
+    // The guest's cgroup, not the host's VM (hundreds of MiB under TCG).
+    assert!(used > 0 && used < 200 << 20, "{ev}");
+    assert!(
+        ev["data"]["cpu"]["usage"]["total"].as_u64().unwrap_or(0) > 0,
+        "{ev}"
+    );
+
+    // docker stats: containerd's runc shim reads the host cgroup of the
+    // container's process, the supervisor, which made one of its own for
+    // itself and the VM: the VM's cost on the host, not the whole daemon's.
+    let pid = d.ok(&["inspect", "-f", "{{.State.Pid}}", "main"]);
+    let cgroups = std::fs::read_to_string(format!("/proc/{}/cgroup", pid.trim())).unwrap();
+    let memory = cgroups
+        .lines()
+        .find_map(|l| {
+            l.split_once(":memory:")
+                .map(|(_, p)| format!("/sys/fs/cgroup/memory{p}"))
+        })
+        .or_else(|| {
+            cgroups
+                .strip_prefix("0::")
+                .map(|p| format!("/sys/fs/cgroup{}", p.trim()))
+        })
+        .unwrap_or_else(|| panic!("no memory cgroup in {cgroups}"));
+    let memory = PathBuf::from(memory);
+    assert!(
+        memory.ends_with(format!("ember-oci-{id}")),
+        "the supervisor is not in a cgroup of its own: {cgroups}"
+    );
+    let shown = d.ok(&[
+        "stats",
+        "--no-stream",
+        "--format",
+        "{{.MemUsage}} {{.PIDs}}",
+        "main",
+    ]);
+    let host_used: u64 = ["memory.usage_in_bytes", "memory.current"]
+        .iter()
+        .find_map(|f| std::fs::read_to_string(memory.join(f)).ok())
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    let mut f = shown.split_whitespace();
+    let usage = f.next().and_then(docker_size).unwrap_or(0);
+    let pids: u64 = f.nth(2).and_then(|p| p.parse().ok()).unwrap_or(0);
+    eprintln!(
+        "docker stats: {shown:?}; the guest's cgroup uses {guest_used} bytes, \
+         the VM's host cgroup {host_used}"
+    );
+    // The guest's memory is the VM's on the host; Docker leaves out the
+    // cgroup's inactive file cache.
+    assert!(
+        guest_used <= usage && usage <= host_used + (32 << 20),
+        "docker stats shows {shown:?}: the guest uses {guest_used}, the VM's cgroup {host_used}"
+    );
+    // The supervisor, the VMM and its helpers.
+    assert!(pids >= 3, "docker stats shows {shown:?}");
+    memory
+}
+
 /// `docker run --runtime ember` with -d, -m, --cpus, -e, -w, -v and -p in
 /// one container; `docker logs`, `exec` (-i, status), `top`, `pause`,
 /// `unpause`, `stop` (a trapped TERM: its status) on it; then `-i -t
@@ -502,6 +673,7 @@ fn docker_runs_containers_in_ember_vms() {
         );
         assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));
         assert_eq!(text(&out.stdout), "exec got typed\n");
+        let host_cgroup = resize_and_figures(&d, &bin, &id);
         // top: the container's host processes, the VM's among them.
         let top = d.ok(&["top", "main"]);
         assert!(
@@ -523,6 +695,7 @@ fn docker_runs_containers_in_ember_vms() {
         );
         assert!(d.ok(&["logs", "main"]).contains("got TERM"));
         d.ok(&["rm", "main"]);
+        assert!(!host_cgroup.exists(), "{} left", host_cgroup.display());
 
         // -i -t --rm: typed into a terminal, its status the command's.
         if let Err(e) = terminal_session(&d, "tty") {

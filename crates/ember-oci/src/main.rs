@@ -11,6 +11,7 @@
 
 mod ctl;
 mod fdpass;
+mod hostcg;
 mod resources;
 mod state;
 mod supervisor;
@@ -593,6 +594,7 @@ fn create(
     })?;
     let made = create_in(cli, &bundle, &spec, pid_file, console_socket, id);
     if made.is_err() {
+        remove_host_cgroups(&cli.root, id);
         let _ = std::fs::remove_dir_all(&dir);
     }
     made
@@ -747,9 +749,18 @@ fn delete(root: &Path, id: &str, force: bool) -> Result<()> {
             state::dir(root, id).display()
         );
     }
+    remove_host_cgroups(root, id);
     std::fs::remove_dir_all(state::dir(root, id))
         .with_context(|| format!("rm {}", state::dir(root, id).display()))?;
     run_hooks(&spec.hooks.poststop, &hook_state(&st, "stopped"), true)
+}
+
+/// The host cgroups of a supervisor that did not remove them (killed),
+/// and whatever of its VM's is still in them.
+fn remove_host_cgroups(root: &Path, id: &str) {
+    let listed = std::fs::read_to_string(state::host_cgroups(root, id)).unwrap_or_default();
+    let dirs: Vec<PathBuf> = listed.lines().map(PathBuf::from).collect();
+    hostcg::clear(&dirs, Duration::from_secs(5));
 }
 
 fn exec(

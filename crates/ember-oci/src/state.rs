@@ -38,6 +38,11 @@ pub fn pod_dir(root: &Path, id: &str) -> PathBuf {
     dir(root, id).join("pod")
 }
 
+/// The host cgroups its supervisor made for itself (one path a line).
+pub fn host_cgroups(root: &Path, id: &str) -> PathBuf {
+    dir(root, id).join("host-cgroups")
+}
+
 /// Its control socket.
 pub fn ctl(root: &Path, id: &str) -> PathBuf {
     dir(root, id).join("ctl.sock")

@@ -7,6 +7,7 @@
 
 use crate::ctl::{self, Reply, Request};
 use crate::fdpass;
+use crate::hostcg;
 use crate::state::State;
 use ember::container::ContainerError;
 use ember::container::agent::{Note, Sink};
@@ -115,6 +116,8 @@ struct Sup {
     pod: Arc<Pod>,
     /// The VM's memory, MiB: no limit in it can be more.
     vm_mib: u64,
+    /// The cgroups it made on the host (for `docker stats`).
+    host_cgroups: Vec<PathBuf>,
     /// The VM's shared directory (the root, bind mounts' sources).
     dir: PodDir,
     state: Mutex<State>,
@@ -137,24 +140,37 @@ pub fn run(o: Opts) -> ! {
     let listener = unsafe { UnixListener::from_raw_fd(o.ctl_fd) };
     // SAFETY: fcntl on our own descriptor.
     unsafe { libc::fcntl(o.ctl_fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-    let first = listener.accept().map(|(s, _)| s);
-    let Ok(conn) = first else {
+    // Before the VM starts, so that its processes follow.
+    let host_cgroups = hostcg::join(&format!("ember-oci-{}", o.id));
+    let listed: String = host_cgroups
+        .iter()
+        .map(|d| format!("{}\n", d.display()))
+        .collect();
+    if let Err(e) = std::fs::write(crate::state::host_cgroups(&o.root, &o.id), listed) {
+        log::warn!("recording the host cgroups: {e}");
+    }
+    let fail = |conn: Option<&UnixStream>, e: &dyn std::fmt::Display| -> ! {
+        if let Some(c) = conn {
+            let _ = ctl::write_reply(c, &Reply::error(e));
+        }
+        hostcg::leave(&host_cgroups, Duration::from_secs(2));
         std::process::exit(1);
+    };
+    let first = listener.accept().map(|(s, _)| s);
+    let conn = match first {
+        Ok(c) => c,
+        Err(e) => fail(None, &e),
     };
     let console = match ctl::read_request(&conn) {
         Ok((Request::Boot { console_socket }, _)) => console_socket,
-        _ => {
-            let _ = ctl::write_reply(&conn, &Reply::error("the first request must be boot"));
-            std::process::exit(1);
-        }
+        _ => fail(Some(&conn), &"the first request must be boot"),
     };
     let (tx, rx) = mpsc::channel();
-    let sup = match boot(&o, console, tx) {
+    let sup = match boot(&o, console, tx, host_cgroups.clone()) {
         Ok(s) => Arc::new(s),
         Err(e) => {
             log::error!("{e}");
-            let _ = ctl::write_reply(&conn, &Reply::error(e));
-            std::process::exit(1);
+            fail(Some(&conn), &e)
         }
     };
     {
@@ -183,7 +199,12 @@ pub fn run(o: Opts) -> ! {
     std::process::exit(1);
 }
 
-fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup, ContainerError> {
+fn boot(
+    o: &Opts,
+    console: Option<String>,
+    tx: mpsc::Sender<Note>,
+    host_cgroups: Vec<PathBuf>,
+) -> Result<Sup, ContainerError> {
     let mut spec = Spec::load(&o.bundle)?;
     if spec.linux.seccomp.take().is_some() {
         // As Kata's default (disable_guest_seccomp): the VM is the boundary.
@@ -275,6 +296,7 @@ fn boot(o: &Opts, console: Option<String>, tx: mpsc::Sender<Note>) -> Result<Sup
         spec,
         pod: Arc::new(pod),
         vm_mib,
+        host_cgroups,
         dir,
         state: Mutex::new(state),
         tty,
@@ -362,6 +384,7 @@ impl Sup {
         let _ = self.pod.destroy(&self.id);
         self.pod.shutdown();
         self.dir.destroy();
+        hostcg::leave(&self.host_cgroups, Duration::from_secs(2));
         self.save("stopped");
         std::process::exit(status);
     }
