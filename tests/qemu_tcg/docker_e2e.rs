@@ -525,9 +525,11 @@ fn resize_and_figures(d: &Docker, bin: &Path, id: &str) -> PathBuf {
         "{{.MemUsage}} {{.PIDs}}",
         "main",
     ]);
-    let host_used: u64 = ["memory.usage_in_bytes", "memory.current"]
+    let counted = ["memory.usage_in_bytes", "memory.current"]
         .iter()
-        .find_map(|f| std::fs::read_to_string(memory.join(f)).ok())
+        .find_map(|f| std::fs::read_to_string(memory.join(f)).ok());
+    let host_used: u64 = counted
+        .as_deref()
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0);
     let mut f = shown.split_whitespace();
@@ -538,13 +540,18 @@ fn resize_and_figures(d: &Docker, bin: &Path, id: &str) -> PathBuf {
          the VM's host cgroup {host_used}"
     );
     // The guest's memory is the VM's on the host; Docker leaves out the
-    // cgroup's inactive file cache.
-    assert!(
-        guest_used <= usage && usage <= host_used + (32 << 20),
-        "docker stats shows {shown:?}: the guest uses {guest_used}, the VM's cgroup {host_used}"
-    );
-    // The supervisor, the VMM and its helpers.
-    assert!(pids >= 3, "docker stats shows {shown:?}");
+    // cgroup's inactive file cache. (A cgroup v2 host whose cgroup above
+    // holds processes enables no memory controller below it: nothing counts.)
+    if counted.is_some() {
+        assert!(
+            guest_used <= usage && usage <= host_used + (32 << 20),
+            "docker stats shows {shown:?}: the guest uses {guest_used}, the VM's cgroup {host_used}"
+        );
+        // The supervisor, the VMM and its helpers.
+        assert!(pids >= 3, "docker stats shows {shown:?}");
+    } else {
+        eprintln!("NOT CHECKED: docker stats' memory and pids (no accounting in {memory:?})");
+    }
     memory
 }
 
