@@ -3,8 +3,9 @@
 //! [`run_all`] through its violation hook).
 //!
 //! Code that makes something to undo registers it here — a path to unlink
-//! ([`TempPath`]), a child process to kill, an async-signal-safe function to
-//! call (the terminal's restore) — and drops the registration when it has
+//! ([`TempPath`]), a child process to kill, an rtnetlink request to send (a
+//! qdisc to remove), an async-signal-safe function to call (the terminal's
+//! restore) — and drops the registration when it has
 //! undone it itself. A fatal signal runs every registered entry and then ends
 //! ember by that same signal with its default action, so the parent sees how
 //! ember ended; [`run_all`] does the same before an `exit` that runs no
@@ -23,6 +24,7 @@
 
 use std::cell::UnsafeCell;
 use std::ffi::CString;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -54,6 +56,10 @@ pub enum Undo {
     /// Send SIGKILL to this process. Drop the [`Entry`] before reaping it, so
     /// a recycled pid is never killed.
     Kill(libc::pid_t),
+    /// Send this rtnetlink request on this socket (of the namespace it was
+    /// opened in), without waiting for the answer: the kernel has acted on
+    /// it when the send returns.
+    Rtnetlink(OwnedFd, Box<[u8]>),
     /// Call this function. It must be async-signal-safe.
     Call(fn()),
 }
@@ -141,11 +147,11 @@ impl Drop for Entry {
 }
 
 /// Functions first (the terminal, so what follows reads right), then
-/// processes, then paths.
+/// processes and network objects, then paths.
 fn pass(undo: &Undo) -> u8 {
     match undo {
         Undo::Call(_) => 0,
-        Undo::Kill(_) => 1,
+        Undo::Kill(_) | Undo::Rtnetlink(..) => 1,
         Undo::Unlink(_) => 2,
     }
 }
@@ -175,8 +181,26 @@ pub fn run_all() {
                 Some(Undo::Unlink(path)) => unsafe {
                     libc::unlink(path.as_ptr());
                 },
+                // The send allocates nothing (see `rtnl::send`).
+                Some(Undo::Rtnetlink(fd, msg)) => {
+                    let _ = crate::rtnl::send(fd.as_raw_fd(), msg);
+                }
                 None => {}
             }
+        }
+    }
+}
+
+/// In a forked child: forgets every registration but `keep` (the parent's
+/// others are not the child's to undo), without allocating or freeing.
+#[cfg(test)]
+pub(crate) fn forget_all_but(keep: &Entry) {
+    for (slot, s) in TABLE.iter().enumerate() {
+        if slot != keep.slot {
+            // SAFETY: the child has one thread; the old value is leaked,
+            // not dropped (no free in a forked child).
+            unsafe { std::ptr::write(s.undo.get(), None) };
+            s.state.store(FREE, Ordering::SeqCst);
         }
     }
 }

@@ -17,5 +17,6 @@ pub mod initramfs;
 pub mod lab;
 pub mod netns;
 pub mod passt;
+pub mod rtnl;
 pub mod terminal;
 pub mod tool;

@@ -9,18 +9,27 @@
 //! configured with its addresses and default routes: to everything outside,
 //! the namespace's interface *is* the guest.
 //!
+//! All in-process: the tap made with TUNSETIFF, its MTU and up flag, the
+//! two ingress qdiscs and their mirred filters set over rtnetlink
+//! ([`crate::rtnl`]). No `ip` or `tc` process: their five spawns were the
+//! largest part of a container's start on a loaded host.
+//!
 //! The tap is not persistent: it goes with the last process holding it (the
-//! VMM), its own filter with it. The interface's ingress filter is removed
-//! when the run ends; after a SIGKILL of ember it stays, redirecting to a
-//! tap that is gone, until the namespace is deleted (CNI's DEL does that).
+//! VMM), its own filter with it. The interface's ingress qdisc (its filter
+//! with it) is removed when the run ends, and on a fatal signal by the
+//! cleanup handler ([`crate::cleanup::Undo::Rtnetlink`]). After a SIGKILL of
+//! ember it stays, redirecting to a tap that is gone, until the namespace is
+//! deleted (CNI's DEL does that); a later run in that namespace is refused
+//! (the qdisc exists) rather than take over a qdisc it cannot tell from
+//! another tool's.
 
+use crate::cleanup::{self, Undo};
 use crate::passt::{self, GuestNet, PasstError};
-use crate::tool::ToolError;
+use crate::rtnl::{self, Request, Rtnl, RtnlError};
 use ember_vmm::devices::virtio::net::{self as vnet, MacAddr};
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use thiserror::Error;
 
 /// The tap's name in the namespace (as Kata's `tap0_kata`).
@@ -52,9 +61,10 @@ pub enum NetnsError {
     /// The addresses cannot be read.
     #[error("--netns: {0}")]
     Config(#[source] PasstError),
-    /// `ip` or `tc` failed.
-    #[error("--netns: {0}")]
-    Tool(#[from] ToolError),
+    /// An rtnetlink request (the tap's MTU and up flag, a qdisc, a filter)
+    /// failed.
+    #[error("--netns")]
+    Rtnl(#[from] RtnlError),
 }
 
 /// A namespace's interface joined to a tap for the guest.
@@ -68,8 +78,8 @@ pub struct PodNet {
     pub mtu: u16,
     /// The tap (the VMM takes it as `fd=N`).
     pub tap: File,
-    /// The namespace's interface.
-    ifname: String,
+    /// The redirects, undone when dropped.
+    _tie: Tie,
 }
 
 /// Enters the network namespace at `path` (this thread: call it before
@@ -88,36 +98,74 @@ pub fn join(path: &Path) -> Result<PodNet, NetnsError> {
         PasstError::NoRoute => NetnsError::NoInterface(path.to_owned()),
         e => NetnsError::Config(e),
     })?;
-    let ifname = guest.ifname.clone();
-    let (mac, mtu) = mac_and_mtu(&ifname)?;
+    let (mac, mtu) = mac_and_mtu(&guest.ifname)?;
     guest.mtu = u32::from(mtu);
-    let tap = vnet::create_tap(TAP).map_err(NetnsError::Tap)?;
-    let pod = PodNet {
+    let (tap, tie) = tie(&guest.ifname, mtu)?;
+    Ok(PodNet {
         guest,
         mac,
         mtu,
         tap,
-        ifname,
-    };
-    let mtu = mtu.to_string();
-    tool("ip", &["link", "set", "dev", TAP, "mtu", &mtu, "up"])?;
-    for (from, to) in [(pod.ifname.as_str(), TAP), (TAP, pod.ifname.as_str())] {
-        tool("tc", &["qdisc", "add", "dev", from, "ingress"])?;
-        tool(
-            "tc",
-            &[
-                "filter", "add", "dev", from, "parent", "ffff:", "protocol", "all", "u32", "match",
-                "u32", "0", "0", "action", "mirred", "egress", "redirect", "dev", to,
-            ],
-        )?;
-    }
-    Ok(pod)
+        _tie: tie,
+    })
 }
 
-impl Drop for PodNet {
-    /// The interface's filter goes (the tap's goes with the tap).
+/// The interface's side of the redirects: its ingress qdisc, removed when
+/// dropped (the tap's side goes with the tap).
+#[derive(Debug)]
+struct Tie {
+    /// The namespace's interface.
+    ifname: String,
+    /// Its index.
+    index: u32,
+    /// The socket it is removed through.
+    rtnl: Rtnl,
+    /// The removal, registered for a fatal signal.
+    undo: Option<cleanup::Entry>,
+}
+
+/// Makes tap [`TAP`] (MTU `mtu`, up) in this thread's namespace and ties it
+/// to interface `ifname` both ways: each one's ingress redirected to the
+/// other's egress.
+fn tie(ifname: &str, mtu: u16) -> Result<(File, Tie), NetnsError> {
+    let tap = vnet::create_tap(TAP).map_err(NetnsError::Tap)?;
+    let mut rtnl = Rtnl::open()?;
+    let (index, tap_index) = (rtnl::index(ifname)?, rtnl::index(TAP)?);
+    rtnl.ask(&Request::link_up(TAP, tap_index, u32::from(mtu)))?;
+    rtnl.ask(&Request::add_ingress(ifname, index))?;
+    let mut tie = Tie {
+        ifname: ifname.to_owned(),
+        index,
+        rtnl,
+        undo: None,
+    };
+    // On a socket of its own, opened here: the handler may run on a thread
+    // in another namespace, and the socket keeps the one it was opened in.
+    let remove = Request::del_ingress(ifname, index).bytes(0);
+    let undo = match rtnl::socket() {
+        Ok(fd) => cleanup::register(Undo::Rtnetlink(fd, remove.into())).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    tie.undo = undo
+        .inspect_err(|e| log::warn!("--netns: `{ifname}`'s filter stays if ember is killed: {e}"))
+        .ok();
+    tie.rtnl.ask(&Request::redirect(ifname, index, tap_index))?;
+    tie.rtnl.ask(&Request::add_ingress(TAP, tap_index))?;
+    tie.rtnl.ask(&Request::redirect(TAP, tap_index, index))?;
+    Ok((tap, tie))
+}
+
+impl Drop for Tie {
     fn drop(&mut self) {
-        let _ = tool("tc", &["qdisc", "del", "dev", &self.ifname, "ingress"]);
+        // Unregistered first: the handler then has nothing to race with.
+        self.undo = None;
+        if let Err(e) = self
+            .rtnl
+            .ask(&Request::del_ingress(&self.ifname, self.index))
+        {
+            // The interface may be gone with its namespace.
+            log::debug!("--netns: {}", ember_vmm::error_chain(&e));
+        }
     }
 }
 
@@ -140,8 +188,186 @@ fn mac_and_mtu(ifname: &str) -> Result<(MacAddr, u16), NetnsError> {
     Ok((mac, mtu))
 }
 
-/// Runs `prog args…` (iproute2).
-fn tool(prog: &str, args: &[&str]) -> Result<(), NetnsError> {
-    crate::tool::run(Command::new(prog).args(args))?;
-    Ok(())
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    /// A network namespace made for a test, with a veth pair (`eth0` and
+    /// `peer0`) in it, deleted when dropped.
+    struct TestNs(String);
+
+    impl TestNs {
+        /// The namespace, or `None` (a loud skip) where this user cannot
+        /// make one.
+        fn new(tag: &str) -> Option<TestNs> {
+            // SAFETY: geteuid has no preconditions.
+            if unsafe { libc::geteuid() } != 0 {
+                ember_testing::skip(tag, "network namespaces need root");
+                return None;
+            }
+            let ns = TestNs(format!("ember-rtnl-{tag}-{}", std::process::id()));
+            run("ip", &["netns", "add", &ns.0]);
+            ns.ip(&[
+                "link", "add", "eth0", "type", "veth", "peer", "name", "peer0",
+            ]);
+            ns.ip(&["link", "set", "eth0", "up"]);
+            Some(ns)
+        }
+
+        /// `ip -n NS ARGS…`'s output.
+        fn ip(&self, args: &[&str]) -> String {
+            run("ip", &[&["-n", &self.0], args].concat())
+        }
+
+        /// `tc -n NS ARGS…`'s output.
+        fn tc(&self, args: &[&str]) -> String {
+            run("tc", &[&["-n", &self.0], args].concat())
+        }
+
+        /// Moves this thread into the namespace (for good: run it in a
+        /// thread of its own).
+        fn enter(&self) {
+            let f = File::open(format!("/run/netns/{}", self.0)).unwrap();
+            // SAFETY: setns takes a live descriptor and a flag.
+            let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
+        }
+    }
+
+    impl Drop for TestNs {
+        fn drop(&mut self) {
+            let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+        }
+    }
+
+    /// Runs a tool the test needs (root, iproute2): its output; failing
+    /// loudly if it cannot.
+    fn run(prog: &str, args: &[&str]) -> String {
+        let out = Command::new(prog)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("{prog} (iproute2, and root, are needed): {e}"));
+        assert!(
+            out.status.success(),
+            "{prog} {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// In a thread of its own, moved into `ns`.
+    fn inside(ns: &TestNs, f: impl FnOnce() + Send) {
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                ns.enter();
+                f()
+            })
+            .join()
+            .unwrap()
+        });
+    }
+
+    fn assert_untied(ns: &TestNs) {
+        let qdiscs = ns.tc(&["qdisc", "show", "dev", "eth0"]);
+        assert!(
+            !qdiscs.contains("ingress"),
+            "a qdisc left on eth0:\n{qdiscs}"
+        );
+        let links = ns.ip(&["-o", "link"]);
+        assert!(!links.contains(TAP), "a tap left:\n{links}");
+    }
+
+    /// The tap and both redirects, as `tc` lists them; nothing left once
+    /// dropped.
+    #[test]
+    fn the_tap_is_tied_both_ways_and_untied_on_drop() {
+        let Some(ns) = TestNs::new("tie") else {
+            return;
+        };
+        inside(&ns, || {
+            let (tap, tie) =
+                tie("eth0", 1400).unwrap_or_else(|e| panic!("{}", ember_vmm::error_chain(&e)));
+            for (dev, to) in [("eth0", TAP), (TAP, "eth0")] {
+                let f = ns.tc(&["filter", "show", "dev", dev, "ingress"]);
+                for want in [
+                    "filter parent ffff: protocol all pref 49152 u32".to_owned(),
+                    "match 00000000/00000000 at 0".to_owned(),
+                    format!("mirred (Egress Redirect to device {to}) stolen"),
+                ] {
+                    assert!(f.contains(&want), "{want:?} missing on {dev}:\n{f}");
+                }
+            }
+            let link = ns.ip(&["-o", "link", "show", TAP]);
+            assert!(link.contains(",UP") && link.contains("mtu 1400"), "{link}");
+            drop(tie);
+            drop(tap);
+        });
+        assert_untied(&ns);
+    }
+
+    /// A fatal signal takes the interface's qdisc with it (the tap goes with
+    /// the process).
+    #[test]
+    fn a_fatal_signal_removes_the_interfaces_qdisc() {
+        let Some(ns) = TestNs::new("sig") else {
+            return;
+        };
+        inside(&ns, || {
+            let (tap, tie) =
+                tie("eth0", 1500).unwrap_or_else(|e| panic!("{}", ember_vmm::error_chain(&e)));
+            let entry = tie.undo.as_ref().expect("the removal is registered");
+            assert!(ns.tc(&["qdisc", "show", "dev", "eth0"]).contains("ingress"));
+            // SAFETY: the child only makes async-signal-safe calls (the
+            // handler's), and ends.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork");
+            if pid == 0 {
+                cleanup::forget_all_but(entry);
+                // SAFETY: signals this process; _exit if it survives.
+                unsafe {
+                    libc::raise(libc::SIGTERM);
+                    libc::_exit(0);
+                }
+            }
+            let mut status = 0;
+            // SAFETY: waits for our own child.
+            assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+            assert!(
+                libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGTERM,
+                "status {status:#x}"
+            );
+            // Gone while this process still holds everything.
+            let qdiscs = ns.tc(&["qdisc", "show", "dev", "eth0"]);
+            assert!(!qdiscs.contains("ingress"), "{qdiscs}");
+            drop(tie);
+            drop(tap);
+        });
+        assert_untied(&ns);
+    }
+
+    /// Without CAP_NET_ADMIN, the refusal names the link and the request.
+    #[test]
+    fn a_refusal_names_the_link_and_what_was_asked() {
+        let Some(ns) = TestNs::new("perm") else {
+            return;
+        };
+        inside(&ns, || {
+            let index = rtnl::index("eth0").unwrap();
+            // This thread only (the raw call, not libc's, which would
+            // change every thread): nobody, without capabilities.
+            // SAFETY: setresuid on the calling thread.
+            let rc = unsafe { libc::syscall(libc::SYS_setresuid, 65534, 65534, 65534) };
+            assert_eq!(rc, 0);
+            let e = Rtnl::open()
+                .and_then(|mut r| r.ask(&Request::add_ingress("eth0", index)))
+                .unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                "cannot add an ingress qdisc on `eth0`: not permitted (CAP_NET_ADMIN in its namespace is needed)"
+            );
+        });
+        let qdiscs = ns.tc(&["qdisc", "show", "dev", "eth0"]);
+        assert!(!qdiscs.contains("ingress"), "{qdiscs}");
+    }
 }
