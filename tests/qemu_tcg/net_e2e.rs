@@ -449,7 +449,9 @@ fn bad_network_input_is_one_line() {
 /// `--netns A`, ember started outside A: the guest takes A's interface —
 /// its address, MAC, MTU and default routes — its traffic redirected to and
 /// from a tap in A with tc (as Kata does for a CNI-made pod namespace), and
-/// reaches B's server through it. Afterwards A has no tap and no filter left.
+/// reaches B's server through it. ember makes the tap and the redirects
+/// itself: an `ip` or `tc` on its PATH fails and leaves a mark. Afterwards A
+/// has no tap and no filter left.
 #[test]
 fn netns_gives_the_guest_the_namespaces_interface() {
     let Some(ns) = Netns::new("net_e2e::netns") else {
@@ -469,11 +471,22 @@ fn netns_gives_the_guest_the_namespaces_interface() {
          echo v4 $(wget -q -O - http://{SERVER4}:7002/blob | md5sum); \
          echo v6 $(wget -q -O - 'http://[{SERVER6}]:7002/blob' | md5sum)"
     );
+    let tools = common::Scratch::new("netns-tools");
+    let ran = tools.path("ran");
+    for tool in ["ip", "tc"] {
+        use std::os::unix::fs::PermissionsExt;
+        let p = tools.path(tool);
+        let script = format!("#!/bin/sh\necho \"$0 $*\" >> '{}'\nexit 1\n", ran.display());
+        std::fs::write(&p, script).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let path = std::env::var("PATH").unwrap_or_default();
     let mut run = common::ember();
     run.env(
         "EMBER_INIT",
         common::init_binary().unwrap_or_else(|e| panic!("{e}")),
     )
+    .env("PATH", format!("{}:{path}", tools.0.display()))
     .args([
         "run",
         "--backend",
@@ -485,7 +498,10 @@ fn netns_gives_the_guest_the_namespaces_interface() {
     .arg("--netns")
     .arg(Path::new("/run/netns").join(&ns.a))
     .args(["--", "sh", "-c", &script]);
-    let out = checked(run.output().unwrap());
+    let out = run.output().unwrap();
+    let spawned = std::fs::read_to_string(&ran).unwrap_or_default();
+    assert!(spawned.is_empty(), "ember spawned iproute2:\n{spawned}");
+    let out = checked(out);
     eprintln!("ember run --netns: the guest saw:\n{out}");
     for want in [
         format!("inet {A4}/24"),
