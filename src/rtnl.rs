@@ -9,11 +9,7 @@
 //! synchronous `NETLINK_ROUTE` one, each request acknowledged before the
 //! next is sent, so an error names the request and the link it was about.
 
-use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
-    NetlinkPayload,
-};
-use netlink_packet_route::RouteNetlinkMessage;
+use netlink_packet_core::{Emitable, NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST};
 use netlink_packet_route::link::{LinkAttribute, LinkFlags, LinkMessage};
 use netlink_packet_route::tc::{
     TcAction, TcActionAttribute, TcActionGeneric, TcActionMirrorOption, TcActionOption,
@@ -91,8 +87,15 @@ impl RtnlError {
 pub struct Request {
     what: &'static str,
     link: String,
-    msg: RouteNetlinkMessage,
+    msg: Msg,
     flags: u16,
+}
+
+/// A request's body, and for tc the message type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Msg {
+    Link(LinkMessage),
+    Tc(u16, TcMessage),
 }
 
 impl Request {
@@ -103,12 +106,7 @@ impl Request {
         m.header.flags = LinkFlags::Up;
         m.header.change_mask = LinkFlags::Up;
         m.attributes.push(LinkAttribute::Mtu(mtu));
-        Request::new(
-            "set the MTU and bring it up",
-            link,
-            RouteNetlinkMessage::SetLink(m),
-            0,
-        )
+        Request::new("set the MTU and bring it up", link, Msg::Link(m), 0)
     }
 
     /// `tc qdisc add dev LINK ingress`.
@@ -116,7 +114,7 @@ impl Request {
         Request::new(
             "add an ingress qdisc",
             link,
-            RouteNetlinkMessage::NewQueueDiscipline(ingress(index)),
+            Msg::Tc(libc::RTM_NEWQDISC, ingress(index)),
             NLM_F_CREATE | NLM_F_EXCL,
         )
     }
@@ -126,7 +124,7 @@ impl Request {
         Request::new(
             "remove the ingress qdisc",
             link,
-            RouteNetlinkMessage::DelQueueDiscipline(ingress(index)),
+            Msg::Tc(libc::RTM_DELQDISC, ingress(index)),
             0,
         )
     }
@@ -169,12 +167,12 @@ impl Request {
         Request::new(
             "add the redirect filter",
             link,
-            RouteNetlinkMessage::NewTrafficFilter(m),
+            Msg::Tc(libc::RTM_NEWTFILTER, m),
             NLM_F_CREATE | NLM_F_EXCL,
         )
     }
 
-    fn new(what: &'static str, link: &str, msg: RouteNetlinkMessage, flags: u16) -> Request {
+    fn new(what: &'static str, link: &str, msg: Msg, flags: u16) -> Request {
         Request {
             what,
             link: link.to_owned(),
@@ -185,13 +183,23 @@ impl Request {
 
     /// The message's bytes, with sequence number `seq`.
     pub fn bytes(&self, seq: u32) -> Vec<u8> {
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_ACK | self.flags;
-        header.sequence_number = seq;
-        let mut m = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(self.msg.clone()));
-        m.finalize();
-        let mut buf = vec![0; m.buffer_len()];
-        m.serialize(&mut buf);
+        // The header by hand, the body by the crate: emitting through its
+        // RouteNetlinkMessage would link in every message kind's code
+        // (150 KB of text).
+        let (kind, len) = match &self.msg {
+            Msg::Link(m) => (libc::RTM_SETLINK, m.buffer_len()),
+            Msg::Tc(kind, m) => (*kind, m.buffer_len()),
+        };
+        let total = NLMSG_HDR + len;
+        let mut buf = vec![0; total];
+        buf[0..4].copy_from_slice(&(total as u32).to_ne_bytes());
+        buf[4..6].copy_from_slice(&kind.to_ne_bytes());
+        buf[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_ACK | self.flags).to_ne_bytes());
+        buf[8..12].copy_from_slice(&seq.to_ne_bytes());
+        match &self.msg {
+            Msg::Link(m) => m.emit(&mut buf[NLMSG_HDR..]),
+            Msg::Tc(_, m) => m.emit(&mut buf[NLMSG_HDR..]),
+        }
         buf
     }
 }
