@@ -2,7 +2,7 @@
 """The shim's own start time on the ember backend: from containerd's create
 request to the restored guest's first instruction, in its parts.
 
-Usage: bench/container_start.py RUNS OUT.json KERNEL_DIR [BIN_DIR]
+Usage: bench/container_start.py RUNS OUT.json KERNEL_DIR [BIN_DIR [BASE_BIN_DIR]]
 
 KERNEL_DIR holds the PVM test kernel's vmlinux (scripts/pvm-kernel prints
 it). BIN_DIR holds containerd-shim-ember-v2, ember-agent and ember (default
@@ -10,6 +10,13 @@ target/release: `cargo build --release -p ember -p containerd-shim-ember-v2
 -p ember-agent`); ember-init is $EMBER_INIT, else beside them, else
 target/release's (`cargo build --release -p ember-init`). Needs root,
 containerd, umoci, busybox-static, iproute2.
+
+BASE_BIN_DIR, if given, holds another build's three binaries (the same
+ember-init): its shim is registered as runtime io.containerd.emberbase.v2
+(a link on containerd's PATH; the shim finds its ember and agent beside its
+own file), and each round runs both builds, in alternating order, on the
+same containerd, image and namespace. Each build boots the pod VM once and
+saves its own snapshot (the ember binary is part of its key).
 
 The script starts its own containerd (root, state, socket and ember's cache
 in a temporary directory) with EMBER_SHIM_BACKEND=ember, and two network
@@ -38,7 +45,8 @@ appends its stages to the file EMBER_STAGES names, on CLOCK_MONOTONIC
 
 The shares are ember's own virtio-fs devices (no virtiofsd process on this
 backend): their cost is in `restore: devices`. Prints median and min–max
-per part in ms and the total; writes every sample to OUT.json.
+per part in ms and the total; writes every sample to OUT.json (per build,
+with a base).
 """
 import json
 import os
@@ -104,9 +112,11 @@ def main():
         sys.exit(__doc__)
     runs, out, kdir = int(sys.argv[1]), sys.argv[2], os.path.abspath(sys.argv[3])
     bindir = os.path.abspath(sys.argv[4] if len(sys.argv) > 4 else "target/release")
-    for b in ("containerd-shim-ember-v2", "ember-agent", "ember"):
-        if not os.access(os.path.join(bindir, b), os.X_OK):
-            sys.exit(f"container_start: {b} missing in {bindir}")
+    basedir = os.path.abspath(sys.argv[5]) if len(sys.argv) > 5 else None
+    for d in [bindir] + ([basedir] if basedir else []):
+        for b in ("containerd-shim-ember-v2", "ember-agent", "ember"):
+            if not os.access(os.path.join(d, b), os.X_OK):
+                sys.exit(f"container_start: {b} missing in {d}")
     init = os.environ.get("EMBER_INIT") or next(
         (p for p in (os.path.join(bindir, "ember-init"), "target/release/ember-init")
          if os.access(p, os.X_OK)), None)
@@ -118,7 +128,15 @@ def main():
     tmp = tempfile.mkdtemp(prefix="ember-bench-start-")
     pod_ns, peer_ns = f"ember-start-{os.getpid()}", f"ember-peer-{os.getpid()}"
     stages = os.path.join(tmp, "stages")
-    env = dict(os.environ, PATH=f"{bindir}:{os.environ.get('PATH', '')}",
+    # The builds: name → the runtime whose shim containerd runs.
+    builds = {"ember": "io.containerd.ember.v2"}
+    links = os.path.join(tmp, "bin")
+    os.mkdir(links)
+    if basedir:
+        builds["base"] = "io.containerd.emberbase.v2"
+        os.symlink(os.path.join(basedir, "containerd-shim-ember-v2"),
+                   os.path.join(links, "containerd-shim-emberbase-v2"))
+    env = dict(os.environ, PATH=f"{bindir}:{links}:{os.environ.get('PATH', '')}",
                EMBER_SHIM_BACKEND="ember", EMBER_SHIM_KERNEL=kernel,
                EMBER_SHIM_CMDLINE=PVM_CMDLINE, EMBER_SHIM_BOOT_TIMEOUT="840", EMBER_CACHE=os.path.join(tmp, "cache"),
                EMBER_STAGES=stages, EMBER_INIT=os.path.abspath(init))
@@ -138,8 +156,8 @@ def main():
 
         ctr, _ = containerd_with_image(tmp, env, procs)
 
-        def ctr_run(i):
-            argv = ctr + ["run", "--rm", "--runtime", "io.containerd.ember.v2",
+        def ctr_run(i, runtime):
+            argv = ctr + ["run", "--rm", "--runtime", runtime,
                           "--with-ns", f"network:/var/run/netns/{pod_ns}",
                           "localhost/bench:latest", f"start{i}", "sh", "-c", "echo first"]
             p = subprocess.run(argv, capture_output=True, env=env, timeout=900)
@@ -147,30 +165,45 @@ def main():
                 raise RuntimeError(f"ctr run: status {p.returncode}, stdout {p.stdout!r}, "
                                    f"stderr {p.stderr.decode(errors='replace')[-600:]}")
 
-        t = time.monotonic()
-        ctr_run(0)
-        print(f"the first run (boots the pod VM, saves the snapshot): "
-              f"{time.monotonic() - t:.0f} s", flush=True)
-        samples = []
+        for name, runtime in builds.items():
+            t = time.monotonic()
+            ctr_run(f"first-{name}", runtime)
+            print(f"{name}: the first run (boots the pod VM, saves the snapshot): "
+                  f"{time.monotonic() - t:.0f} s", flush=True)
+        samples = {name: [] for name in builds}
+        n = len(starts(stages))
         for i in range(1, runs + 1):
-            ctr_run(i)
-            got = starts(stages)
-            if len(got) != i + 1:
-                raise RuntimeError(f"{len(got)} starts in the stages file after {i + 1} runs")
-            p = parts_of(got[-1])
-            samples.append(p)
-            print(f"run {i}: {p['total']:.1f} ms to the first guest instruction "
-                  f"(tap + tc {p['tap + tc']:.1f}, restore {sum(p[k] for k, _ in PARTS[9:]):.1f})",
-                  flush=True)
+            order = list(builds.items())
+            if i % 2 == 0:
+                order.reverse()
+            for name, runtime in order:
+                ctr_run(f"{name}{i}", runtime)
+                got = starts(stages)
+                n += 1
+                if len(got) != n:
+                    raise RuntimeError(f"{len(got)} starts in the stages file after {n} runs")
+                p = parts_of(got[-1])
+                samples[name].append(p)
+                print(f"run {i} {name}: {p['total']:.1f} ms to the first guest instruction "
+                      f"(tap + tc {p['tap + tc']:.1f}, restore "
+                      f"{sum(p[k] for k, _ in PARTS[9:]):.1f})", flush=True)
         with open(out, "w") as f:
-            json.dump(samples, f, indent=1)
+            json.dump(samples if basedir else samples["ember"], f, indent=1)
         load = os.getloadavg()
-        print(f"\n{runs} restores, load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}, "
-              f"binaries in {bindir}")
-        print(f"{'part':20} {'median':>8}  min–max (ms)")
+        print(f"\n{runs} restores each, load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}, "
+              f"binaries in {bindir}" + (f", base in {basedir}" if basedir else ""))
+        print(f"{'part':20} " + "  ".join(f"{name + ' median':>12}  {'min–max':>13}"
+                                           for name in builds) + " (ms)")
         for label in [label for label, _ in PARTS] + ["total"]:
-            v = [s[label] for s in samples]
-            print(f"{label:20} {statistics.median(v):8.2f}  {min(v):.2f}–{max(v):.2f}")
+            cols = []
+            for name in builds:
+                v = [s[label] for s in samples[name]]
+                cols.append(f"{statistics.median(v):12.2f}  {min(v):6.2f}–{max(v):6.2f}")
+            print(f"{label:20} " + "  ".join(cols))
+        if basedir:
+            for label in ("tap + tc", "total"):
+                m = {name: statistics.median(s[label] for s in samples[name]) for name in builds}
+                print(f"{label}: base ÷ ember = {m['base'] / m['ember']:.2f}×")
     finally:
         teardown(procs, tmp, [pod_ns, peer_ns])
 
