@@ -667,6 +667,8 @@ fn attach_virtio_devices(
             handle.set_requested(config.size)?;
             if cfg.memory.prefault == Prefault::Off {
                 handle.set_committed(config.size);
+            } else {
+                handle.keep_committed();
             }
             let placement = Placement {
                 region: Some(hotplug_at),

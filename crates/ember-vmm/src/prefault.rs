@@ -316,7 +316,7 @@ fn host_ranges(mem: &GuestMemoryMmap) -> Vec<(u64, u64, u64)> {
 
 /// Commits `host..host+len` (one call; the kernel allocates and zeroes every page
 /// not yet present, huge pages where the mapping allows).
-fn populate(host: u64, len: u64) -> std::io::Result<()> {
+pub(crate) fn populate(host: u64, len: u64) -> std::io::Result<()> {
     loop {
         // SAFETY: callers pass a range inside guest memory, which stays mapped as
         // long as the VM (the committer holds the memory). POPULATE_WRITE only

@@ -14,6 +14,9 @@
 //!   never asked for more than is committed, and a plug of a block past it is
 //!   refused. Without, the whole region counts as committed (lazily backed).
 //! - Unplugged blocks are discarded (`MADV_DONTNEED`): host memory falls.
+//!   With `--prefault` ([`MemHandle::keep_committed`]) a discarded block is
+//!   committed again before a plug of it is acknowledged: plugged memory is
+//!   committed memory, the first time or the tenth.
 //! - Snapshots carry the plugged bitmap and the sizes (`MemState`).
 
 pub(crate) mod protocol;
@@ -33,6 +36,7 @@ use super::{
     ActivateError, ActiveQueue, GuestMemory, VIRTIO_F_VERSION_1, VirtioDevice, VirtioInterrupt,
     read_config_bytes, serve_queue,
 };
+use crate::ranges::RangeSet;
 
 /// `VIRTIO_ID_MEM`.
 pub(crate) const VIRTIO_ID_MEM: u32 = 24;
@@ -165,6 +169,9 @@ struct Shared {
     irq: Option<VirtioInterrupt>,
     /// Bytes discarded on the host so far.
     discarded: u64,
+    /// With `--prefault`: the region's ranges an unplug discarded and no plug
+    /// has committed again (guest-physical). `None`: lazily backed.
+    stale: Option<RangeSet>,
 }
 
 /// The VMM's remote control for a virtio-mem device (cheap to clone).
@@ -210,6 +217,16 @@ impl MemHandle {
     /// committer's progress): the driver may be asked for them.
     pub fn set_committed(&self, bytes: u64) {
         self.update(|b| b.committed = bytes.min(b.region_size()));
+    }
+
+    /// Plugged memory is to be committed memory (`--prefault`): a block an
+    /// unplug discarded is committed again before its next plug is
+    /// acknowledged.
+    pub fn keep_committed(&self) {
+        let mut s = self.lock();
+        if s.stale.is_none() {
+            s.stale = Some(RangeSet::new());
+        }
     }
 
     /// Bytes of the region.
@@ -294,6 +311,7 @@ impl VirtioMem {
                     generation,
                     irq: None,
                     discarded: 0,
+                    stale: None,
                 })),
             },
             worker: None,
@@ -429,13 +447,47 @@ impl MemHandler {
         if resp == Response::Error {
             crate::guest_warn!("{DEVICE}: refused {req:?}");
         }
+        // Committed again before the driver learns it may use the blocks.
+        if let (Response::Ack, Request::Plug { addr, nb_blocks }) = (resp, req) {
+            let end = addr + u64::from(nb_blocks) * s.blocks.block_size;
+            if let Some(stale) = &mut s.stale {
+                recommit(mem, stale, addr, end);
+            }
+        }
         // Discarded before the next request (this thread's) can plug them again.
         for (start, end) in freed {
             if discard(mem, start, end) {
                 s.discarded += end - start;
+                if let Some(stale) = &mut s.stale {
+                    stale.insert(start, end);
+                }
             }
         }
         resp
+    }
+}
+
+/// Commits the parts of guest-physical `start..end` in `stale` and takes
+/// them out of it. A failure (the host out of memory) is said and the rest
+/// left to fault in lazily, as the committer does.
+fn recommit(mem: &GuestMemory, stale: &mut RangeSet, start: u64, end: u64) {
+    let parts: Vec<(u64, u64)> = stale
+        .iter()
+        .filter_map(|(s, e)| {
+            let (s, e) = (s.max(start), e.min(end));
+            (s < e).then_some((s, e))
+        })
+        .collect();
+    for (s, e) in parts {
+        stale.remove(s, e);
+        let host = mem
+            .find_region(GuestAddress(s))
+            .filter(|r| e <= r.start_addr().0 + r.len())
+            .and_then(|_| mem.get_host_address(GuestAddress(s)).ok());
+        let Some(host) = host else { continue };
+        if let Err(e) = crate::prefault::populate(host as u64, e - s) {
+            crate::guest_warn!("{DEVICE}: cannot commit {s:#x} again: {e}");
+        }
     }
 }
 
@@ -581,6 +633,67 @@ mod tests {
             0,
             "an unplugged block is dropped from the host"
         );
+    }
+
+    /// `--prefault`: a block plugged again after an unplug is committed
+    /// again before the plug is acknowledged (the committer committed it
+    /// once; the unplug's discard undid that).
+    #[test]
+    fn a_block_plugged_again_is_committed_again() {
+        let ram = crate::vstate::memory::create(16 << 20).unwrap();
+        let region = 4u64 << 30;
+        let (mem, _) = crate::vstate::memory::add_hotplug(&ram, region, 128 << 20).unwrap();
+        let resident = |a: u64| {
+            let host = mem.get_host_address(GuestAddress(a)).unwrap();
+            let mut v = vec![0u8; (BS / 4096) as usize];
+            // SAFETY: a block of the region, mapped; mincore only fills `v`.
+            let rc = unsafe { libc::mincore(host.cast(), BS as usize, v.as_mut_ptr()) };
+            assert_eq!(rc, 0);
+            v.iter().filter(|&&b| b & 1 != 0).count()
+        };
+        let dev = VirtioMem::with(Blocks::new(region, BS, 64), 0);
+        let handle = dev.handle();
+        handle.set_requested(64 * BS).unwrap();
+        handle.set_committed(64 * BS);
+        handle.keep_committed();
+        // As the committer leaves them: blocks 0 and 1 committed.
+        crate::prefault::populate(
+            mem.get_host_address(GuestAddress(region)).unwrap() as u64,
+            2 * BS,
+        )
+        .unwrap();
+        let shared = &handle.shared;
+        let ack = |req| MemHandler::answer(&mem, shared, req);
+        let (plug, unplug) = (
+            |n| Request::Plug {
+                addr: region,
+                nb_blocks: n,
+            },
+            |n| Request::Unplug {
+                addr: region,
+                nb_blocks: n,
+            },
+        );
+        assert_eq!(ack(plug(2)), Response::Ack);
+        assert_eq!(ack(unplug(1)), Response::Ack);
+        assert_eq!(resident(region), 0, "the unplug discarded block 0");
+        assert_eq!(ack(plug(1)), Response::Ack);
+        assert_eq!(
+            resident(region),
+            512,
+            "block 0 plugged again, committed again"
+        );
+        assert_eq!(resident(region + BS), 512);
+        assert!(handle.lock().stale.as_ref().is_some_and(|s| s.total() == 0));
+        // Lazily backed (no --prefault), an unplugged block stays off the host.
+        let lazy = VirtioMem::with(Blocks::new(region, BS, 64), 0).handle();
+        lazy.set_requested(64 * BS).unwrap();
+        lazy.set_committed(64 * BS);
+        let ack = |req| MemHandler::answer(&mem, &lazy.shared, req);
+        assert_eq!(ack(plug(1)), Response::Ack);
+        assert_eq!(ack(unplug(1)), Response::Ack);
+        assert_eq!(ack(plug(1)), Response::Ack);
+        assert_eq!(resident(region), 0);
     }
 
     /// `--mem-lock`: a locked block is discarded all the same (madvise
