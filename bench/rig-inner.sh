@@ -12,7 +12,10 @@
 # bench/rig-memory-inner.sh sources this file with RIG_FUNCS_ONLY=1 for its
 # functions (vmm_cmd, boot) and runs its own loop; it sets PREFAULT (sync:
 # every VMM's own way of committing guest memory before boot; async: ember's)
-# and EVENTS (ember's --events file, whose times boot reports).
+# and EVENTS (ember's --events file, whose times boot reports); VMEM, a
+# virtio-mem region of that many MiB out of MEM (each VMM's own device; QEMU
+# then boots q35, as QMACHINE=q35 does without a region); MARK2, a second
+# console text whose arrival boot notes in MARK2_MS.
 b=/bin/busybox
 $b mkdir -p /tmp/rig-bin && $b --install -s /tmp/rig-bin
 export PATH=/tmp/rig-bin:$PATH
@@ -38,13 +41,17 @@ vmm_cmd() {
   case $1 in
     # (`boot` is the VMM's subcommand; an older ember called it `run`.)
     ember*) sub=boot; ./$1 boot --help > /dev/null 2>&1 || sub=run
-      echo "./$1 $sub --kernel $K --initrd $I --mem ${MEM}M --cpus $2 --cmdline '$CMDLINE'${PREFAULT:+ --prefault $PREFAULT}${EVENTS:+ --events $EVENTS}" ;;
+      echo "./$1 $sub --kernel $K --initrd $I --mem ${MEM}M${VMEM:+ --mem-boot $((MEM - VMEM))M} --cpus $2 --cmdline '$CMDLINE'${PREFAULT:+ --prefault $PREFAULT}${EVENTS:+ --events $EVENTS}" ;;
     qemu)
       # sync: preallocated on 2 threads, as ember's sync in the 2-CPU L1
-      # (plain -mem-prealloc would take one per vCPU).
-      m="-M microvm"
-      [ "${PREFAULT:-}" = sync ] && m="-object memory-backend-ram,id=rigmem,size=${MEM}M,prealloc=on,prealloc-threads=2 -M microvm,memory-backend=rigmem"
-      echo "qemu-system-x86_64 -L ./qemu-share $m -enable-kvm -cpu host -m ${MEM}M -smp $2 -nodefaults -no-user-config -nographic -serial stdio -no-reboot -kernel $K -initrd $I -append '$CMDLINE'" ;;
+      # (plain -mem-prealloc would take one per vCPU). A virtio-mem region
+      # needs a PCI machine's device-memory area (microvm has none): q35,
+      # `maxmem`, and virtio-mem-pci preallocating each block as it is plugged.
+      mc=${QMACHINE:-microvm}; [ -n "${VMEM:-}" ] && mc=q35
+      bm=$((MEM - ${VMEM:-0})); m="-M $mc -m ${bm}M"
+      [ "${PREFAULT:-}" = sync ] && m="-object memory-backend-ram,id=rigmem,size=${bm}M,prealloc=on,prealloc-threads=2 -M $mc,memory-backend=rigmem -m ${bm}M"
+      [ -n "${VMEM:-}" ] && m="$m,maxmem=${MEM}M -object memory-backend-ram,id=rigvmem,size=${VMEM}M -device virtio-mem-pci,memdev=rigvmem,requested-size=${VMEM}M$([ "${PREFAULT:-}" = sync ] && echo ,prealloc=on)"
+      echo "qemu-system-x86_64 -L ./qemu-share $m -enable-kvm -cpu host -smp $2 -nodefaults -no-user-config -nographic -serial stdio -no-reboot -kernel $K -initrd $I -append '$CMDLINE'" ;;
     firecracker)
       # No API socket, no network, no drives: the boot source and machine only.
       cat > /tmp/fc-$2.json <<EOJ
@@ -53,7 +60,8 @@ vmm_cmd() {
  "machine-config": {"vcpu_count": $2, "mem_size_mib": $MEM}}
 EOJ
       echo "./firecracker --no-api --config-file /tmp/fc-$2.json --level Error" ;;
-    cloud-hypervisor) echo "./cloud-hypervisor --kernel $K --initramfs $I --cmdline '$CMDLINE' --cpus boot=$2 --memory size=${MEM}M$([ "${PREFAULT:-}" = sync ] && echo ,prefault=on) --serial tty --console off" ;;
+    # (prefault=on covers the virtio-mem region too: all of it before boot.)
+    cloud-hypervisor) echo "./cloud-hypervisor --kernel $K --initramfs $I --cmdline '$CMDLINE' --cpus boot=$2 --memory size=$((MEM - ${VMEM:-0}))M${VMEM:+,hotplug_method=virtio-mem,hotplug_size=${VMEM}M,hotplugged_size=${VMEM}M}$([ "${PREFAULT:-}" = sync ] && echo ,prefault=on) --serial tty --console off" ;;
   esac
 }
 
@@ -78,20 +86,21 @@ boot() {
   [ -n "${EVENTS:-}" ] && rm -f "$EVENTS"
   read -r t0 _ < /proc/uptime
   { eval "$cmd" < /dev/null 2>&1; echo "RIG-STATUS $?"; } | {
-    m=; st=
+    m=; st=; m2=
     while IFS= read -r l; do
       case $l in
         *$MARK*) read -r m _ < /proc/uptime ;;
+        *${MARK2:-$MARK}*) read -r m2 _ < /proc/uptime ;;
         RIG-STATUS*) st=${l#RIG-STATUS } ;;
         RIG-DMESG*) echo "RIG-DMESG $1 $2 $3 ${l#RIG-DMESG }" ;;
       esac
       printf '%s\n' "$l" >> "$log"
       [ "${LOGALL:-0}" = 1 ] && echo "RIG-LOG $l"
     done
-    echo "${m:-none} ${st:-none}" > /tmp/mark
+    echo "${m:-none} ${st:-none} ${m2:-none}" > /tmp/mark
   }
   read -r t1 _ < /proc/uptime
-  read -r m st < /tmp/mark
+  read -r m st m2 < /tmp/mark
   # ember leaves unmapping guest memory to a keeper process that outlives it:
   # the next boot must not start while it frees (gigabytes, with --prefault).
   # (Only processes of that name this boot started: the L1 has others.)
@@ -104,6 +113,7 @@ boot() {
         sub(/.*"t_us":/, ""); sub(/,.*/, ""); printf "%d", $0 / 1000; f = 1; exit } END { if (!f) print "none" }')"
     done
   fi
+  MARK2_MS=$(ms "$m2" "$t0")
   echo "RIG-BOOT ${4:-$1} $2 $3 $(ms "$m" "$t0") $(ms "$t1" "$t0") $st$ev"
   if [ "$m" = none ]; then echo "RIG-FAILED-LOG ${4:-$1} $2 $3:"; tail -20 "$log"; fi
 }

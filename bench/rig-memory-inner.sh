@@ -8,6 +8,19 @@
 #       [<entry> <committed> <visible> (ember: ms from its exec, its events file)]
 # With TIMELINE=1, each ember boot's events file follows as one line:
 #   RIG-EVENTS <vmm>:<mode>:<MiB> <round> <json>
+# The modes memboot and memwhole (issue 26) boot a guest that loads
+# virtio_mem, says RIG-MEM-BOUND once the driver is bound (timed as the
+# marker) and RIG-MEM-FULL once MemTotal has grown by the whole virtio-mem
+# region and any balloon has given back what it took; every VMM commits all
+# memory (ember: --prefault async; the others: their prefault/prealloc).
+# memboot: all but 512 MiB a virtio-mem region (each VMM's own device; QEMU
+# on q35); memwhole: all of it given at boot. One more line per boot, and one
+# per size and round for the L1 populating that much memory itself (the
+# limit; bench/rig-populate.c):
+#   RIG-MEMBOOT <vmm>:<mode>:<MiB> <round> <ms to RIG-MEM-FULL> <ms to all committed> <ms to both>
+#   RIG-BOOT host:populate:<MiB> 2 <round> <ms> <ms> 0
+# (ember: all committed is its events file's last commit event; the others
+# commit before the guest runs, or, QEMU's virtio-mem, before a plug is done.)
 # Configuration (environment): ROUNDS, SIZES ("512 4096 8192"), MODES ("off
 # sync async"; a mode may add ember's options: "async,threads=1"), VMMS
 # ("ember"), VCPUS (one count), CMDLINE, TIMELINE.
@@ -17,22 +30,56 @@ SIZES=${SIZES:-"512 4096 8192"}
 MODES=${MODES:-"off sync async"}
 VMMS=${VMMS:-ember}
 BASE_CMDLINE=$CMDLINE
+BASE_MARK=$MARK
+# ev_ms KEY: ember's time of event KEY from its events file (ms since its
+# exec), or none.
+ev_ms() {
+  (tr -d '\n' < "$EVENTS" | tr '{' '\n') 2>/dev/null | awk -v k="\"$1\"" 'index($0, k) {
+    sub(/.*"t_us":/, ""); sub(/,.*/, ""); printf "%d", $0 / 1000; f = 1; exit } END { if (!f) print "none" }'
+}
+# latest MS...: the largest of the times, none if any is none.
+latest() {
+  echo "$@" | awk '{ m = 0; for (i = 1; i <= NF; i++) { if ($i == "none") { print "none"; exit } if ($i + 0 > m) m = $i + 0 } print m }'
+}
 free -m | sed 's/^/RIG-NOTE L1 /'
 echo RIG-START
 for r in $(seq "$ROUNDS"); do
   for MEM in $SIZES; do
+    case " $MODES " in *" memboot "* | *" memwhole "*)
+      pop=$(./rig-populate "$MEM" 2) && echo "RIG-BOOT host:populate:$MEM 2 $r $pop $pop 0" ;;
+    esac
     for mode in $MODES; do
       for v in $VMMS; do
         # (A mode may carry ember's options: `async,threads=1`.)
-        case $v:$mode in ember*) ;; *:sync*) PREFAULT=sync ;; *:off) PREFAULT= ;; *) continue ;; esac
-        EVENTS=; CMDLINE=$BASE_CMDLINE
+        case $v:$mode in ember*) ;; *:sync* | *:mem*) PREFAULT=sync ;; *:off) PREFAULT= ;; *) continue ;; esac
+        EVENTS=; CMDLINE=$BASE_CMDLINE; MARK=$BASE_MARK; MARK2=; VMEM=; QMACHINE=
         case $v in ember*) EVENTS=/tmp/rig-events.json; PREFAULT=$mode ;; esac
-        # async: /init stays up until the balloon has given back all it took.
-        case $mode in async*) CMDLINE="$CMDLINE rig.balloon" ;; esac
+        case $mode in
+          # async: /init stays up until the balloon has given back all it took.
+          async*) CMDLINE="$CMDLINE rig.balloon" ;;
+          mem*)
+            [ "$mode" = memboot ] && [ "$MEM" -gt 512 ] && VMEM=$((MEM - 512))
+            [ "$mode" = memboot ] && QMACHINE=q35
+            case $v in ember*) PREFAULT=async; CMDLINE="$CMDLINE rig.balloon" ;; esac
+            # The kernel onlines what is plugged (as the appliance has it).
+            CMDLINE="$CMDLINE memhp_default_state=online memory_hotplug.online_policy=auto-movable"
+            CMDLINE="$CMDLINE rig.memfull=${VMEM:-0}"; MARK=RIG-MEM-BOUND; MARK2=RIG-MEM-FULL ;;
+        esac
         boot "$v" "$VCPUS" "$r" "$v:$mode:$MEM"
         if [ "${TIMELINE:-0}" = 1 ] && [ -n "$EVENTS" ]; then
           echo "RIG-EVENTS $v:$mode:$MEM $r $(tr -d '\n' < "$EVENTS")"
         fi
+        case $mode in mem*)
+          # Committed: ember's last commit event (the region's own committer
+          # only with one); the others commit before the guest runs or plugs.
+          c=0
+          if [ -n "$EVENTS" ]; then
+            c=$(latest "$(ev_ms memory_committed)" "$(ev_ms memory_visible)")
+            [ -n "$VMEM" ] && c=$(latest "$c" "$(ev_ms hotplug_committed)")
+          fi
+          echo "RIG-MEMBOOT $v:$mode:$MEM $r $MARK2_MS $c $(latest "$MARK2_MS" "$c")"
+          grep RIG-MEM-FULL "/tmp/boot-$v:$mode:$MEM-$VCPUS-$r.log" | sed "s/^/RIG-NOTE $v:$mode:$MEM $r /" ;;
+        esac
         grep RIG-BALLOON "/tmp/boot-$v:$mode:$MEM-$VCPUS-$r.log" | sed "s/^/RIG-NOTE $v:$mode:$MEM $r /"
       done
     done

@@ -12,6 +12,17 @@
 # QEMU microvm (-mem-prealloc, prealloc-threads=2) and Cloud Hypervisor
 # (prefault=on) are the anchors: off and sync only.
 #
+# Issue 26's modes, `RIG_MODES="memboot memwhole"`: every VMM commits all of
+# the guest's memory (ember --prefault async; the anchors their prefault/
+# prealloc) and the guest loads virtio_mem too; memboot gives all but 512 MiB
+# as a virtio-mem region (ember --mem-boot 512M; Cloud Hypervisor
+# hotplug_method=virtio-mem, hotplugged_size all of it; QEMU q35 +
+# virtio-mem-pci,prealloc=on), memwhole all of it at boot. Timed: exec ->
+# /init with the virtio_mem driver bound, and exec -> all memory usable and
+# committed (MemTotal grown by the whole region, any balloon back to empty,
+# and, for ember, its events file's commit events). The L1 populating each
+# size itself (bench/rig-populate.c) is the limit they are held against.
+#
 # Usage: bench/rig-memory.sh [ROUNDS]     (default 2)
 # Environment:
 #   EMBER_BIN      ember to measure (default: scripts/build-release)
@@ -41,7 +52,10 @@ rig_guest "$KDIR" "$R" "$I" "$BUSYBOX"
 # Debian's modules for the balloon (insmod in dependency order).
 mkdir -p "$I/lib/ko"
 MODS=virtio_ring.ko\ virtio.ko\ virtio_mmio.ko\ virtio_balloon.ko
-for m in $MODS; do
+# The memboot modes': PCI's transport (Cloud Hypervisor's and q35's devices)
+# and virtio_mem, loaded before the balloon.
+MEMMODS=virtio_ring.ko\ virtio.ko\ virtio_mmio.ko\ virtio_pci_legacy_dev.ko\ virtio_pci_modern_dev.ko\ virtio_pci.ko\ virtio_mem.ko\ virtio_balloon.ko
+for m in $MEMMODS; do
   f=$(find "$KDIR/lib/modules" -name "$m" | head -1)
   [ -n "$f" ] || { say "$NAME: $m is not in $KDIR (run \`ember setup\`)"; exit 1; }
   cp "$f" "$I/lib/ko/"
@@ -51,8 +65,40 @@ cat > "$I/init" <<EOF
 echo RIG-INIT-OK
 b=/bin/busybox
 \$b mount -t proc proc /proc
-for m in $MODS; do \$b insmod /lib/ko/\$m || echo "RIG-INSMOD-FAILED \$m"; done
 read -r cmdline < /proc/cmdline
+mods="$MODS"
+case " \$cmdline " in *" rig.memfull="*)
+  # MemTotal (the first line of meminfo) before any driver changes it; full
+  # once grown by the whole virtio-mem region (rig.memfull=MiB, 0: none).
+  region=\${cmdline##*rig.memfull=}; region=\${region%% *}
+  read -r _ t0 _ < /proc/meminfo
+  full=\$((t0 + region * 1024 - 1024))
+  mods="$MEMMODS"
+  \$b mkdir -p /sys && \$b mount -t sysfs sys /sys ;;
+esac
+for m in \$mods; do
+  \$b insmod /lib/ko/\$m || echo "RIG-INSMOD-FAILED \$m"
+  if [ \$m = virtio_mem.ko ]; then
+    # Bound: the driver has the device (probed as the module loads).
+    n=0
+    while [ \$region -gt 0 ] && [ \$n -lt 600 ]; do
+      set -- /sys/bus/virtio/drivers/virtio_mem/virtio*
+      [ -e "\$1" ] && break
+      \$b sleep 0.05; n=\$((n + 1))
+    done
+    echo "RIG-MEM-BOUND region=\${region}MiB"
+  fi
+done
+case " \$cmdline " in *" rig.memfull="*)
+  # Polled without forking (the guest has one vCPU, busy plugging); at most
+  # 5 minutes.
+  n=0
+  read -r _ t _ < /proc/meminfo
+  while [ \$t -lt \$full ] && [ \$n -lt 1500 ]; do
+    \$b sleep 0.2; n=\$((n + 1)); read -r _ t _ < /proc/meminfo
+  done
+  echo "RIG-MEM-FULL memtotal=\$t boot=\$t0 full=\$full waited=\$((n / 5))s" ;;
+esac
 case " \$cmdline " in *" rig.balloon "*)
   # Up until the balloon has given back all it took: inflated == deflated,
   # four times in a row; or nothing inflated 5 s after the driver came up
@@ -78,6 +124,10 @@ if [ "${RIG_QEMU:-0}" = 1 ]; then
   for f in bios-microvm.bin qboot.rom linuxboot_dma.bin pvh.bin; do
     [ -e "/usr/share/qemu/$f" ] && cp -L "/usr/share/qemu/$f" "$R/qemu-share/"
   done
+  # q35 (the memboot mode's virtio-mem-pci): SeaBIOS.
+  for f in /usr/share/seabios/bios-256k.bin /usr/share/qemu/kvmvapic.bin; do
+    [ -e "$f" ] && cp -L "$f" "$R/qemu-share/"
+  done
   FILES+=(--file "$QEMU:/usr/bin/qemu-system-x86_64")
   VMMS="$VMMS qemu"
 else
@@ -91,6 +141,8 @@ else
   say "$NAME: *** Cloud Hypervisor NOT MEASURED (EMBER_CH_BIN) ***"
 fi
 cp bench/rig-inner.sh bench/rig-memory-inner.sh "$R/"
+gcc -static -O2 -pthread -o "$R/rig-populate" bench/rig-populate.c ||
+  { say "$NAME: cannot build bench/rig-populate.c statically (gcc, libc6-dev)"; exit 1; }
 
 say "$NAME: $VMMS; sizes $SIZES MiB; modes ${RIG_MODES:-off sync async}; $ROUNDS rounds; L1 $L1_MEM; $(date -u +%H:%M) UTC, load $(cut -d' ' -f1-3 /proc/loadavg)"
 OUT=$WORK/out
@@ -107,7 +159,7 @@ fi
 
 # The report: medians (min-max) per VMM, mode and size; ratios against the
 # smallest size.
-tr -d '\r' < "$OUT" | awk -v sizes="$SIZES" -v vmms="$VMMS" -v modes="${RIG_MODES:-off sync async}" -v tick="$((1000 / $(getconf CLK_TCK)))" '
+grep -Eq '^RIG-BOOT [^ ]+:(off|sync|async)' "$OUT" && tr -d '\r' < "$OUT" | awk -v sizes="$SIZES" -v vmms="$VMMS" -v modes="${RIG_MODES:-off sync async}" -v tick="$((1000 / $(getconf CLK_TCK)))" '
 function median(a, n,   i, j, t) {
   for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
   return (n % 2) ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
@@ -129,7 +181,7 @@ END {
   print "| VMM | prefault | memory | exec -> /init marker | host CPU per boot | marker / " S[1] " MiB | CPU / " S[1] " MiB | exec -> first guest instruction | exec -> all committed | exec -> all visible | exec -> exit |"
   print "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
   for (v = 1; v <= nv; v++) for (m = 1; m <= nm; m++) for (s = 1; s <= ns; s++) {
-    k = V[v] ":" M[m] ":" S[s]; if (!cnt[k]) continue
+    k = V[v] ":" M[m] ":" S[s]; if (!cnt[k] || M[m] ~ /^mem/) continue
     b = V[v] ":" M[m] ":" S[1]
     mk = stat(k, 1); u = stat(k, 3); x = stat(k, 2); en = stat(k, 4); co = stat(k, 5); vi = stat(k, 6)
     if (!((b, 1) in med)) { stat(b, 1); stat(b, 3) }
@@ -138,5 +190,47 @@ END {
     printf "| %s | %s | %s MiB | %s | %s | %s | %s | %s | %s | %s | %s |%s\n", V[v], M[m], S[s], mk, u, r1, r3, en, co, vi, x, \
       bad[k] ? " (" bad[k] " boots ended with a non-zero status)" : ""
   }
+}'
+# The memboot modes: to /init with virtio_mem bound (the marker), against
+# the smallest size; to all memory usable and committed, against the L1's
+# own populate of that size.
+grep -q '^RIG-MEMBOOT' "$OUT" && tr -d '\r' < "$OUT" | awk -v sizes="$SIZES" -v vmms="$VMMS" -v modes="${RIG_MODES:-}" -v tick="$((1000 / $(getconf CLK_TCK)))" '
+function median(a, n,   i, j, t) {
+  for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
+  return (n % 2) ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+}
+# stat(key, col): "median s (min-max)", the median kept in med[key, col].
+function stat(key, col,   n, i, a, v) {
+  n = 0
+  for (i = 1; i <= cnt[key, col]; i++) { v = val[key, col, i]; if (v != "none" && v != "") a[++n] = v + 0 }
+  if (n == 0) return "-"
+  med[key, col] = median(a, n)
+  return sprintf("%.2f s (%.2f-%.2f)", med[key, col] / 1000, a[1] / 1000, a[n] / 1000)
+}
+function add(key, col, v) { val[key, col, ++cnt[key, col]] = v }
+function ratio(a, b) { return (a && b) ? sprintf("%.2fx", a / b) : "-" }
+function cpu_of(f) { return (f ~ /^cpu=[0-9]+$/) ? substr(f, 5) + 0 : "" }
+$1 == "RIG-START" { last = cpu_of($2) }
+$1 == "RIG-BOOT" { c = cpu_of($NF); add($2, "marker", $5); if (c != "" && last != "") add($2, "cpu", (c - last) * tick); last = c }
+$1 == "RIG-MEMBOOT" { add($2, "full", $4); add($2, "committed", $5); add($2, "ready", $6) }
+END {
+  ns = split(sizes, S, " "); nv = split(vmms, V, " "); nm = split(modes, M, " ")
+  name["memboot"] = "virtio-mem, 512 MiB at boot"; name["memwhole"] = "all at boot"
+  print ""
+  print "| VMM | memory | size | exec -> /init, virtio_mem bound | / " S[1] " MiB | exec -> all usable and committed | / the L1 populating it | guest MemTotal full | host: all committed | host CPU per boot |"
+  print "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+  for (s = 1; s <= ns; s++) { h = "host:populate:" S[s]; stat(h, "marker") }
+  for (v = 1; v <= nv; v++) for (m = 1; m <= nm; m++) { if (M[m] !~ /^mem/) continue
+    b = V[v] ":" M[m] ":" S[1]; stat(b, "marker")
+    for (s = 1; s <= ns; s++) {
+      k = V[v] ":" M[m] ":" S[s]; if (!cnt[k, "marker"]) continue
+      mk = stat(k, "marker"); rd = stat(k, "ready"); fu = stat(k, "full"); u = stat(k, "cpu")
+      co = (V[v] ~ /^ember/) ? stat(k, "committed") : "before boot or plug"
+      printf "| %s | %s | %s MiB | %s | %s | %s | %s | %s | %s | %s |\n", V[v], name[M[m]], S[s], mk, ratio(med[k, "marker"], med[b, "marker"]), \
+        rd, ratio(med[k, "ready"], med["host:populate:" S[s], "marker"]), fu, co, u
+    }
+  }
+  for (s = 1; s <= ns; s++) { h = "host:populate:" S[s]
+    printf "| the L1 populating it (2 threads) | | %s MiB | | | %s | 1 | | | %s |\n", S[s], stat(h, "marker"), stat(h, "cpu") }
 }'
 tr -d '\r' < "$OUT" | grep -a '^RIG-NOTE\|^RIG-FAILED' >&2 || true
