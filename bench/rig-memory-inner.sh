@@ -58,9 +58,14 @@ for r in $(seq "$ROUNDS"); do
           # async: /init stays up until the balloon has given back all it took.
           async*) CMDLINE="$CMDLINE rig.balloon" ;;
           mem*)
-            [ "$mode" = memboot ] && [ "$MEM" -gt 512 ] && VMEM=$((MEM - 512))
-            [ "$mode" = memboot ] && QMACHINE=q35
-            case $v in ember*) PREFAULT=async; CMDLINE="$CMDLINE rig.balloon" ;; esac
+            # (memboot,OPTS: ember's --prefault async,OPTS; ember only.)
+            kind=${mode%%,*}
+            case $v in
+              ember*) PREFAULT=async${mode#"$kind"}; CMDLINE="$CMDLINE rig.balloon" ;;
+              *) [ "$kind" = "$mode" ] || continue ;;
+            esac
+            [ "$kind" = memboot ] && [ "$MEM" -gt 512 ] && VMEM=$((MEM - 512))
+            [ "$kind" = memboot ] && QMACHINE=q35
             # The kernel onlines what is plugged (as the appliance has it).
             CMDLINE="$CMDLINE memhp_default_state=online memory_hotplug.online_policy=auto-movable"
             CMDLINE="$CMDLINE rig.memfull=${VMEM:-0}"; MARK=RIG-MEM-BOUND; MARK2=RIG-MEM-FULL ;;

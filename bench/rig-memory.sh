@@ -28,7 +28,8 @@
 #   EMBER_BIN      ember to measure (default: scripts/build-release)
 #   RIG_SIZES      guest sizes in MiB (default "512 4096 8192")
 #   RIG_MODES      default "off sync async"; a mode may add ember's options
-#                  ("async,threads=1"; the anchors take sync* as sync)
+#                  ("async,threads=1"; the anchors take sync* as sync; with
+#                  "memboot,threads=1", ember alone); or "memboot memwhole"
 #   RIG_L1_MEM     the L1's memory (default 10G: an 8 GiB guest committed in
 #                  full must fit, with the rig's files, in the L1's RAM)
 #   RIG_VCPUS      the guests' vCPU count (default 1)
@@ -226,7 +227,8 @@ END {
       k = V[v] ":" M[m] ":" S[s]; if (!cnt[k, "marker"]) continue
       mk = stat(k, "marker"); rd = stat(k, "ready"); fu = stat(k, "full"); u = stat(k, "cpu")
       co = (V[v] ~ /^ember/) ? stat(k, "committed") : "before boot or plug"
-      printf "| %s | %s | %s MiB | %s | %s | %s | %s | %s | %s | %s |\n", V[v], name[M[m]], S[s], mk, ratio(med[k, "marker"], med[b, "marker"]), \
+      kind = M[m]; opts = sub(/,.*/, "", kind) ? " (" substr(M[m], length(kind) + 2) ")" : ""
+      printf "| %s | %s%s | %s MiB | %s | %s | %s | %s | %s | %s | %s |\n", V[v], name[kind], opts, S[s], mk, ratio(med[k, "marker"], med[b, "marker"]), \
         rd, ratio(med[k, "ready"], med["host:populate:" S[s], "marker"]), fu, co, u
     }
   }
