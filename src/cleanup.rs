@@ -494,7 +494,7 @@ pub fn sweep_dead(dir: &Path) {
 /// The PID in the name of a per-run file of ember's.
 fn dead_owner(name: &str) -> Option<libc::pid_t> {
     let rest = name.strip_prefix("ember-")?;
-    let rest = ["root-", "api-", "appliance-", "nameless-"]
+    let rest = ["root-", "api-", "appliance-", "nameless-", "vsock-"]
         .iter()
         .find_map(|p| rest.strip_prefix(p))
         .or_else(|| rest.ends_with(".sock").then_some(rest))?;
@@ -712,6 +712,9 @@ mod tests {
             format!("ember-{dead_pid}-0.sock"),
             format!("ember-root-{me}-0.img"),
             format!("ember-test-{dead_pid}-x"),
+            // A vsock channel's device socket and its port's.
+            format!("ember-vsock-{dead_pid}-0.sock"),
+            format!("ember-vsock-{dead_pid}-0.sock_1024"),
         ];
         for n in &names {
             std::fs::write(dir.join(n), b"x").unwrap();

@@ -350,9 +350,13 @@ fn kernel_version(k: &kernel::Kernel) -> String {
         .unwrap_or_else(|| k.image.display().to_string())
 }
 
+/// The module group of a vsock channel ([`backend::ChannelKind::Vsock`]).
+pub(super) const CHANNEL_VSOCK_GROUP: &str = "vsock";
+
 /// The module groups (see [`modules::MODULE_GROUPS`]) a boot with `spec`'s
-/// devices on `backend` loads: the console channel, the transports the
-/// backend's devices sit on, and one group per kind of device it has.
+/// devices on `backend` loads: `core` (virtio itself, and the console
+/// channel), the transports the backend's devices sit on, vsock where the
+/// channel is a vsock stream, and one group per kind of device it has.
 pub(super) fn module_groups(
     spec: &GuestSpec,
     backend: &dyn backend::Backend,
@@ -360,6 +364,9 @@ pub(super) fn module_groups(
 ) -> Vec<&'static str> {
     let mut groups = vec!["core"];
     groups.extend(backend.virtio_transports());
+    if backend.channel_kind() == backend::ChannelKind::Vsock {
+        groups.push(CHANNEL_VSOCK_GROUP);
+    }
     for (wanted, group) in [
         (!spec.devices.disks.is_empty(), "blk"),
         (!spec.devices.pmem.is_empty(), "pmem"),

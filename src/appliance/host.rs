@@ -4,8 +4,11 @@
 //! and `PR_SET_PDEATHSIG` kills it even if ember itself is killed).
 
 use super::protocol::{self, Decoder, Kind};
-use crate::backend::{Backend, BackendError, GuestSpec, ShareSupport, virtiofsd};
+use crate::backend::{
+    self, Backend, BackendError, ChannelKind, GuestSpec, ShareSupport, virtiofsd,
+};
 use crate::cleanup::{self, TempPath};
+use ember_vmm::devices::virtio::VsockConfig;
 use ember_vmm::error_chain;
 use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -205,7 +208,17 @@ fn socket_path() -> PathBuf {
     ))
 }
 
-/// Boots `spec` (its `channel` is filled in here) with `backend` and runs `job`.
+/// A unique path in the temp directory for a vsock channel's device socket
+/// (its port's socket is this path and `_<port>`).
+fn vsock_socket_path() -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "ember-vsock-{}-{}.sock",
+        std::process::id(),
+        socket_serial()
+    ))
+}
+
+/// Boots `spec` (its `channel`, or for a vsock channel its vsock device, is filled in here) with `backend` and runs `job`.
 pub fn run(
     backend: &dyn Backend,
     mut spec: GuestSpec,
@@ -215,13 +228,37 @@ pub fn run(
 ) -> Result<Outcome, HostError> {
     let start = Instant::now();
     let deadline = job.timeout.map(|t| start + t);
-    let path = socket_path();
+    // A vsock channel: the VMM's device serves `uds` (removed with the
+    // run, as the VMM may be killed before it can), and hands the guest's
+    // connection to the host's port to `uds_<port>`, where this run
+    // listens; otherwise the VMM connects its channel device here.
+    let vsock_uds = (backend.channel_kind() == ChannelKind::Vsock).then(|| {
+        let uds = vsock_socket_path();
+        let _ = std::fs::remove_file(&uds);
+        TempPath::new(uds)
+    });
+    let path = match &vsock_uds {
+        Some(uds) => {
+            let mut p = uds.path().as_os_str().to_owned();
+            p.push(format!("_{}", backend::VSOCK_CHANNEL_PORT));
+            PathBuf::from(p)
+        }
+        None => socket_path(),
+    };
     let _ = std::fs::remove_file(&path);
     // Registered before it exists: a signal while the guest boots removes it.
     let socket = TempPath::new(path);
     let listener = UnixListener::bind(socket.path())
         .map_err(|e| HostError::Io(format!("cannot listen on {}", socket.path().display()), e))?;
-    spec.channel = Some(socket.path().to_owned());
+    match &vsock_uds {
+        Some(uds) => {
+            spec.devices.vsock = Some(VsockConfig {
+                cid: backend::VSOCK_CHANNEL_CID,
+                uds: uds.path().to_owned(),
+            });
+        }
+        None => spec.channel = Some(socket.path().to_owned()),
+    }
     // Declared before the VMM's guard, so dropped after it: a daemon
     // outlives the VMM that uses it.
     let daemons = start_daemons(backend, &mut spec)?;

@@ -3,7 +3,8 @@
 //! into an exit status.
 
 use super::assemble::{
-    Assembled, Extras, assemble, assemble_host_root, module_groups, write_appliance,
+    Assembled, CHANNEL_VSOCK_GROUP, Extras, assemble, assemble_host_root, module_groups,
+    write_appliance,
 };
 use super::cli::{self, RunArgs};
 use super::error::{ApplianceError, EXIT_APPLIANCE, EXIT_BROKEN_PIPE};
@@ -206,10 +207,12 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
     };
     ember_vmm::events::stage("run_assembled");
     let channel_dev = match backend.channel_kind() {
-        ChannelKind::Serial => "/dev/ttyS1",
-        ChannelKind::VirtioConsole => "/dev/hvc0",
-        ChannelKind::VirtioSerialPort => "/dev/vport0p1",
+        ChannelKind::Serial => "/dev/ttyS1".to_owned(),
+        ChannelKind::VirtioConsole => "/dev/hvc0".to_owned(),
+        ChannelKind::VirtioSerialPort => "/dev/vport0p1".to_owned(),
+        ChannelKind::Vsock => format!("vsock:{}", backend::VSOCK_CHANNEL_PORT),
     };
+    let channel_dev = channel_dev.as_str();
     let modules = a.mods.len();
     let mut job = host::Job {
         argv: args.command.clone(),
@@ -491,6 +494,9 @@ fn with_devices(args: &RunArgs, mut spec: GuestSpec) -> Result<GuestSpec, Applia
 fn warm_groups(backend: &dyn Backend, net: bool, host_root: bool) -> Vec<&'static str> {
     let mut g = vec!["core"];
     g.extend(backend.virtio_transports());
+    if backend.channel_kind() == ChannelKind::Vsock {
+        g.push(CHANNEL_VSOCK_GROUP);
+    }
     g.push(if host_root {
         hostroot::FS_GROUP
     } else {
@@ -572,11 +578,16 @@ fn exit_status(
             EXIT_APPLIANCE
         }
         host::Outcome::NoReport(tail) => {
-            let hint = if modules == 0 {
-                "; no kernel modules were found for this kernel, so it needs \
-             virtio-console built in"
-            } else {
-                ""
+            let hint = match (modules, vmm) {
+                (0, "ember") => {
+                    "; no kernel modules were found for this kernel, so it needs \
+                 vsock over virtio (CONFIG_VIRTIO_VSOCKETS) built in"
+                }
+                (0, _) => {
+                    "; no kernel modules were found for this kernel, so it needs \
+                 virtio-console built in"
+                }
+                _ => "",
             };
             eprintln!(
                 "ember: the guest stopped without reporting the command's status \

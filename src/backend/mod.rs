@@ -164,7 +164,8 @@ pub struct GuestSpec {
     pub devices: DeviceSet,
     /// A unix socket (already listening) the guest's data channel connects to:
     /// a virtio-console port where the backend has one, else a second serial
-    /// line. The guest sees it as `/dev/hvc0` or `/dev/ttyS1`.
+    /// line. The guest sees it as `/dev/hvc0` or `/dev/ttyS1`. (A vsock
+    /// channel is `devices.vsock` instead: see [`ChannelKind::Vsock`].)
     pub channel: Option<PathBuf>,
     /// Where ember writes its event timeline (ignored by other backends).
     pub events: Option<PathBuf>,
@@ -250,7 +251,22 @@ pub enum ChannelKind {
     VirtioSerialPort,
     /// `/dev/ttyS1` (second 16550).
     Serial,
+    /// A vsock stream from the guest to the host's port
+    /// [`VSOCK_CHANNEL_PORT`] (the guest's init connects it, again after a
+    /// restore: a restored vsock device resets every connection), which
+    /// the VMM's hybrid vsock hands to the Unix socket `<uds>_<port>`.
+    /// Packets of up to 64 KiB instead of a console's tty writes; the
+    /// guest kernel needs vsock over virtio (`CONFIG_VIRTIO_VSOCKETS`,
+    /// built in or as a module the appliance carries).
+    Vsock,
 }
+
+/// The host port the guest's init connects to over a [`ChannelKind::Vsock`]
+/// channel.
+pub const VSOCK_CHANNEL_PORT: u32 = 1024;
+/// The guest's vsock context ID for its channel (the first guest CID: the
+/// VM's vsock is its own, seen by no other).
+pub const VSOCK_CHANNEL_CID: u32 = 3;
 
 /// A VMM that can boot a [`GuestSpec`].
 pub trait Backend: Send + Sync {
@@ -313,7 +329,7 @@ impl Backend for EmberBackend {
     }
 
     fn channel_kind(&self) -> ChannelKind {
-        ChannelKind::VirtioConsole
+        ChannelKind::Vsock
     }
 
     fn share_support(&self) -> ShareSupport {
@@ -354,6 +370,7 @@ impl Backend for EmberBackend {
                 pmem: spec.devices.pmem.clone(),
                 net: spec.devices.net.clone(),
                 fs: spec.devices.fs.clone(),
+                vsock: spec.devices.vsock.clone(),
                 ..DeviceSet::default()
             };
             hand_over(&mut c, &pmem);
@@ -671,6 +688,28 @@ mod tests {
             );
         }
         assert_eq!(b.share_support(), ShareSupport::InProcess);
+    }
+
+    /// The appliance's vsock channel is a vsock device on this run's
+    /// socket, booted or restored (a restore's replaces the snapshot's).
+    #[test]
+    fn the_channels_vsock_device_is_handed_over_booted_or_restored() {
+        let b = EmberBackend {
+            binary: "/bin/ember".into(),
+        };
+        assert_eq!(b.channel_kind(), ChannelKind::Vsock);
+        let mut spec = GuestSpec::new("/k");
+        let vsock = ember_vmm::devices::virtio::VsockConfig {
+            cid: VSOCK_CHANNEL_CID,
+            uds: "/tmp/v.sock".into(),
+        };
+        spec.devices.vsock = Some(vsock.clone());
+        for restore in [None, Some("/snap".into())] {
+            spec.restore = restore;
+            let args = ember_args(&b, &spec);
+            assert_eq!(handed_devices(&args).vsock.as_ref(), Some(&vsock));
+            assert!(!args.iter().any(|a| a == "--channel"), "{args:?}");
+        }
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! One cold boot makes the snapshot (the first run); later runs restore it,
 //! get their own files through the per-run root slot, and report the
 //! command's output and status; two restore it at once; the snapshot is
-//! never written; a changed kernel or ember-init makes a new one.
+//! never written; a changed kernel or ember-init makes a new one. The
+//! channel is a vsock connection, cold and restored (init holds no tty).
 //!
 //! Needs EMBER_PVM_KERNEL (scripts/test sets it; see tests/linux_pvm/linux_pvm.rs).
 
@@ -71,6 +72,16 @@ impl Env {
     }
 }
 
+/// Shell words that print how the appliance's init holds its channel: the
+/// sockets (a vsock connection) and character devices (a console port, a
+/// UART) among its descriptors past stdio. Shell builtins only: an exec
+/// in the guest costs seconds here.
+const CHANNEL_CHECK: &str = "s=0; t=0; for f in /proc/1/fd/*; do case ${f##*/} in 0|1|2) continue;; esac; \
+     [ -S $f ] && s=$((s+1)); [ -c $f ] && t=$((t+1)); done; echo channel sockets $s ttys $t";
+/// What [`CHANNEL_CHECK`] prints when the channel is a vsock connection
+/// (made again after a restore, the snapshot's one gone), not a tty.
+const ON_VSOCK: &str = "channel sockets 1 ttys 0\n";
+
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
@@ -119,7 +130,7 @@ fn the_appliance_restores_its_snapshot_and_runs_each_command_with_its_own_files(
         &[
             "sh",
             "-c",
-            "echo first-$((6*7)); echo to-stderr >&2; exit 3",
+            &format!("echo first-$((6*7)); {CHANNEL_CHECK}; echo to-stderr >&2; exit 3"),
         ],
         b"",
     );
@@ -130,7 +141,7 @@ fn the_appliance_restores_its_snapshot_and_runs_each_command_with_its_own_files(
         "stderr:\n{}",
         text(&first.stderr)
     );
-    assert_eq!(text(&first.stdout), "first-42\n");
+    assert_eq!(text(&first.stdout), format!("first-42\n{ON_VSOCK}"));
     assert!(text(&first.stderr).contains("to-stderr"));
     let snaps = env.snapshots();
     assert_eq!(snaps.len(), 1, "one snapshot made: {snaps:?}");
@@ -148,7 +159,9 @@ fn the_appliance_restores_its_snapshot_and_runs_each_command_with_its_own_files(
         // `basename` is not carried from the host: it is busybox's applet
         // link, which the per-run root must hold (init links only in the
         // initramfs).
-        format!("read line\necho \"{token} got $line $(basename /x/applet)\"\nexit 5\n"),
+        format!(
+            "read line\necho \"{token} got $line $(basename /x/applet)\"\n{CHANNEL_CHECK}\nexit 5\n"
+        ),
     )
     .unwrap();
     let file_arg = format!("{}:/job.sh", script.display());
@@ -166,7 +179,7 @@ fn the_appliance_restores_its_snapshot_and_runs_each_command_with_its_own_files(
     );
     assert_eq!(
         text(&second.stdout),
-        format!("{token} got from-stdin applet\n")
+        format!("{token} got from-stdin applet\n{ON_VSOCK}")
     );
     assert_eq!(
         env.snapshots(),

@@ -109,8 +109,12 @@ fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
 
     let path =
         env_value(envp, CHANNEL_VAR).ok_or(&b"no EMBER_CHANNEL= on the kernel command line"[..])?;
-    let chan = open_channel(path)?;
-    let mut ch = Channel::new(chan);
+    let vsock = vsock_port(path);
+    let chan = match vsock {
+        Some(port) => connect_vsock(port)?,
+        None => open_channel(path)?,
+    };
+    let mut ch = Channel::new(chan, vsock);
     if let Some(name) = module_error {
         ch.error_with(b"cannot load module ", name);
         return Ok(());
@@ -328,6 +332,43 @@ fn env_value(envp: *const *const u8, prefix: &[u8]) -> Option<&'static [u8]> {
     }
 }
 
+/// The host port of a vsock channel (`EMBER_CHANNEL=vsock:PORT`, the
+/// value NUL-terminated); `None` for a device path.
+fn vsock_port(value: &[u8]) -> Option<u32> {
+    let digits = value.strip_prefix(b"vsock:")?;
+    let digits = &digits[..digits.iter().position(|&b| b == 0).unwrap_or(digits.len())];
+    let mut port: u32 = 0;
+    for &d in digits {
+        if !d.is_ascii_digit() {
+            return None;
+        }
+        port = port.checked_mul(10)?.checked_add(u32::from(d - b'0'))?;
+    }
+    (!digits.is_empty()).then_some(port)
+}
+
+/// Connects the channel to the host's vsock `port`, waiting (as for a
+/// device node) while the transport is not up yet or the host's side does
+/// not answer: the VMM connects a guest's connection to the host's socket
+/// for that port, which the host listens on before the VMM starts.
+fn connect_vsock(port: u32) -> Result<Fd, &'static [u8]> {
+    let mut tries = 0;
+    loop {
+        match sys::vsock_connect(port) {
+            Ok(fd) => return Ok(fd),
+            // No waiting makes a kernel without vsock grow it.
+            Err(sys::EAFNOSUPPORT) => {
+                return Err(b"the kernel has no vsock (CONFIG_VIRTIO_VSOCKETS) for the channel");
+            }
+            Err(_) if tries < CHANNEL_OPEN_TRIES => {
+                tries += 1;
+                sys::sleep_ms(CHANNEL_OPEN_STEP_MS);
+            }
+            Err(_) => return Err(b"cannot connect the vsock channel"),
+        }
+    }
+}
+
 /// Opens the channel (waiting for a driver to create it) and makes a tty raw,
 /// so no byte of a frame is echoed, translated or taken as a signal.
 fn open_channel(path: &[u8]) -> Result<Fd, &'static [u8]> {
@@ -459,7 +500,15 @@ fn receive_command(ch: &mut Channel, arena: &mut Arena) -> Result<Command, &'sta
     let mut host_root = None;
     let mut shares = [0usize; MAX_SHARES];
     let mut nshares = 0;
+    let mut first = true;
     let exec = loop {
+        // The appliance's snapshot is taken while init waits here: restored,
+        // its vsock connection is gone (the device resets them all), and
+        // the host of this run waits for a new one to send the command.
+        if first && !ch.has_buffered_frame() && ch.vsock.is_some() {
+            ch.recv_or_reconnect()?;
+        }
+        first = false;
         let (kind, payload) = ch.recv().ok_or(&b"channel closed before the command"[..])?;
         // Binary, not a string: kept by the network's module.
         if kind == ft::NET {
@@ -692,6 +741,8 @@ fn relay(ch: &mut Channel, stdin: Fd, stdout: Fd, stderr: Fd) {
 /// The framed channel: blocking sends, buffered receives.
 struct Channel {
     fd: Fd,
+    /// The host's vsock port, for a channel that is a vsock connection.
+    vsock: Option<u32>,
     /// Bytes read from the tty not yet returned as frames.
     rx: [u8; ft::HEADER_LEN + ft::MAX_PAYLOAD],
     rx_len: usize,
@@ -700,9 +751,10 @@ struct Channel {
 }
 
 impl Channel {
-    fn new(fd: Fd) -> Self {
+    fn new(fd: Fd, vsock: Option<u32>) -> Self {
         Channel {
             fd,
+            vsock,
             rx: [0; ft::HEADER_LEN + ft::MAX_PAYLOAD],
             rx_len: 0,
             frame: [0; ft::HEADER_LEN + ft::MAX_PAYLOAD],
@@ -757,6 +809,29 @@ impl Channel {
 
     fn has_buffered_frame(&self) -> bool {
         self.buffered_frame_len().is_some()
+    }
+
+    /// Waits until bytes of the next frame are buffered; a vsock
+    /// connection that ends before any came is made again, once (see
+    /// [`receive_command`]).
+    fn recv_or_reconnect(&mut self) -> Result<(), &'static [u8]> {
+        let mut reconnected = false;
+        while self.rx_len == 0 {
+            match sys::read(self.fd, &mut self.rx) {
+                Ok(n) if n > 0 => self.rx_len = n,
+                Err(sys::EINTR) | Err(sys::EAGAIN) => {}
+                _ if reconnected => return Err(b"channel closed before the command"),
+                _ => {
+                    let Some(port) = self.vsock else {
+                        return Err(b"channel closed before the command");
+                    };
+                    sys::close(self.fd);
+                    self.fd = connect_vsock(port)?;
+                    reconnected = true;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The next frame (blocking); `None` when the channel fails.

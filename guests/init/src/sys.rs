@@ -23,6 +23,7 @@ pub const EPERM: Errno = 1;
 pub const EKEYREJECTED: Errno = 129;
 pub const ENOEXEC: Errno = 8;
 pub const ENOTTY: Errno = 25;
+pub const EAFNOSUPPORT: Errno = 97;
 
 /// `mount` flags.
 pub const MS_RDONLY: usize = 1;
@@ -600,4 +601,58 @@ pub unsafe extern "C" fn memcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
 pub unsafe extern "C" fn bcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
     // SAFETY: same contract as memcmp.
     unsafe { memcmp(a, b, n) }
+}
+
+const SYS_SOCKET: usize = 41;
+const SYS_CONNECT: usize = 42;
+const AF_VSOCK: usize = 40;
+const SOCK_STREAM: usize = 1;
+const SOCK_CLOEXEC: usize = 0o2000000;
+/// The host's context ID: where a guest's vsock connections go.
+const VMADDR_CID_HOST: u32 = 2;
+
+/// `struct sockaddr_vm`.
+#[repr(C)]
+struct SockaddrVm {
+    family: u16,
+    reserved1: u16,
+    port: u32,
+    cid: u32,
+    flags: u8,
+    zero: [u8; 3],
+}
+
+/// A vsock stream connected to the host's `port`.
+pub fn vsock_connect(port: u32) -> Result<Fd, Errno> {
+    let fd = call(
+        SYS_SOCKET,
+        [AF_VSOCK, SOCK_STREAM | SOCK_CLOEXEC, 0, 0, 0, 0],
+    )? as Fd;
+    let addr = SockaddrVm {
+        family: AF_VSOCK as u16,
+        reserved1: 0,
+        port,
+        cid: VMADDR_CID_HOST,
+        flags: 0,
+        zero: [0; 3],
+    };
+    let len = core::mem::size_of::<SockaddrVm>();
+    // The address is a live value of the size given.
+    match call(
+        SYS_CONNECT,
+        [
+            fd as usize,
+            &addr as *const SockaddrVm as usize,
+            len,
+            0,
+            0,
+            0,
+        ],
+    ) {
+        Ok(_) => Ok(fd),
+        Err(e) => {
+            close(fd);
+            Err(e)
+        }
+    }
 }
