@@ -309,17 +309,24 @@ pub fn run(
 
     let stream = match accept(&listener, &mut guard, deadline)? {
         Some(s) => {
-            // The path was only the rendezvous: once connected, it goes.
-            // So do the daemons': the VMM connects to them before it
-            // connects the channel (see the qemu backend).
-            let _ = std::fs::remove_file(guard.socket.path());
+            // The path was only the rendezvous: once connected, it goes
+            // (a vsock channel's stays: the command's stdio connections
+            // come to it too). So do the daemons': the VMM connects to
+            // them before it connects the channel (see the qemu backend).
+            if vsock_uds.is_none() {
+                let _ = std::fs::remove_file(guard.socket.path());
+            }
             daemons.iter().for_each(virtiofsd::Daemon::forget_socket);
             s
         }
         None if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(Outcome::TimedOut),
         None => return Ok(no_report(&mut guard, false)),
     };
-    match converse(stream, job, deadline, out, err)? {
+    let conversed = match &vsock_uds {
+        Some(_) => converse_vsock(stream, &listener, job, deadline, out, err)?,
+        None => converse(stream, job, deadline, out, err)?,
+    };
+    match conversed {
         Some(outcome) => {
             // The guest is powering off: let ember finish its timeline.
             if spec.events.is_some() && matches!(outcome, Outcome::Exited(_)) {
@@ -449,16 +456,7 @@ fn converse(
                 }
                 Kind::Ready => {
                     job_sent = true;
-                    if let Some(at) = &job.snapshot_at_ready {
-                        // A failed snapshot costs only the next run's speed.
-                        match super::warm::save(&at.api, &at.dir) {
-                            Ok(()) if job.verbose => {
-                                eprintln!("ember: appliance snapshot {}", at.dir.display())
-                            }
-                            Ok(()) => {}
-                            Err(e) => eprintln!("ember: warning: {}", error_chain(&e)),
-                        }
-                    }
+                    snapshot_at_ready(job);
                     send_job(&stream, job, &to_guest).map_err(io_err("writing the channel"))?;
                 }
                 Kind::Stdout | Kind::Stderr => {
@@ -493,6 +491,217 @@ fn converse(
                 // Host-bound kinds are never sent by the guest; ignore them.
                 _ => {}
             }
+        }
+    }
+}
+
+/// [`converse`] on a vsock channel: the frames carry the job and the
+/// command's status, while the command's stdin, stdout and stderr are
+/// vsock connections of their own, which the guest makes before it starts
+/// the command, in that order, and the VMM hands to `listener` as it made
+/// the channel's. Output is read as it comes, no faster than `out` and
+/// `err` take it; the status is taken once both outputs ended. `None` if
+/// the channel closed without a report.
+fn converse_vsock(
+    mut control: UnixStream,
+    listener: &UnixListener,
+    job: &Job,
+    deadline: Option<Instant>,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<Option<Outcome>, HostError> {
+    use std::os::fd::AsRawFd;
+    let io_err = |what: &str| {
+        let what = what.to_owned();
+        move |e| HostError::Io(what, e)
+    };
+    let mut dec = Decoder::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut job_sent = false;
+    let to_guest = Arc::new(ToGuest::default());
+    if job.restored {
+        job_sent = true;
+        send_frames(&control, job).map_err(io_err("writing the channel"))?;
+    }
+    // Accepted in the guest's order: stdin, stdout, stderr.
+    let mut stdio: Vec<UnixStream> = Vec::new();
+    // stdout and stderr not at their end yet.
+    let mut open = [true, true];
+    let mut status: Option<Outcome> = None;
+    loop {
+        if let Some(outcome) = &status
+            && stdio.len() == 3
+            && open == [false, false]
+        {
+            release(&control, &to_guest);
+            return Ok(Some(outcome.clone()));
+        }
+        let wait_ms = match deadline {
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Ok(Some(Outcome::TimedOut));
+                }
+                i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX)
+            }
+            None => -1,
+        };
+        let mut fds = vec![libc::pollfd {
+            fd: control.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        if stdio.len() < 3 {
+            fds.push(libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        for (i, s) in stdio.iter().enumerate().skip(1) {
+            if open[i - 1] {
+                fds.push(libc::pollfd {
+                    fd: s.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+            }
+        }
+        let nfds = libc::nfds_t::try_from(fds.len()).unwrap_or(0);
+        // SAFETY: `fds` is a live array of `nfds` pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), nfds, wait_ms) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(HostError::Io("poll on the channel".into(), e));
+        }
+        let ready = |fd: i32| fds.iter().any(|p| p.fd == fd && p.revents != 0);
+        // The command's output first: its status waits for its end anyway.
+        for i in [1, 2] {
+            let Some(s) = stdio.get(i) else { continue };
+            if !open[i - 1] || !ready(s.as_raw_fd()) {
+                continue;
+            }
+            let got = match (&*s).read(&mut buf) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                // A guest that goes away mid-output ends that output.
+                Err(_) => 0,
+            };
+            if got == 0 {
+                open[i - 1] = false;
+                continue;
+            }
+            let (w, stream): (&mut dyn Write, _) = if i == 1 {
+                (&mut *out, "stdout")
+            } else {
+                (&mut *err, "stderr")
+            };
+            // As in `converse`: undeliverable output stops the run, and a
+            // slow reader holds the guest back (through vsock's credit).
+            if let Err(e) = w.write_all(&buf[..got]).and_then(|_| w.flush()) {
+                return Ok(Some(Outcome::OutputFailed {
+                    stream,
+                    broken_pipe: e.kind() == io::ErrorKind::BrokenPipe,
+                    reason: e.to_string(),
+                }));
+            }
+        }
+        if stdio.len() < 3 && ready(listener.as_raw_fd()) {
+            match listener.accept() {
+                Ok((s, _)) => {
+                    s.set_nonblocking(false).map_err(io_err("socket"))?;
+                    if stdio.is_empty() {
+                        forward_stdin_raw(&s, job).map_err(io_err("socket"))?;
+                    }
+                    stdio.push(s);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(HostError::Io("accept on the channel socket".into(), e)),
+            }
+        }
+        if !ready(control.as_raw_fd()) {
+            continue;
+        }
+        let n = match control.read(&mut buf) {
+            Ok(0) => return Ok(None),
+            Ok(n) => n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ) =>
+            {
+                continue;
+            }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return Ok(None),
+            Err(e) => return Err(HostError::Io("reading the channel".into(), e)),
+        };
+        dec.feed(&buf[..n]);
+        while let Some(frame) = dec.next_frame().map_err(HostError::Protocol)? {
+            match frame.kind {
+                Kind::Ready if job_sent => {
+                    ember_vmm::guest_warn!("appliance: the guest sent READY again; ignored");
+                }
+                Kind::Ready => {
+                    job_sent = true;
+                    snapshot_at_ready(job);
+                    send_frames(&control, job).map_err(io_err("writing the channel"))?;
+                }
+                Kind::Exit if status.is_none() => {
+                    let code = protocol::exit_code(&frame.payload).unwrap_or(-1);
+                    status = Some(Outcome::Exited(code));
+                }
+                Kind::Error => {
+                    let msg = String::from_utf8_lossy(&frame.payload).into_owned();
+                    release(&control, &to_guest);
+                    return Ok(Some(Outcome::GuestError(msg)));
+                }
+                // Output comes on its own connections; nothing else is
+                // sent by the guest.
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Copies our stdin to the command's stdin connection `s` on a thread, and
+/// ends it (a half-close: the guest reads its end) at our stdin's end, or
+/// at once when the job forwards none.
+fn forward_stdin_raw(s: &UnixStream, job: &Job) -> io::Result<()> {
+    let mut w = s.try_clone()?;
+    if !job.forward_stdin {
+        return w.shutdown(std::net::Shutdown::Write);
+    }
+    std::thread::spawn(move || {
+        let mut stdin = io::stdin().lock();
+        let mut buf = vec![0u8; STDIN_CHUNK];
+        loop {
+            match stdin.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if w.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        let _ = w.shutdown(std::net::Shutdown::Write);
+    });
+    Ok(())
+}
+
+/// Takes the appliance's snapshot at READY when the job asks for one (a
+/// failed snapshot costs only the next run's speed).
+fn snapshot_at_ready(job: &Job) {
+    if let Some(at) = &job.snapshot_at_ready {
+        match super::warm::save(&at.api, &at.dir) {
+            Ok(()) if job.verbose => eprintln!("ember: appliance snapshot {}", at.dir.display()),
+            Ok(()) => {}
+            Err(e) => eprintln!("ember: warning: {}", error_chain(&e)),
         }
     }
 }
@@ -541,31 +750,7 @@ fn release(stream: &UnixStream, to_guest: &ToGuest) {
 
 /// Sends the command, then starts forwarding stdin (or sends its end).
 fn send_job(stream: &UnixStream, job: &Job, to_guest: &Arc<ToGuest>) -> io::Result<()> {
-    let mut frames = Vec::new();
-    for a in &job.argv {
-        protocol::encode(&mut frames, Kind::Arg, a.as_bytes());
-    }
-    for e in &job.env {
-        protocol::encode(&mut frames, Kind::Env, e.as_bytes());
-    }
-    if let Some(cwd) = &job.cwd {
-        protocol::encode(&mut frames, Kind::Cwd, cwd.as_bytes());
-    }
-    if let Some(root) = &job.root {
-        protocol::encode(&mut frames, Kind::Root, root.as_bytes());
-    }
-    if let Some(tag) = &job.host_root {
-        protocol::encode(&mut frames, Kind::HostRoot, tag.as_bytes());
-    }
-    for s in &job.shares {
-        let mode = if s.writable { "rw" } else { "ro" };
-        let share = format!("{mode} {} {}", s.tag, s.path);
-        protocol::encode(&mut frames, Kind::Share, share.as_bytes());
-    }
-    if let Some(net) = &job.net {
-        protocol::encode(&mut frames, Kind::Net, net);
-    }
-    protocol::encode(&mut frames, Kind::Exec, job.exec.as_bytes());
+    let mut frames = job_frames(job);
     if !job.forward_stdin {
         protocol::encode(&mut frames, Kind::StdinEof, &[]);
     }
@@ -596,6 +781,42 @@ fn send_job(stream: &UnixStream, job: &Job, to_guest: &Arc<ToGuest>) -> io::Resu
         });
     }
     Ok(())
+}
+
+/// Sends the command's frames alone (a vsock channel's stdin is a
+/// connection of its own: see [`converse_vsock`]).
+fn send_frames(stream: &UnixStream, job: &Job) -> io::Result<()> {
+    (&*stream).write_all(&job_frames(job))
+}
+
+/// The frames of the command, up to `EXEC`.
+fn job_frames(job: &Job) -> Vec<u8> {
+    let mut frames = Vec::new();
+    for a in &job.argv {
+        protocol::encode(&mut frames, Kind::Arg, a.as_bytes());
+    }
+    for e in &job.env {
+        protocol::encode(&mut frames, Kind::Env, e.as_bytes());
+    }
+    if let Some(cwd) = &job.cwd {
+        protocol::encode(&mut frames, Kind::Cwd, cwd.as_bytes());
+    }
+    if let Some(root) = &job.root {
+        protocol::encode(&mut frames, Kind::Root, root.as_bytes());
+    }
+    if let Some(tag) = &job.host_root {
+        protocol::encode(&mut frames, Kind::HostRoot, tag.as_bytes());
+    }
+    for s in &job.shares {
+        let mode = if s.writable { "rw" } else { "ro" };
+        let share = format!("{mode} {} {}", s.tag, s.path);
+        protocol::encode(&mut frames, Kind::Share, share.as_bytes());
+    }
+    if let Some(net) = &job.net {
+        protocol::encode(&mut frames, Kind::Net, net);
+    }
+    protocol::encode(&mut frames, Kind::Exec, job.exec.as_bytes());
+    frames
 }
 
 /// For the fuzz target `appliance_frames` (fuzz/, built by scripts/fuzz with `--cfg
@@ -638,6 +859,76 @@ pub fn fuzz_converse(from_guest: &[u8]) -> Result<Option<Outcome>, HostError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// On a vsock channel the command's stdio are connections of their own:
+    /// its output is all delivered, even what comes after its status, before
+    /// the status is taken and DONE sent; its stdin ends at once when none is
+    /// forwarded.
+    #[test]
+    fn a_vsock_channels_status_waits_for_the_end_of_its_output() {
+        let dir = crate::appliance::test_dir("host-vsock-converse");
+        let path = dir.path().join("v.sock_1024");
+        let listener = UnixListener::bind(&path).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let (host, mut control) = UnixStream::pair().unwrap();
+        let guest_path = path.clone();
+        let guest = std::thread::spawn(move || {
+            let mut stdin = UnixStream::connect(&guest_path).unwrap();
+            let mut stdout = UnixStream::connect(&guest_path).unwrap();
+            let mut stderr = UnixStream::connect(&guest_path).unwrap();
+            let mut input = Vec::new();
+            stdin.read_to_end(&mut input).unwrap();
+            stdout.write_all(b"out-1 ").unwrap();
+            stderr.write_all(b"err").unwrap();
+            drop(stderr);
+            let mut exit = Vec::new();
+            protocol::encode(&mut exit, Kind::Exit, &7i32.to_le_bytes());
+            control.write_all(&exit).unwrap();
+            // Output after the status still counts.
+            std::thread::sleep(Duration::from_millis(50));
+            stdout.write_all(b"out-2").unwrap();
+            drop(stdout);
+            let mut done = Vec::new();
+            control.read_to_end(&mut done).unwrap();
+            (input, done)
+        });
+        let mut job = fuzzless_job();
+        job.restored = true;
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let outcome = converse_vsock(host, &listener, &job, None, &mut out, &mut err).unwrap();
+        assert_eq!(outcome, Some(Outcome::Exited(7)));
+        assert_eq!(out, b"out-1 out-2");
+        assert_eq!(err, b"err");
+        drop(listener);
+        let (input, done) = guest.join().unwrap();
+        assert!(input.is_empty());
+        let mut dec = Decoder::new();
+        dec.feed(&done);
+        let kinds: Vec<Kind> = std::iter::from_fn(|| dec.next_frame().unwrap())
+            .map(|f| f.kind)
+            .collect();
+        assert_eq!(kinds.last(), Some(&Kind::Done), "{kinds:?}");
+        assert!(kinds.contains(&Kind::Exec) && !kinds.contains(&Kind::StdinEof));
+    }
+
+    fn fuzzless_job() -> Job {
+        Job {
+            argv: vec!["true".into()],
+            exec: "/bin/true".into(),
+            env: vec![],
+            cwd: None,
+            forward_stdin: false,
+            timeout: None,
+            verbose: false,
+            root: None,
+            net: None,
+            host_root: None,
+            shares: Vec::new(),
+            restored: false,
+            snapshot_at_ready: None,
+            inherit_fds: Vec::new(),
+        }
+    }
 
     /// A guest that repeats READY gets the job (and, with stdin forwarded, a stdin thread)
     /// once, not once per frame.

@@ -1,6 +1,7 @@
 //! The appliance channel protocol: how the command, its stdin, stdout,
 //! stderr and exit status travel between ember and the guest init over one
-//! byte stream (a serial line or a virtio-console port).
+//! byte stream (a serial line, a virtio-console port, or on the ember
+//! backend a vsock connection).
 //!
 //! Every message is a frame:
 //!
@@ -31,6 +32,14 @@
 //!    before it); only then does the guest power off. A slow reader holds
 //!    the guest's output back in its port's queue (QEMU throttles the port),
 //!    and a guest that powered off at once would take that output with it.
+//!
+//! On a vsock channel (the ember backend) step 3 is not frames: before it
+//! starts the command the guest makes three more connections to the same
+//! host port, which become the command's stdin, stdout and stderr as they
+//! are (no pipe, no copy through init: this guest kernel's copies are its
+//! cost). The host half-closes stdin at its end, reads stdout and stderr
+//! to theirs, and takes `EXIT` only then; the guest ends those two (a
+//! half-close) when the command exits and holds them open until `DONE`.
 //!
 //! Kernel messages never travel here: the kernel's console is another device.
 

@@ -79,8 +79,10 @@ impl Env {
 const CHANNEL_CHECK: &str = "s=0; t=0; for f in /proc/1/fd/*; do case ${f##*/} in 0|1|2) continue;; esac; \
      [ -S $f ] && s=$((s+1)); [ -c $f ] && t=$((t+1)); done; echo channel sockets $s ttys $t";
 /// What [`CHANNEL_CHECK`] prints when the channel is a vsock connection
-/// (made again after a restore, the snapshot's one gone), not a tty.
-const ON_VSOCK: &str = "channel sockets 1 ttys 0\n";
+/// (made again after a restore, the snapshot's one gone), not a tty: init
+/// holds it and the command's stdout and stderr connections (until the
+/// host has read them to their end).
+const ON_VSOCK: &str = "channel sockets 3 ttys 0\n";
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()

@@ -582,10 +582,11 @@ fn item2_a_stopped_reader_loses_no_output_on_ember() {
         return;
     };
     let cache = pvm.shared_warm_cache();
-    // The 100 MB would take most of an hour: the ember backend's
-    // channel is a UART (a VM exit per byte), about 40 KB/s under this
-    // host's software KVM. 1.3 MB still fills the pipes and socket between
-    // the guest and the stopped reader many times over.
+    // The 100 MB would take most of an hour: the guest kernel's
+    // copies are slow under this host's software KVM (the ember backend's
+    // vsock channel moves a few hundred KB/s). 1.3 MB still fills the
+    // vsock credit and the sockets between the guest and the stopped
+    // reader many times over.
     assert_a_stopped_reader_loses_nothing(pvm.run(&cache, 150), 200_000, 256 << 10, secs(170));
 }
 

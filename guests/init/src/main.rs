@@ -163,7 +163,11 @@ fn run(envp: *const *const u8) -> Result<(), &'static [u8]> {
         ch.error_with(msg, b"");
         return Ok(());
     }
-    match run_command(&mut ch, &cmd) {
+    let ran = match ch.vsock {
+        Some(port) => run_command_on_vsock(&cmd, port),
+        None => run_command(&mut ch, &cmd),
+    };
+    match ran {
         Ok(code) => {
             // The host may stop the VM as soon as EXIT arrives: flush disks first.
             sys::sync();
@@ -626,6 +630,33 @@ fn run_command(ch: &mut Channel, cmd: &Command) -> Result<i32, &'static [u8]> {
     let _ = sys::set_nonblocking(in_w);
     relay(ch, in_w, out_r, err_r);
     sys::wait_for(pid).map_err(|_| &b"wait failed"[..])
+}
+
+/// Starts the command with a vsock connection of its own to the host's
+/// `port` as each of its stdin, stdout and stderr (made in that order: the
+/// host takes them in the order they come), so its output goes to the host
+/// as it writes it and its input comes as the host sends it, with no pipe
+/// and no copy through init; returns its exit code when it exits (the host
+/// reads its stdout and stderr to their end before it takes the status).
+fn run_command_on_vsock(cmd: &Command, port: u32) -> Result<i32, &'static [u8]> {
+    let stdin = connect_vsock(port)?;
+    let stdout = connect_vsock(port)?;
+    let stderr = connect_vsock(port)?;
+    let pid = sys::fork().map_err(|_| &b"fork failed"[..])?;
+    if pid == 0 {
+        exec_child(cmd, stdin, stdout, stderr);
+    }
+    sys::close(stdin);
+    let code = sys::wait_for(pid).map_err(|_| &b"wait failed"[..]);
+    // Ends its output for every holder (what a process it left behind
+    // writes now fails), but keeps the connections open until the host
+    // says it has read them: a vsock connection closed both ways with
+    // output still queued for a slow host reader is reset after a while,
+    // losing that output.
+    for fd in [stdout, stderr] {
+        sys::shutdown_write(fd);
+    }
+    code
 }
 
 /// In the forked child: wire up stdio, change directory, exec.

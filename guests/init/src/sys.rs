@@ -605,6 +605,8 @@ pub unsafe extern "C" fn bcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
 
 const SYS_SOCKET: usize = 41;
 const SYS_CONNECT: usize = 42;
+const SYS_SHUTDOWN: usize = 48;
+const SHUT_WR: usize = 1;
 const AF_VSOCK: usize = 40;
 const SOCK_STREAM: usize = 1;
 const SOCK_CLOEXEC: usize = 0o2000000;
@@ -655,4 +657,10 @@ pub fn vsock_connect(port: u32) -> Result<Fd, Errno> {
             Err(e)
         }
     }
+}
+
+/// Ends what this side of socket `fd` sends (its peer reads an end), for
+/// every descriptor of it.
+pub fn shutdown_write(fd: Fd) {
+    let _ = call(SYS_SHUTDOWN, [fd as usize, SHUT_WR, 0, 0, 0, 0]);
 }
