@@ -314,26 +314,6 @@ fn host_ranges(mem: &GuestMemoryMmap) -> Vec<(u64, u64, u64)> {
         .collect()
 }
 
-/// Commits `host..host+len` (one call; the kernel allocates and zeroes every page
-/// not yet present, huge pages where the mapping allows).
-pub(crate) fn populate(host: u64, len: u64) -> std::io::Result<()> {
-    loop {
-        // SAFETY: callers pass a range inside guest memory, which stays mapped as
-        // long as the VM (the committer holds the memory). POPULATE_WRITE only
-        // allocates pages that are not present; it never changes the contents of
-        // a page the guest may be using concurrently.
-        let rc = unsafe { libc::madvise(host as *mut _, len as usize, libc::MADV_POPULATE_WRITE) };
-        if rc == 0 {
-            return Ok(());
-        }
-        let e = std::io::Error::last_os_error();
-        // EINTR/EAGAIN: interrupted or transient; what was populated stays.
-        if !matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN)) {
-            return Err(e);
-        }
-    }
-}
-
 /// Whether every page of `host..host+len` is resident (mincore), for tests and
 /// checks: committed memory is resident memory.
 pub(crate) fn resident(host: u64, len: u64) -> std::io::Result<bool> {
@@ -758,7 +738,7 @@ impl Inner {
                 let Some(&(guest, host, len)) = units.get(i) else {
                     return;
                 };
-                if let Err(source) = populate(host, len) {
+                if let Err(source) = crate::vstate::memory::populate(host, len) {
                     let mut f = failure.lock().unwrap_or_else(|p| p.into_inner());
                     f.get_or_insert(CommitError::Populate {
                         addr: guest,

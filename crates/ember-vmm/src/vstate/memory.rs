@@ -228,6 +228,26 @@ pub(crate) fn add_hotplug(
     Ok((all, alone))
 }
 
+/// Commits `host..host+len` (one call; the kernel allocates and zeroes every page
+/// not yet present, huge pages where the mapping allows).
+pub(crate) fn populate(host: u64, len: u64) -> std::io::Result<()> {
+    loop {
+        // SAFETY: callers pass a range inside guest memory, which stays mapped as
+        // long as the VM (the committer holds the memory). POPULATE_WRITE only
+        // allocates pages that are not present; it never changes the contents of
+        // a page the guest may be using concurrently.
+        let rc = unsafe { libc::madvise(host as *mut _, len as usize, libc::MADV_POPULATE_WRITE) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        // EINTR/EAGAIN: interrupted or transient; what was populated stays.
+        if !matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN)) {
+            return Err(e);
+        }
+    }
+}
+
 /// How many bytes of guest memory are resident on the host, from
 /// /proc/self/smaps (cheap even for a 64 GiB guest, unlike mincore).
 pub(crate) fn resident_bytes(mem: &GuestMemoryMmap) -> u64 {

@@ -485,7 +485,7 @@ fn recommit(mem: &GuestMemory, stale: &mut RangeSet, start: u64, end: u64) {
             .filter(|r| e <= r.start_addr().0 + r.len())
             .and_then(|_| mem.get_host_address(GuestAddress(s)).ok());
         let Some(host) = host else { continue };
-        if let Err(e) = crate::prefault::populate(host as u64, e - s) {
+        if let Err(e) = crate::vstate::memory::populate(host as u64, e - s) {
             crate::guest_warn!("{DEVICE}: cannot commit {s:#x} again: {e}");
         }
     }
@@ -657,7 +657,7 @@ mod tests {
         handle.set_committed(64 * BS);
         handle.keep_committed();
         // As the committer leaves them: blocks 0 and 1 committed.
-        crate::prefault::populate(
+        crate::vstate::memory::populate(
             mem.get_host_address(GuestAddress(region)).unwrap() as u64,
             2 * BS,
         )
