@@ -9,7 +9,9 @@
 # (round 0: the warm-up; the start on the L1's wall clock, as the shim's log
 # times its lines), RIG-NOTE lines from the shim's log (its timings),
 # and RIG-FAILED-LOG with the output of a run that printed no first line.
-# Configuration (environment): ROUNDS.
+# With RIG_DOCKER=1, then the same with Docker (its own dockerd): RIG-DOCKER
+# lines, as RIG-CTR's.
+# Configuration (environment): ROUNDS, RIG_DOCKER.
 b=/bin/busybox
 $b mkdir -p /tmp/rig-bin && $b --install -s /tmp/rig-bin
 export PATH=/usr/local/bin:/usr/bin:/usr/sbin:/tmp/rig-bin:$PATH
@@ -49,21 +51,26 @@ done
 ctr images import --base-name localhost/rig-bench ./image.tar > /dev/null ||
   { echo "RIG-FAILED ctr images import"; exit 1; }
 
-# run RUNTIME ROUND: one timed `ctr run --rm`.
+# run TOOL RUNTIME ROUND: one timed `ctr run --rm` or `docker run --rm`.
 n=0
 run() {
   n=$((n + 1))
-  log=/tmp/ctr-$1-$2.log
-  case $1 in
-    ember) opts="--runtime io.containerd.ember.v2" ;;
+  log=/tmp/$1-$2-$3.log
+  case $1-$2 in
+    ctr-ember) opts="--runtime io.containerd.ember.v2" ;;
     # runc cannot pivot_root away from the L1's initramfs root (Docker's
     # DOCKER_RAMDISK case): it chroots instead.
-    runc) opts="--no-pivot" ;;
+    ctr-runc) opts="--no-pivot" ;;
+    # No network, as ctr's containers: only their loopback.
+    docker-*) opts="--network none --runtime $2" ;;
   esac
   t0=$(now_us)
   {
     # shellcheck disable=SC2086 # opts is a list of arguments
-    ctr run --rm $opts $IMAGE "bench-$1-$n" sh -c "$WORKLOAD" 2>&1
+    case $1 in
+      ctr) ctr run --rm $opts $IMAGE "bench-$2-$n" sh -c "$WORKLOAD" 2>&1 ;;
+      docker) docker run --rm $opts $DIMAGE sh -c "$WORKLOAD" 2>&1 ;;
+    esac
     echo "RIG-STATUS $?"
   } | {
     m=none; st=none
@@ -78,17 +85,57 @@ run() {
   }
   t1=$(now_us)
   read -r m st < /tmp/mark
-  echo "RIG-CTR $1 $2 $(ms_since "$m" "$t0") $(ms_since "$t1" "$t0") $st $t0"
-  if [ "$m" = none ] || [ "$st" != 0 ]; then echo "RIG-FAILED-LOG $1 $2:"; tail -20 "$log"; fi
+  tag=RIG-CTR; [ "$1" = docker ] && tag=RIG-DOCKER
+  echo "$tag $2 $3 $(ms_since "$m" "$t0") $(ms_since "$t1" "$t0") $st $t0"
+  if [ "$m" = none ] || [ "$st" != 0 ]; then
+    echo "RIG-FAILED-LOG $1 $2 $3:"; tail -20 "$log"
+    [ "$1" = docker ] && tail -20 $G/dockerd.log
+  fi
 }
 
-run ember 0
-run runc 0
-for r in $(seq "$ROUNDS"); do
-  if [ $((r % 2)) = 1 ]; then run ember "$r"; run runc "$r"; else run runc "$r"; run ember "$r"; fi
-done
+# rounds TOOL: a warm-up of each runtime, then ROUNDS alternating rounds.
+rounds() {
+  run "$1" ember 0
+  run "$1" runc 0
+  for r in $(seq "$ROUNDS"); do
+    if [ $((r % 2)) = 1 ]; then run "$1" ember "$r"; run "$1" runc "$r"; else run "$1" runc "$r"; run "$1" ember "$r"; fi
+  done
+}
+
+rounds ctr
 # The shim's own timings (the pod VM's start, the agent's answer).
-grep -e 'agent answered' -e 'booting the pod VM' $D/containerd.log | sed 's/^/RIG-NOTE /' 
+grep -e 'agent answered' -e 'booting the pod VM' $D/containerd.log | sed 's/^/RIG-NOTE /'
 kill %1 2>/dev/null
 wait
+
+# Docker (RIG_DOCKER=1): its own dockerd (and the containerd it starts),
+# files on a tmpfs, no bridge or iptables; ember-oci registered as the
+# runtime `ember` on the ember backend (restoring the snapshot the ctr runs
+# made), runc chrooting (DOCKER_RAMDISK).
+if [ "${RIG_DOCKER:-0}" = 1 ]; then
+  G=/tmp/dkr
+  mkdir -p $G && mount -t tmpfs tmpfs $G
+  echo '{"runtimes": {"ember": {"path": "/usr/local/bin/ember-oci", "runtimeArgs": ["--backend", "ember"]}}}' > $G/daemon.json
+  DOCKER_RAMDISK=true dockerd --config-file $G/daemon.json --data-root $G/data --exec-root $G/exec \
+    --pidfile $G/docker.pid -H unix://$G/docker.sock --bridge=none --iptables=false \
+    --ip-masq=false --ip-forward=false --userland-proxy=false > $G/dockerd.log 2>&1 &
+  dpid=$!
+  export DOCKER_CONFIG=$G/client
+  docker() { /usr/bin/docker -H unix://$G/docker.sock "$@"; }
+  DIMAGE=rig-bench-docker:latest
+  i=0
+  until docker version > /dev/null 2>&1; do
+    i=$((i + 1)); [ $i -gt 1500 ] && { echo "RIG-FAILED dockerd did not come up"; tail -30 $G/dockerd.log; exit 1; }
+    usleep 200000
+  done
+  if docker import - $DIMAGE < ./rootfs.tar > /dev/null; then
+    # shellcheck disable=SC2016 # a Go template, not the shell's
+    echo "RIG-NOTE docker: $(docker info --format '{{.ServerVersion}}, storage {{.Driver}}, cgroup {{.CgroupVersion}}, runtimes {{range $k, $v := .Runtimes}}{{$k}} {{end}}' 2>&1)"
+    rounds docker
+  else
+    echo "RIG-FAILED docker import"; tail -20 $G/dockerd.log
+  fi
+  kill $dpid 2>/dev/null
+  wait
+fi
 echo "RIG-DONE"

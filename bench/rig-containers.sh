@@ -14,8 +14,18 @@
 # shared into it, as on a host. Times are on the L1's clock and inflated by
 # TCG (runc's too): read the ratio.
 #
+# With RIG_DOCKER=1 the same L1 then measures `docker run --rm` the same
+# way: Debian's dockerd (DOCKER_RAMDISK=true: runc chroots, as above) with
+# ember-oci registered in its daemon.json `runtimes` on the ember backend
+# (the pod VM restored from the same snapshot) against runc, the same busybox
+# tree `docker import`ed, a warm-up of each and ROUNDS alternating rounds.
+#
 # Usage: bench/rig-containers.sh [ROUNDS]          (default 5)
 # Environment:
+#   RIG_DOCKER=1    also `docker run` (needs dockerd and Debian's client,
+#                   /usr/bin/docker)
+#   EMBER_OCI_BIN   ember-oci for RIG_DOCKER (default: a release build of
+#                   this tree)
 #   EMBER_BIN       ember to measure (default: a release build of this tree)
 #   EMBER_SHIM_BIN, EMBER_AGENT_BIN   the shim and the guest agent (default:
 #                   release builds of this tree, beside EMBER_BIN's default)
@@ -27,18 +37,32 @@ cd "$ROOT"
 say() { printf '%s\n' "$*" >&2; }
 
 NAME=rig-containers.sh
-if [ -z "${EMBER_BIN:-}" ] || [ -z "${EMBER_SHIM_BIN:-}" ] || [ -z "${EMBER_AGENT_BIN:-}" ]; then
-  cargo build --locked --release --quiet -p ember -p containerd-shim-ember-v2 -p ember-agent
+DOCKER=${RIG_DOCKER:-0}
+if [ -z "${EMBER_BIN:-}" ] || [ -z "${EMBER_SHIM_BIN:-}" ] || [ -z "${EMBER_AGENT_BIN:-}" ] ||
+  { [ "$DOCKER" = 1 ] && [ -z "${EMBER_OCI_BIN:-}" ]; }; then
+  cargo build --locked --release --quiet -p ember -p containerd-shim-ember-v2 -p ember-agent \
+    $([ "$DOCKER" = 1 ] && echo -p ember-oci)
 fi
 # The L1 carries the three with their libraries (as --file does), so ember
 # need not be the static shipped build: the one built beside the shim.
 export EMBER_BIN=${EMBER_BIN:-$PWD/target/release/ember}
 SHIM=${EMBER_SHIM_BIN:-$PWD/target/release/containerd-shim-ember-v2}
 AGENT=${EMBER_AGENT_BIN:-$PWD/target/release/ember-agent}
+OCI=${EMBER_OCI_BIN:-$PWD/target/release/ember-oci}
 . bench/rig-lib.sh
 rig_begin
 rig_need qemu-system-x86_64 > /dev/null || exit 1
 for t in containerd ctr runc containerd-shim-runc-v2 umoci tar; do rig_need "$t" > /dev/null || exit 1; done
+# Docker's part: the daemon, and Debian's client (another one on PATH may be
+# newer than the daemon).
+DARGS=()
+TIMEOUT=2400
+if [ "$DOCKER" = 1 ]; then
+  rig_need dockerd > /dev/null || exit 1
+  [ -x /usr/bin/docker ] || { say "$NAME: RIG_DOCKER=1 needs Debian's docker client, /usr/bin/docker"; exit 1; }
+  DARGS=(--with dockerd --with /usr/bin/docker --env RIG_DOCKER=1)
+  TIMEOUT=4200
+fi
 VER=$(basename "$KDIR")
 MODS=$KDIR/lib/modules/$VER
 
@@ -84,10 +108,19 @@ ln -s busybox "$WORK/bundle/rootfs/bin/cat"
 echo "hello from the image" > "$WORK/bundle/rootfs/etc/message"
 umoci repack --image "$L:latest" "$WORK/bundle"
 tar -C "$L" -cf "$R/image.tar" .
+# The same tree for `docker import`.
+if [ "$DOCKER" = 1 ]; then
+  mkdir -p "$WORK/bundle/rootfs/proc" "$WORK/bundle/rootfs/sys" "$WORK/bundle/rootfs/dev"
+  tar -C "$WORK/bundle/rootfs" -cf "$R/rootfs.tar" .
+fi
 
 rig_stage "$EMBER" "$R/ember"
 rig_stage "$SHIM" "$R/containerd-shim-ember-v2"
 rig_stage "$AGENT" "$R/ember-agent"
+if [ "$DOCKER" = 1 ]; then
+  rig_stage "$OCI" "$WORK/ember-oci"
+  DARGS+=(--file "$WORK/ember-oci:/usr/local/bin/ember-oci")
+fi
 cp "$EMBER_INIT" "$R/ember-init"
 cp bench/rig-containers-inner.sh "$R/"
 
@@ -96,13 +129,13 @@ say "$NAME: booting the rig (L1) ..."
 OUT=$WORK/out
 # The shim, its agent and ember side by side in the L1 (the shim finds
 # them beside itself); the L2's init from the same build.
-rig_l1 "$OUT" --mem 2G --timeout 2400 --file "$R:/rig" --file "$BUSYBOX:/bin/busybox" \
+rig_l1 "$OUT" --mem 2G --timeout "$TIMEOUT" --file "$R:/rig" --file "$BUSYBOX:/bin/busybox" \
   --file "$C:/root/.cache/ember" --file "$R/ember:/usr/local/bin/ember" \
   --file "$R/containerd-shim-ember-v2:/usr/local/bin/containerd-shim-ember-v2" \
   --file "$R/ember-agent:/usr/local/bin/ember-agent" \
   --with containerd --with ctr --with runc --with containerd-shim-runc-v2 \
   --env "ROUNDS=$ROUNDS" --env EMBER_SHIM_BACKEND=ember --env EMBER_INIT=/rig/ember-init \
-  -- /bin/busybox sh -c 'cd /rig && exec /bin/busybox sh ./rig-containers-inner.sh'
+  "${DARGS[@]}" -- /bin/busybox sh -c 'cd /rig && exec /bin/busybox sh ./rig-containers-inner.sh'
 grep -q '^RIG-CTR ' "$OUT" || { say "$NAME: the rig measured nothing"; cat "$OUT" >&2; exit 1; }
 [ -n "${RIG_OUT:-}" ] && cp "$OUT" "$RIG_OUT"
 
@@ -161,4 +194,35 @@ END {
     m = median(a, n)
     printf "  %s: %.0f ms (%.0f–%.0f)\n", L[j], m, a[1], a[n]
   }
+}'
+
+[ "$DOCKER" = 1 ] || exit 0
+# RIG-DOCKER <runtime> <round> <ms to the first line> <ms to exit> <status> <start us>.
+echo
+tr -d '\r' < "$OUT" | awk '
+function median(a, c,   i, j, t) {
+  for (i = 2; i <= c; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
+  return (c % 2) ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2
+}
+function stat(k, col,   c, i, a) {
+  c = cnt[k]; for (i = 1; i <= c; i++) a[i] = val[k, i, col]
+  med[k, col] = median(a, c)
+  return sprintf("%.0f ms (%.0f–%.0f)", med[k, col], a[1], a[c])
+}
+$1 == "RIG-DOCKER" && $3 == 0 { warm[$2] = sprintf("%s ms (exit %s ms, status %s)", $4, $5, $6) }
+$1 == "RIG-DOCKER" && $3 > 0 {
+  if ($4 == "none" || $6 != 0) { bad[$2]++; next }
+  cnt[$2]++; val[$2, cnt[$2], 1] = $4; val[$2, cnt[$2], 2] = $5
+}
+END {
+  print "| docker run --runtime | -> first line, median (min–max) | -> exit | warm-up run (first line) | runs |"
+  print "| --- | --- | --- | --- | --- |"
+  split("ember runc", R, " ")
+  for (i = 1; i <= 2; i++) {
+    k = R[i]; if (!cnt[k]) { printf "| %s | - | - | %s | 0 (%d failed) |\n", k, warm[k], bad[k]; continue }
+    f = stat(k, 1); x = stat(k, 2)
+    printf "| %s | %s | %s | %s | %d%s |\n", k, f, x, warm[k], cnt[k], bad[k] ? " (" bad[k] " failed)" : ""
+  }
+  if (cnt["ember"] && cnt["runc"])
+    printf "\ndocker: ember / runc, first line: %.2f×; exit: %.2f×\n", med["ember", 1] / med["runc", 1], med["ember", 2] / med["runc", 2]
 }'
