@@ -11,11 +11,12 @@
 # and RIG-FAILED-LOG with the output of a run that printed no first line.
 # With RIG_DOCKER=1, then the same with Docker (its own dockerd): RIG-DOCKER
 # lines, as RIG-CTR's.
-# Configuration (environment): ROUNDS, RIG_DOCKER.
+# Configuration (environment): ROUNDS, RIG_DOCKER, RUN_TIMEOUT (s, 300).
 b=/bin/busybox
 $b mkdir -p /tmp/rig-bin && $b --install -s /tmp/rig-bin
 export PATH=/usr/local/bin:/usr/bin:/usr/sbin:/tmp/rig-bin:$PATH
 ROUNDS=${ROUNDS:-5}
+RUN_TIMEOUT=${RUN_TIMEOUT:-300}
 IMAGE=localhost/rig-bench:latest
 WORKLOAD='echo RIG-FIRST-LINE; cat /etc/message'
 D=/tmp/ctd
@@ -66,10 +67,11 @@ run() {
   esac
   t0=$(now_us)
   {
+    # A run that hangs fails (and the rig goes on) after RUN_TIMEOUT s.
     # shellcheck disable=SC2086 # opts is a list of arguments
     case $1 in
-      ctr) ctr run --rm $opts $IMAGE "bench-$2-$n" sh -c "$WORKLOAD" 2>&1 ;;
-      docker) docker run --rm $opts $DIMAGE sh -c "$WORKLOAD" 2>&1 ;;
+      ctr) timeout "$RUN_TIMEOUT" ctr --address $D/containerd.sock run --rm $opts $IMAGE "bench-$2-$n" sh -c "$WORKLOAD" 2>&1 ;;
+      docker) timeout "$RUN_TIMEOUT" /usr/bin/docker -H unix://$G/docker.sock run --rm $opts $DIMAGE sh -c "$WORKLOAD" 2>&1 ;;
     esac
     echo "RIG-STATUS $?"
   } | {
@@ -89,7 +91,7 @@ run() {
   echo "$tag $2 $3 $(ms_since "$m" "$t0") $(ms_since "$t1" "$t0") $st $t0"
   if [ "$m" = none ] || [ "$st" != 0 ]; then
     echo "RIG-FAILED-LOG $1 $2 $3:"; tail -20 "$log"
-    [ "$1" = docker ] && tail -20 $G/dockerd.log
+    case $1 in ctr) tail -20 $D/containerd.log ;; docker) tail -20 $G/dockerd.log ;; esac
   fi
 }
 
@@ -107,16 +109,24 @@ rounds ctr
 grep -e 'agent answered' -e 'booting the pod VM' $D/containerd.log | sed 's/^/RIG-NOTE /'
 kill %1 2>/dev/null
 wait
+# The appliance's snapshots the pod VMs were restored from (a count that
+# grows with every run would mean cold boots).
+snapshots() { echo "RIG-NOTE snapshots after $1: $(ls "${HOME:-/root}/.cache/ember/snapshots" 2>/dev/null | wc -l)"; }
+snapshots ctr
 
 # Docker (RIG_DOCKER=1): its own dockerd (and the containerd it starts),
 # files on a tmpfs, no bridge or iptables; ember-oci registered as the
-# runtime `ember` on the ember backend (restoring the snapshot the ctr runs
-# made), runc chrooting (DOCKER_RAMDISK).
+# runtime `ember` on the ember backend (beside the ember and agent the shim
+# runs; its pod VM's configuration differs from the shim's, so its warm-up
+# boots and saves a snapshot of its own, which the later runs restore), runc
+# chrooting (DOCKER_RAMDISK).
 if [ "${RIG_DOCKER:-0}" = 1 ]; then
   G=/tmp/dkr
   mkdir -p $G && mount -t tmpfs tmpfs $G
-  echo '{"runtimes": {"ember": {"path": "/usr/local/bin/ember-oci", "runtimeArgs": ["--backend", "ember"]}}}' > $G/daemon.json
-  DOCKER_RAMDISK=true dockerd --config-file $G/daemon.json --data-root $G/data --exec-root $G/exec \
+  # The backend by the environment, not runtimeArgs: those make dockerd
+  # wrap the runtime in a #!/bin/sh script, and the L1 has no /bin/sh.
+  echo '{"runtimes": {"ember": {"path": "/rig/ember-oci"}}}' > $G/daemon.json
+  DOCKER_RAMDISK=true EMBER_OCI_BACKEND=ember dockerd --config-file $G/daemon.json --data-root $G/data --exec-root $G/exec \
     --pidfile $G/docker.pid -H unix://$G/docker.sock --bridge=none --iptables=false \
     --ip-masq=false --ip-forward=false --userland-proxy=false > $G/dockerd.log 2>&1 &
   dpid=$!
@@ -137,5 +147,6 @@ if [ "${RIG_DOCKER:-0}" = 1 ]; then
   fi
   kill $dpid 2>/dev/null
   wait
+  snapshots docker
 fi
 echo "RIG-DONE"

@@ -17,8 +17,9 @@
 # With RIG_DOCKER=1 the same L1 then measures `docker run --rm` the same
 # way: Debian's dockerd (DOCKER_RAMDISK=true: runc chroots, as above) with
 # ember-oci registered in its daemon.json `runtimes` on the ember backend
-# (the pod VM restored from the same snapshot) against runc, the same busybox
-# tree `docker import`ed, a warm-up of each and ROUNDS alternating rounds.
+# (its warm-up saves the snapshot the later pod VMs are restored from)
+# against runc, the same busybox tree `docker import`ed, a warm-up of each
+# and ROUNDS alternating rounds.
 #
 # Usage: bench/rig-containers.sh [ROUNDS]          (default 5)
 # Environment:
@@ -118,8 +119,8 @@ rig_stage "$EMBER" "$R/ember"
 rig_stage "$SHIM" "$R/containerd-shim-ember-v2"
 rig_stage "$AGENT" "$R/ember-agent"
 if [ "$DOCKER" = 1 ]; then
-  rig_stage "$OCI" "$WORK/ember-oci"
-  DARGS+=(--file "$WORK/ember-oci:/usr/local/bin/ember-oci")
+  # Beside the ember and agent the shim runs (it finds them beside itself).
+  rig_stage "$OCI" "$R/ember-oci"
 fi
 cp "$EMBER_INIT" "$R/ember-init"
 cp bench/rig-containers-inner.sh "$R/"
