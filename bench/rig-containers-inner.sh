@@ -117,9 +117,8 @@ snapshots ctr
 # Docker (RIG_DOCKER=1): its own dockerd (and the containerd it starts),
 # files on a tmpfs, no bridge or iptables; ember-oci registered as the
 # runtime `ember` on the ember backend (beside the ember and agent the shim
-# runs; its pod VM's configuration differs from the shim's, so its warm-up
-# boots and saves a snapshot of its own, which the later runs restore), runc
-# chrooting (DOCKER_RAMDISK).
+# runs: its pod VMs restore the snapshot the ctr runs saved), runc chrooting
+# (DOCKER_RAMDISK).
 if [ "${RIG_DOCKER:-0}" = 1 ]; then
   G=/tmp/dkr
   mkdir -p $G && mount -t tmpfs tmpfs $G

@@ -17,7 +17,7 @@
 # With RIG_DOCKER=1 the same L1 then measures `docker run --rm` the same
 # way: Debian's dockerd (DOCKER_RAMDISK=true: runc chroots, as above) with
 # ember-oci registered in its daemon.json `runtimes` on the ember backend
-# (its warm-up saves the snapshot the later pod VMs are restored from)
+# (the pod VM restored from the snapshot the ctr runs saved)
 # against runc, the same busybox tree `docker import`ed, a warm-up of each
 # and ROUNDS alternating rounds.
 #
