@@ -4,12 +4,12 @@
 //! The first run boots and snapshots the appliance with the host's root and
 //! one `--share` mounted, then runs its command; the second restores that
 //! snapshot with the share on another directory, read-only this time, and
-//! reads the host's root as it is now. Commands are busybox's shell
-//! builtins: each exec from the host's root costs this host's emulated
-//! guest kernel seconds (python3 and gcc are not run here: `python3 -c`
-//! alone ran past ten minutes from a restored snapshot; the QEMU backend's
-//! tests run them, tests/qemu_tcg/hostroot_e2e.rs). Steps 3 and 4 run as an
-//! unprivileged user: what works, and what is refused in one line.
+//! reads the host's root as it is now, and runs the host's python3 and gcc
+//! (compiling and running a program) from it. Otherwise commands are
+//! busybox's shell builtins: each exec from the host's root costs this
+//! host's emulated guest kernel seconds (python3 and gcc take minutes here;
+//! hence the generous timeout). Steps 3 and 4 run as an unprivileged user:
+//! what works, and what is refused in one line.
 //!
 //! Needs EMBER_PVM_KERNEL (scripts/test sets it; see tests/linux_pvm/linux_pvm.rs).
 
@@ -56,7 +56,7 @@ fn run(
             "--cmdline",
             PVM_CMDLINE,
             "--timeout",
-            "600",
+            "1500",
             "--share",
             share,
         ])
@@ -118,7 +118,9 @@ fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories(
 
     // 2. Restores it with the share on another directory, read-only: the
     //    device opens this run's directory; the root shows a file made after
-    //    the snapshot, in the caller's working directory.
+    //    the snapshot, in the caller's working directory; the host's python3
+    //    runs, and its gcc compiles a program (in the guest's own /tmp) that
+    //    then runs.
     std::fs::write(home.join("late"), "made-after-the-snapshot\n").unwrap();
     let second = run(
         &scratch,
@@ -127,7 +129,10 @@ fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories(
         &home,
         &format!("{}:/data", b.display()),
         "read x < /data/in; echo \"got $x\"; read y < late; echo \"$y\"; \
-         (echo no > /data/out) 2>/dev/null || echo refused",
+         (echo no > /data/out) 2>/dev/null || echo refused; \
+         python3 -c 'import sys; print(\"python\", sys.version_info[0] * 6 * 7 // 3)'; \
+         printf '#include <stdio.h>\\nint main(void) { printf(\"gcc %%d\\\\n\", 6 * 7); return 0; }\\n' \
+         > /tmp/t.c && gcc -o /tmp/t /tmp/t.c && /tmp/t",
         &[],
     );
     let err = text(&second.stderr);
@@ -135,7 +140,7 @@ fn the_host_root_and_a_share_restore_from_the_snapshot_on_this_runs_directories(
     assert!(err.contains("from snapshot"), "{err}");
     assert_eq!(
         text(&second.stdout),
-        "got from-b\nmade-after-the-snapshot\nrefused\n",
+        "got from-b\nmade-after-the-snapshot\nrefused\npython 42\ngcc 42\n",
         "stderr:\n{err}"
     );
     assert!(!b.join("out").exists());
