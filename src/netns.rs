@@ -132,7 +132,7 @@ fn tie(ifname: &str, mtu: u16) -> Result<(File, Tie), NetnsError> {
     let mut rtnl = Rtnl::open()?;
     let (index, tap_index) = (rtnl::index(ifname)?, rtnl::index(TAP)?);
     rtnl.ask(&Request::link_up(TAP, tap_index, u32::from(mtu)))?;
-    rtnl.ask(&Request::add_ingress(ifname, index))?;
+    add_ingress_over_stale(&mut rtnl, ifname, index)?;
     let mut tie = Tie {
         ifname: ifname.to_owned(),
         index,
@@ -153,6 +153,23 @@ fn tie(ifname: &str, mtu: u16) -> Result<(File, Tie), NetnsError> {
     tie.rtnl.ask(&Request::add_ingress(TAP, tap_index))?;
     tie.rtnl.ask(&Request::redirect(TAP, tap_index, index))?;
     Ok((tap, tie))
+}
+
+/// Adds `ifname`'s ingress qdisc. One already there is the one an earlier
+/// ember left when it was killed (SIGKILL runs no cleanup): its filter
+/// redirects to a tap that went with that process. The namespace's interface
+/// is the VM's alone, so it is replaced rather than refusing every later run.
+fn add_ingress_over_stale(rtnl: &mut Rtnl, ifname: &str, index: u32) -> Result<(), NetnsError> {
+    match rtnl.ask(&Request::add_ingress(ifname, index)) {
+        Err(e) if e.errno() == Some(libc::EEXIST) => {
+            log::warn!(
+                "--netns: replacing the ingress qdisc left on `{ifname}` (by a VM that was killed?)"
+            );
+            rtnl.ask(&Request::del_ingress(ifname, index))?;
+            Ok(rtnl.ask(&Request::add_ingress(ifname, index))?)
+        }
+        r => Ok(r?),
+    }
 }
 
 impl Drop for Tie {
@@ -340,6 +357,40 @@ mod tests {
             // Gone while this process still holds everything.
             let qdiscs = ns.tc(&["qdisc", "show", "dev", "eth0"]);
             assert!(!qdiscs.contains("ingress"), "{qdiscs}");
+            drop(tie);
+            drop(tap);
+        });
+        assert_untied(&ns);
+    }
+
+    /// What a SIGKILLed run leaves (the interface's ingress qdisc and its
+    /// redirect to a tap now gone) does not refuse the next run.
+    #[test]
+    fn a_killed_runs_leftover_qdisc_is_replaced() {
+        let Some(ns) = TestNs::new("stale") else {
+            return;
+        };
+        // As a killed run leaves it: the redirect's tap is gone.
+        ns.ip(&["tuntap", "add", "old0", "mode", "tap"]);
+        ns.tc(&["qdisc", "add", "dev", "eth0", "ingress"]);
+        ns.tc(&[
+            "filter", "add", "dev", "eth0", "parent", "ffff:", "protocol", "all", "u32", "match",
+            "u32", "0", "0", "action", "mirred", "egress", "redirect", "dev", "old0",
+        ]);
+        ns.ip(&["link", "del", "old0"]);
+        inside(&ns, || {
+            let (tap, tie) =
+                tie("eth0", 1500).unwrap_or_else(|e| panic!("{}", ember_vmm::error_chain(&e)));
+            let f = ns.tc(&["filter", "show", "dev", "eth0", "ingress"]);
+            assert!(
+                f.contains(&format!("Egress Redirect to device {TAP}")),
+                "{f}"
+            );
+            assert_eq!(
+                f.matches("Egress Redirect").count(),
+                1,
+                "the old filter stayed:\n{f}"
+            );
             drop(tie);
             drop(tap);
         });
