@@ -202,12 +202,125 @@ impl Backend for QemuBackend {
         ShareSupport::Virtiofsd
     }
 
+    /// The command line in QEMU's own order: machine, memory, boot, the
+    /// channel and shares, then the devices. Each part refuses what it
+    /// cannot render, never drops it.
     fn command(&self, spec: &GuestSpec) -> Result<Command, BackendError> {
         let mut c = Command::new(&self.binary);
-        let unsupported = |what: &str| BackendError::Unsupported {
-            backend: "the qemu backend".into(),
-            what: what.into(),
-        };
+        self.machine_args(&mut c, spec)?;
+        let pmem = self.pmem_sizes(spec)?;
+        memory_args(&mut c, spec, &pmem);
+        self.boot_args(&mut c, spec);
+        self.channel_and_share_args(&mut c, spec)?;
+        // Guest-chosen exit status, the same port ember listens on.
+        c.args(["-device", "isa-debug-exit,iobase=0x501,iosize=1"]);
+        refuse_ember_only(spec)?;
+        self.mem_region_args(&mut c, spec)?;
+        if !spec.devices.fs.is_empty() {
+            return Err(unsupported(
+                "share a directory with --fs (use --backend ember)",
+            ));
+        }
+        self.disk_args(&mut c, spec)?;
+        if spec.devices.rng.is_some() {
+            c.args(["-device", &self.virtio_device("virtio-rng")]);
+        }
+        if let Some(b) = &spec.devices.balloon {
+            if b.target_bytes != 0 {
+                return Err(unsupported(
+                    "start a balloon inflated (use --backend ember)",
+                ));
+            }
+            c.args(["-device", &self.virtio_device("virtio-balloon")]);
+        }
+        self.network_args(&mut c, spec)?;
+        pmem_args(&mut c, spec, &pmem);
+        Ok(c)
+    }
+}
+
+/// A refusal of what ember has and this backend does not.
+fn unsupported(what: &str) -> BackendError {
+    BackendError::Unsupported {
+        backend: "the qemu backend".into(),
+        what: what.into(),
+    }
+}
+
+/// The virtio-mem region's size in MiB (0 without one) and the RAM the
+/// guest boots with: a region is a memory device too (in `maxmem`), so the
+/// guest boots with the rest.
+fn region_and_boot_mib(spec: &GuestSpec) -> (u64, u64) {
+    let region_mib = spec.devices.mem.as_ref().map_or(0, |m| m.size >> 20);
+    (region_mib, spec.mem_mib.saturating_sub(region_mib))
+}
+
+/// `-m` and `-smp`.
+fn memory_args(c: &mut Command, spec: &GuestSpec, pmem: &[u64]) {
+    let (region_mib, boot_mib) = region_and_boot_mib(spec);
+    // virtio-pmem regions are memory devices: they live in the machine's
+    // device-memory area, which `maxmem` above the RAM size makes.
+    let pmem_total: u64 = pmem.iter().sum();
+    if pmem_total == 0 && region_mib == 0 {
+        c.args(["-m", &format!("{}M", spec.mem_mib)]);
+    } else {
+        let max = spec.mem_mib + pmem_total.div_ceil(1 << 20);
+        c.args(["-m", &format!("{boot_mib}M,maxmem={max}M")]);
+    }
+    c.args(["-smp", &spec.cpus.to_string()]);
+}
+
+/// What ember has and this backend does not: refused, never dropped.
+fn refuse_ember_only(spec: &GuestSpec) -> Result<(), BackendError> {
+    if spec.events.is_some() {
+        return Err(unsupported("write --events (use --backend ember)"));
+    }
+    if spec.prefault.is_some() {
+        return Err(unsupported("take --prefault (use --backend ember)"));
+    }
+    if spec.restore.is_some() || spec.api_socket.is_some() {
+        return Err(unsupported("restore a snapshot or serve a control socket"));
+    }
+    // QEMU's vsock needs the host's vhost-vsock; ember's is its own.
+    if spec.devices.vsock.is_some() {
+        return Err(unsupported(
+            "attach a hybrid vsock (--vsock; use --backend ember)",
+        ));
+    }
+    Ok(())
+}
+
+/// The `--pmem` files as virtio-pmem-pci memory devices of `pmem`'s sizes.
+fn pmem_args(c: &mut Command, spec: &GuestSpec, pmem: &[u64]) {
+    let paths = spec.devices.pmem.iter().map(|p| &p.path);
+    for (i, (path, size)) in paths.zip(pmem).enumerate() {
+        // share=on: the guest's writes reach the file, as with ember's
+        // shared mapping.
+        c.arg("-object").arg(format!(
+            "memory-backend-file,id=pmem{i},share=on,mem-path={},size={size}",
+            path.display()
+        ));
+        c.args([
+            "-device",
+            &format!("virtio-pmem-pci,memdev=pmem{i},id=vpmem{i}"),
+        ]);
+    }
+}
+
+impl QemuBackend {
+    /// A virtio device's name on this machine's transport: `-device` on
+    /// microvm, `-pci` on a PC machine.
+    fn virtio_device(&self, pci: &str) -> String {
+        if self.is_microvm() {
+            format!("{pci}-device")
+        } else {
+            format!("{pci}-pci")
+        }
+    }
+
+    /// `-M` with its options (and the shared memory backend shares need),
+    /// the accelerator and its CPU, `-icount`.
+    fn machine_args(&self, c: &mut Command, spec: &GuestSpec) -> Result<(), BackendError> {
         let mut machine = if self.is_microvm() {
             // No option ROMs, and keep the ISA serial port; ACPI stays on so
             // kernels without virtio-mmio command-line devices find devices.
@@ -229,10 +342,7 @@ impl Backend for QemuBackend {
             }
             machine.push_str(",acpi=off");
         }
-        // A virtio-mem region is a memory device too (in `maxmem` below):
-        // the guest boots with the rest.
-        let region_mib = spec.devices.mem.as_ref().map_or(0, |m| m.size >> 20);
-        let boot_mib = spec.mem_mib.saturating_sub(region_mib);
+        let (_, boot_mib) = region_and_boot_mib(spec);
         if !spec.shares.is_empty() {
             // vhost-user: virtiofsd maps guest memory, which must then be
             // a shared mapping it can be handed (a memfd), not QEMU's
@@ -260,17 +370,12 @@ impl Backend for QemuBackend {
             // idle time: what the guest does, whatever the host's load.
             c.args(["-icount", "shift=0,sleep=off"]);
         }
-        let pmem = self.pmem_sizes(spec)?;
-        // virtio-pmem regions are memory devices: they live in the machine's
-        // device-memory area, which `maxmem` above the RAM size makes.
-        let pmem_total: u64 = pmem.iter().sum();
-        if pmem_total == 0 && region_mib == 0 {
-            c.args(["-m", &format!("{}M", spec.mem_mib)]);
-        } else {
-            let max = spec.mem_mib + pmem_total.div_ceil(1 << 20);
-            c.args(["-m", &format!("{boot_mib}M,maxmem={max}M")]);
-        }
-        c.args(["-smp", &spec.cpus.to_string()]);
+        Ok(())
+    }
+
+    /// No defaults, the kernel, its initrd and command line, the firmware
+    /// and the console.
+    fn boot_args(&self, c: &mut Command, spec: &GuestSpec) {
         c.args([
             "-nodefaults",
             "-no-user-config",
@@ -300,6 +405,15 @@ impl Backend for QemuBackend {
         } else {
             c.args(["-serial", if spec.console { "stdio" } else { "null" }]);
         }
+    }
+
+    /// The shares' vhost-user-fs devices and the channel's virtio-serial
+    /// port, interleaved as QEMU and the guest need them.
+    fn channel_and_share_args(
+        &self,
+        c: &mut Command,
+        spec: &GuestSpec,
+    ) -> Result<(), BackendError> {
         // The shares' chardevs come before the channel's: QEMU connects its
         // chardevs in this order, and once the channel is connected ember
         // removes the daemons' socket paths (host::run). Their devices come
@@ -318,88 +432,58 @@ impl Backend for QemuBackend {
         if let Some(ch) = &spec.channel {
             c.arg("-chardev")
                 .arg(format!("socket,id=ch0,path={}", ch.display()));
-            let bus = if self.is_microvm() {
-                "virtio-serial-device"
-            } else {
-                "virtio-serial-pci"
-            };
             // A port, not `virtconsole`: QEMU drops a console's output when
             // the socket would block, and throttles a port's (ChannelKind).
             c.args([
                 "-device",
-                bus,
+                &self.virtio_device("virtio-serial"),
                 "-device",
                 "virtserialport,chardev=ch0,name=ember.channel",
             ]);
         }
         for (i, share) in spec.shares.iter().enumerate() {
-            let device = if self.is_microvm() {
-                "vhost-user-fs-device"
-            } else {
-                "vhost-user-fs-pci"
-            };
             c.args([
                 "-device",
-                &format!("{device},chardev=fs{i},tag={}", share.tag),
+                &format!(
+                    "{},chardev=fs{i},tag={}",
+                    self.virtio_device("vhost-user-fs"),
+                    share.tag
+                ),
             ]);
         }
-        // Guest-chosen exit status, the same port ember listens on.
-        c.args(["-device", "isa-debug-exit,iobase=0x501,iosize=1"]);
-        // What ember has and this backend does not: refused, never dropped.
-        if spec.events.is_some() {
-            return Err(unsupported("write --events (use --backend ember)"));
-        }
-        if spec.prefault.is_some() {
-            return Err(unsupported("take --prefault (use --backend ember)"));
-        }
-        if spec.restore.is_some() || spec.api_socket.is_some() {
-            return Err(unsupported("restore a snapshot or serve a control socket"));
-        }
-        // QEMU's vsock needs the host's vhost-vsock; ember's is its own.
-        if spec.devices.vsock.is_some() {
-            return Err(unsupported(
-                "attach a hybrid vsock (--vsock; use --backend ember)",
-            ));
-        }
-        if let Some(m) = &spec.devices.mem {
-            // virtio-mem-pci: a PCI machine's device-memory area (`maxmem`
-            // above); all of the region requested at once, as ember does
-            // without --prefault.
-            if self.is_microvm() {
-                return Err(unsupported(
-                    "offer a virtio-mem region on microvm (use q35)",
-                ));
-            }
-            let share = if spec.shares.is_empty() {
-                ""
-            } else {
-                ",share=on"
-            };
-            c.arg("-object").arg(format!(
-                "memory-backend-{},id=vmem0,size={region_mib}M{share}",
-                if spec.shares.is_empty() {
-                    "ram"
-                } else {
-                    "memfd"
-                }
-            ));
-            c.arg("-device").arg(format!(
-                "virtio-mem-pci,id=vm0,memdev=vmem0,block-size={}K,requested-size={region_mib}M",
-                m.block_size >> 10
-            ));
-        }
-        if !spec.devices.fs.is_empty() {
-            return Err(unsupported(
-                "share a directory with --fs (use --backend ember)",
-            ));
-        }
-        let pci_or_mmio = |pci: &str| {
-            if self.is_microvm() {
-                format!("{pci}-device")
-            } else {
-                format!("{pci}-pci")
-            }
+        Ok(())
+    }
+
+    /// The virtio-mem region, as virtio-mem-pci in a PCI machine's
+    /// device-memory area (`maxmem`); all of it requested at once, as ember
+    /// does without --prefault.
+    fn mem_region_args(&self, c: &mut Command, spec: &GuestSpec) -> Result<(), BackendError> {
+        let Some(m) = &spec.devices.mem else {
+            return Ok(());
         };
+        if self.is_microvm() {
+            return Err(unsupported(
+                "offer a virtio-mem region on microvm (use q35)",
+            ));
+        }
+        let (region_mib, _) = region_and_boot_mib(spec);
+        let (kind, share) = if spec.shares.is_empty() {
+            ("ram", "")
+        } else {
+            ("memfd", ",share=on")
+        };
+        c.arg("-object").arg(format!(
+            "memory-backend-{kind},id=vmem0,size={region_mib}M{share}"
+        ));
+        c.arg("-device").arg(format!(
+            "virtio-mem-pci,id=vm0,memdev=vmem0,block-size={}K,requested-size={region_mib}M",
+            m.block_size >> 10
+        ));
+        Ok(())
+    }
+
+    /// Each `--disk` as a raw `-drive` and its virtio-blk device.
+    fn disk_args(&self, c: &mut Command, spec: &GuestSpec) -> Result<(), BackendError> {
         for (i, d) in spec.devices.disks.iter().enumerate() {
             if d.poll_us.is_some() {
                 return Err(unsupported("busy-poll a disk (poll=; use --backend ember)"));
@@ -419,20 +503,15 @@ impl Backend for QemuBackend {
                 .unwrap_or_default();
             c.args([
                 "-device",
-                &format!("{},drive=d{i}{serial}", pci_or_mmio("virtio-blk")),
+                &format!("{},drive=d{i}{serial}", self.virtio_device("virtio-blk")),
             ]);
         }
-        if spec.devices.rng.is_some() {
-            c.args(["-device", &pci_or_mmio("virtio-rng")]);
-        }
-        if let Some(b) = &spec.devices.balloon {
-            if b.target_bytes != 0 {
-                return Err(unsupported(
-                    "start a balloon inflated (use --backend ember)",
-                ));
-            }
-            c.args(["-device", &pci_or_mmio("virtio-balloon")]);
-        }
+        Ok(())
+    }
+
+    /// `ember run --net`'s passt socket, then each `--net` device.
+    fn network_args(&self, c: &mut Command, spec: &GuestSpec) -> Result<(), BackendError> {
+        use ember_vmm::devices::virtio::net::NetBackendConfig;
         if let Some(fd) = spec.net_fd {
             // passt's framing (a 4-byte length before each frame) is the
             // stream netdev's; the socket is already connected.
@@ -440,11 +519,10 @@ impl Backend for QemuBackend {
                 .arg(format!("stream,id=net0,addr.type=fd,addr.str={fd}"));
             c.args([
                 "-device",
-                &format!("{},netdev=net0", pci_or_mmio("virtio-net")),
+                &format!("{},netdev=net0", self.virtio_device("virtio-net")),
             ]);
         }
         for (i, n) in spec.devices.net.iter().enumerate() {
-            use ember_vmm::devices::virtio::net::NetBackendConfig;
             if !n.rx_rate.is_none() || !n.tx_rate.is_none() {
                 return Err(unsupported(
                     "limit a network device's rate (use --backend ember)",
@@ -467,7 +545,7 @@ impl Backend for QemuBackend {
                 }
             };
             c.arg("-netdev").arg(netdev);
-            let mut dev = format!("{},netdev=n{i}", pci_or_mmio("virtio-net"));
+            let mut dev = format!("{},netdev=n{i}", self.virtio_device("virtio-net"));
             if let Some(mac) = n.mac {
                 dev.push_str(&format!(",mac={mac}"));
             }
@@ -476,20 +554,7 @@ impl Backend for QemuBackend {
             }
             c.args(["-device", &dev]);
         }
-        let paths = spec.devices.pmem.iter().map(|p| &p.path);
-        for (i, (path, size)) in paths.zip(&pmem).enumerate() {
-            // share=on: the guest's writes reach the file, as with ember's
-            // shared mapping.
-            c.arg("-object").arg(format!(
-                "memory-backend-file,id=pmem{i},share=on,mem-path={},size={size}",
-                path.display()
-            ));
-            c.args([
-                "-device",
-                &format!("virtio-pmem-pci,memdev=pmem{i},id=vpmem{i}"),
-            ]);
-        }
-        Ok(c)
+        Ok(())
     }
 }
 
