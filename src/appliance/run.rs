@@ -19,7 +19,7 @@ use ember_frames::netconf::{self, NetConf};
 use ember_vmm::devices::virtio::net::{NetBackendConfig, NetConfig};
 use ember_vmm::error_chain;
 use std::fs::File;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -128,7 +128,10 @@ pub fn run_command(args: &RunArgs) -> anyhow::Result<i32> {
     }
 }
 
-/// Runs `ember run`; returns the command's exit status.
+/// Runs `ember run`; returns the command's exit status. In order: the pod's
+/// namespace, the backend and the devices checked, passt started, the
+/// appliance made, the spec to boot, the network attached, the
+/// conversation, and a damaged snapshot dealt with.
 pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
     ember_vmm::events::stage("run_main");
     if args.cpus == 0 {
@@ -145,7 +148,7 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         _ => None,
     };
     let timeout = cli::timeout(args)?;
-    let mut extras = extras(args)?;
+    let extras = extras(args)?;
     // Check the backend before building anything.
     let backend = choose_backend(args)?;
     // The devices the command asked for, checked against the backend before
@@ -162,27 +165,93 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         }
         false => None,
     };
+    let made = make(args, backend.as_ref(), &asked, extras)?;
+    let modules = made.a.mods.len();
+    let mut job = job(args, &made, timeout);
+    // Leftovers of killed runs (a root image's staging directory, a
+    // socket never connected to): only dead embers'.
+    cleanup::sweep_dead(&std::env::temp_dir());
+    // What this run removes when it ends (however it ends), and the files
+    // its VMM opens through their descriptors, open until it is gone.
+    let mut temps = Vec::new();
+    let mut held: Vec<Arc<File>> = Vec::new();
+    let spec = boot_spec(
+        args,
+        made,
+        backend.as_ref(),
+        &mut job,
+        &mut temps,
+        &mut held,
+    )?;
+    let Some(mut spec) = spec else {
+        // `--prepare-only`: kept for the caller to boot.
+        temps.into_iter().for_each(|t| drop(t.keep()));
+        return Ok(0);
+    };
+    // Held until the run ends: passt goes with it.
+    let _passt = attach_passt(args, net, &mut spec, &mut job)?;
+    // Held until the run ends: the interface's filter goes with it.
+    let _pod_net = pod_net.inspect(|p| attach_pod_net(args, p, &mut spec, &mut job));
+    let restored_from = spec.restore.clone();
+    let outcome = host::run(
+        backend.as_ref(),
+        spec,
+        &job,
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+    )?;
+    drop(held);
+    if let Some(dir) = &restored_from {
+        match damaged_snapshot(dir, &outcome) {
+            // Nothing of the command ran (no input read, no output
+            // written): run it again, making the snapshot afresh.
+            Some(true) => return run(args),
+            Some(false) => return Ok(EXIT_APPLIANCE),
+            None => {}
+        }
+    }
+    Ok(exit_status(args, outcome, timeout, modules, backend.name()))
+}
+
+/// What a run has decided and made before it boots: where its root comes
+/// from, the plan, the module groups and the appliance.
+struct Made {
+    root: Root,
+    env: Vec<String>,
+    plan: Plan,
+    host_root: bool,
+    /// The module groups a cold boot loads.
+    cold_groups: Vec<&'static str>,
+    a: Assembled,
+    /// The shares as the VMM serves them and as the guest mounts them.
+    shares: Option<(Vec<backend::Share>, Vec<host::GuestShare>)>,
+}
+
+/// Chooses the root and the plan, and assembles the appliance with the
+/// modules the plan's boot needs.
+fn make(
+    args: &RunArgs,
+    backend: &dyn Backend,
+    asked: &GuestSpec,
+    mut extras: Extras,
+) -> Result<Made, ApplianceError> {
     if args.devices.no_acpi {
         cli::no_acpi_check(args.kernel.as_deref())?;
     }
-    let root = hostroot::choose(args, backend.as_ref())?;
+    let root = hostroot::choose(args, backend)?;
     let env = match &root {
         Root::Host(_) => hostroot::environment(&args.env)?,
         Root::Initramfs => cli::environment(&args.env)?,
     };
-    let plan = Plan::of(args, backend.as_ref());
+    let plan = Plan::of(args, backend);
     let host_root = root != Root::Initramfs;
-    let mut cold_groups = module_groups(&asked, backend.as_ref(), args.nested_kvm);
+    let mut cold_groups = module_groups(asked, backend, args.nested_kvm);
     if root != Root::Initramfs {
         cold_groups.push(hostroot::FS_GROUP);
     }
     let mut carried = cold_groups.clone();
     if plan == Plan::Snapshot {
-        carried.extend(warm_groups(
-            backend.as_ref(),
-            cli::wants_net(args),
-            host_root,
-        ));
+        carried.extend(warm_groups(backend, cli::wants_net(args), host_root));
     }
     let carried: Vec<String> = carried.iter().map(|g| (*g).to_owned()).collect();
     let (a, shares) = match &root {
@@ -206,19 +275,26 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         }
     };
     ember_vmm::events::stage("run_assembled");
-    let channel_dev = match backend.channel_kind() {
-        ChannelKind::Serial => "/dev/ttyS1".to_owned(),
-        ChannelKind::VirtioConsole => "/dev/hvc0".to_owned(),
-        ChannelKind::VirtioSerialPort => "/dev/vport0p1".to_owned(),
-        ChannelKind::Vsock => format!("vsock:{}", backend::VSOCK_CHANNEL_PORT),
-    };
-    let channel_dev = channel_dev.as_str();
-    let modules = a.mods.len();
-    let mut job = host::Job {
-        argv: args.command.clone(),
-        exec: a.exec.to_string_lossy().into_owned(),
+    Ok(Made {
+        root,
         env,
-        cwd: match root {
+        plan,
+        host_root,
+        cold_groups,
+        a,
+        shares,
+    })
+}
+
+/// The job the guest's init runs, before the boot adds how it is handed
+/// over (descriptors, the root slot, the network).
+fn job(args: &RunArgs, made: &Made, timeout: Option<Duration>) -> host::Job {
+    let shares = &made.shares;
+    host::Job {
+        argv: args.command.clone(),
+        exec: made.a.exec.to_string_lossy().into_owned(),
+        env: made.env.clone(),
+        cwd: match made.root {
             Root::Host(_) => hostroot::workdir(args),
             Root::Initramfs => args.workdir.clone(),
         },
@@ -237,25 +313,43 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         restored: false,
         snapshot_at_ready: None,
         inherit_fds: Vec::new(),
+    }
+}
+
+/// The spec this run boots: the plan's snapshot, or a cold boot when there
+/// is none to use; `None` for `--prepare-only`.
+fn boot_spec(
+    args: &RunArgs,
+    made: Made,
+    backend: &dyn Backend,
+    job: &mut host::Job,
+    temps: &mut Vec<TempPath>,
+    held: &mut Vec<Arc<File>>,
+) -> Result<Option<GuestSpec>, ApplianceError> {
+    let channel_dev = match backend.channel_kind() {
+        ChannelKind::Serial => "/dev/ttyS1".to_owned(),
+        ChannelKind::VirtioConsole => "/dev/hvc0".to_owned(),
+        ChannelKind::VirtioSerialPort => "/dev/vport0p1".to_owned(),
+        ChannelKind::Vsock => format!("vsock:{}", backend::VSOCK_CHANNEL_PORT),
     };
-    // Leftovers of killed runs (a root image's staging directory, a
-    // socket never connected to): only dead embers'.
-    cleanup::sweep_dead(&std::env::temp_dir());
-    // What this run removes when it ends (however it ends), and the files
-    // its VMM opens through their descriptors, open until it is gone.
-    let mut temps = Vec::new();
-    let mut held: Vec<Arc<File>> = Vec::new();
+    let channel_dev = channel_dev.as_str();
+    let Made {
+        plan,
+        host_root,
+        cold_groups,
+        a,
+        shares,
+        ..
+    } = made;
     let warm = match plan {
         Plan::Snapshot => {
-            let groups = warm_groups(backend.as_ref(), cli::wants_net(args), host_root);
-            let mut cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &groups);
+            let groups = warm_groups(backend, cli::wants_net(args), host_root);
+            let mut cmdline = appliance_cmdline(args, backend, channel_dev, &groups);
             let vmm_shares = shares.as_ref().map(|(vmm, _)| vmm.as_slice());
             if let Some(vmm) = vmm_shares {
                 cmdline.push_str(&premount_words(vmm));
             }
-            warm_spec(
-                args, &a, cmdline, vmm_shares, &mut job, &mut temps, &mut held,
-            )?
+            warm_spec(args, &a, cmdline, vmm_shares, job, temps, held)?
         }
         Plan::ColdBoot { why } => {
             log::debug!("appliance boots cold: {why}");
@@ -263,96 +357,88 @@ pub(super) fn run(args: &RunArgs) -> Result<i32, ApplianceError> {
         }
     };
     ember_vmm::events::stage("run_warm_spec");
-    let spec = match warm {
-        Some(spec) => spec,
-        None => {
-            let cmdline = appliance_cmdline(args, backend.as_ref(), channel_dev, &cold_groups);
-            match cold_spec(args, a, backend.as_ref(), cmdline, &mut temps)? {
-                Some((mut spec, p)) => {
-                    if let Some((vmm, _)) = &shares {
-                        spec.shares = vmm.clone();
-                    }
-                    if let Some(f) = p.held {
-                        job.inherit_fds.push(f.as_raw_fd());
-                        held.push(f);
-                    }
-                    spec
-                }
-                None => {
-                    // `--prepare-only`: kept for the caller to boot.
-                    temps.into_iter().for_each(|t| drop(t.keep()));
-                    return Ok(0);
-                }
-            }
-        }
-    };
-    let mut spec = spec;
-    // Held until the run ends: passt goes with it.
-    let _passt = match net {
-        Some((guest, mut passt, fd)) => {
-            spec.net_fd = Some(fd.as_raw_fd());
-            job.inherit_fds.push(fd.as_raw_fd());
-            job.net = Some(net_payload(&guest));
-            passt.wait_ready()?;
-            if args.verbose {
-                eprintln!(
-                    "ember: passt (pid {}) gives the guest {}",
-                    passt.id(),
-                    describe(&guest)
-                );
-            }
-            Some((passt, fd))
-        }
-        None => None,
-    };
-    // Held until the run ends: the interface's filter goes with it.
-    let _pod_net = pod_net.inspect(|p| {
-        // In place of with_devices' placeholder (`ember run` has no other
-        // network device).
-        spec.devices.net.clear();
-        let mut dev = NetConfig::tap(crate::netns::TAP);
-        dev.backend = NetBackendConfig::Fd(p.tap.as_raw_fd());
-        dev.mac = Some(p.mac);
-        dev.mtu = Some(p.mtu);
-        spec.devices.net.push(dev);
-        job.inherit_fds.push(p.tap.as_raw_fd());
-        job.net = Some(net_payload(&p.guest));
-        if args.verbose {
-            eprintln!("ember: --netns gives the guest {}", describe(&p.guest));
-        }
-    });
-    let restored_from = spec.restore.clone();
-    let outcome = host::run(
-        backend.as_ref(),
-        spec,
-        &job,
-        &mut std::io::stdout(),
-        &mut std::io::stderr(),
-    )?;
-    drop(held);
-    if let Some(dir) = &restored_from {
-        let never_ran = matches!(outcome, host::Outcome::VmmFailed { .. });
-        if never_ran || matches!(outcome, host::Outcome::NoReport(_)) {
-            // The restore failed: a damaged memory file is the likelier
-            // cause than the guest, and would fail every later run too.
-            if let Err(e) = warm::check_memory(dir) {
-                let gone = warm::discard(dir).is_ok();
-                let then = match (gone, never_ran) {
-                    (true, true) => "; making it again",
-                    (true, false) => "; the next run makes it again",
-                    (false, _) => "",
-                };
-                eprintln!("ember: {}{then}", error_chain(&e));
-                // Nothing of the command ran (no input read, no output
-                // written): run it again, making the snapshot afresh.
-                if gone && never_ran {
-                    return run(args);
-                }
-                return Ok(EXIT_APPLIANCE);
-            }
-        }
+    if let Some(spec) = warm {
+        return Ok(Some(spec));
     }
-    Ok(exit_status(args, outcome, timeout, modules, backend.name()))
+    let cmdline = appliance_cmdline(args, backend, channel_dev, &cold_groups);
+    let Some((mut spec, p)) = cold_spec(args, a, backend, cmdline, temps)? else {
+        return Ok(None);
+    };
+    if let Some((vmm, _)) = &shares {
+        spec.shares = vmm.clone();
+    }
+    if let Some(f) = p.held {
+        job.inherit_fds.push(f.as_raw_fd());
+        held.push(f);
+    }
+    Ok(Some(spec))
+}
+
+/// passt's socket as the guest's network device, once passt is ready.
+fn attach_passt(
+    args: &RunArgs,
+    net: Option<(GuestNet, Passt, OwnedFd)>,
+    spec: &mut GuestSpec,
+    job: &mut host::Job,
+) -> Result<Option<(Passt, OwnedFd)>, ApplianceError> {
+    let Some((guest, mut passt, fd)) = net else {
+        return Ok(None);
+    };
+    spec.net_fd = Some(fd.as_raw_fd());
+    job.inherit_fds.push(fd.as_raw_fd());
+    job.net = Some(net_payload(&guest));
+    passt.wait_ready()?;
+    if args.verbose {
+        eprintln!(
+            "ember: passt (pid {}) gives the guest {}",
+            passt.id(),
+            describe(&guest)
+        );
+    }
+    Ok(Some((passt, fd)))
+}
+
+/// The `--netns` pod's tap as the guest's network device.
+fn attach_pod_net(
+    args: &RunArgs,
+    p: &crate::netns::PodNet,
+    spec: &mut GuestSpec,
+    job: &mut host::Job,
+) {
+    // In place of with_devices' placeholder (`ember run` has no other
+    // network device).
+    spec.devices.net.clear();
+    let mut dev = NetConfig::tap(crate::netns::TAP);
+    dev.backend = NetBackendConfig::Fd(p.tap.as_raw_fd());
+    dev.mac = Some(p.mac);
+    dev.mtu = Some(p.mtu);
+    spec.devices.net.push(dev);
+    job.inherit_fds.push(p.tap.as_raw_fd());
+    job.net = Some(net_payload(&p.guest));
+    if args.verbose {
+        eprintln!("ember: --netns gives the guest {}", describe(&p.guest));
+    }
+}
+
+/// After a run restored from the snapshot in `dir`: whether the snapshot
+/// was found damaged (and discarded), and if so whether to run the command
+/// again (`Some(true)`: nothing of it ran and the snapshot is gone).
+fn damaged_snapshot(dir: &std::path::Path, outcome: &host::Outcome) -> Option<bool> {
+    let never_ran = matches!(outcome, host::Outcome::VmmFailed { .. });
+    if !never_ran && !matches!(outcome, host::Outcome::NoReport(_)) {
+        return None;
+    }
+    // The restore failed: a damaged memory file is the likelier
+    // cause than the guest, and would fail every later run too.
+    let e = warm::check_memory(dir).err()?;
+    let gone = warm::discard(dir).is_ok();
+    let then = match (gone, never_ran) {
+        (true, true) => "; making it again",
+        (true, false) => "; the next run makes it again",
+        (false, _) => "",
+    };
+    eprintln!("ember: {}{then}", error_chain(&e));
+    Some(gone && never_ran)
 }
 
 /// The appliance written for a cold boot, and the spec that boots it (with
