@@ -11,6 +11,7 @@ use crate::cleanup::{self, TempPath};
 use ember_vmm::devices::virtio::VsockConfig;
 use ember_vmm::error_chain;
 use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Child, Stdio};
@@ -228,6 +229,54 @@ pub fn run(
 ) -> Result<Outcome, HostError> {
     let start = Instant::now();
     let deadline = job.timeout.map(|t| start + t);
+    let (vsock_uds, socket, listener) = listen(backend)?;
+    match &vsock_uds {
+        Some(uds) => {
+            spec.devices.vsock = Some(VsockConfig {
+                cid: backend::VSOCK_CHANNEL_CID,
+                uds: uds.path().to_owned(),
+            });
+        }
+        None => spec.channel = Some(socket.path().to_owned()),
+    }
+    // Declared before the VMM's guard, so dropped after it: a daemon
+    // outlives the VMM that uses it.
+    let daemons = start_daemons(backend, &mut spec)?;
+    let (mut guard, tail) = spawn_vmm(backend, &spec, job, socket)?;
+    let stream = match accept(&listener, &mut guard, deadline)? {
+        Some(s) => {
+            // The path was only the rendezvous: once connected, it goes
+            // (a vsock channel's stays: the command's stdio connections
+            // come to it too). So do the daemons': the VMM connects to
+            // them before it connects the channel (see the qemu backend).
+            if vsock_uds.is_none() {
+                let _ = std::fs::remove_file(guard.socket.path());
+            }
+            daemons.iter().for_each(virtiofsd::Daemon::forget_socket);
+            s
+        }
+        None if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(Outcome::TimedOut),
+        None => return Ok(no_report(&mut guard, &tail, false)),
+    };
+    let conversed = match &vsock_uds {
+        Some(_) => converse_vsock(stream, &listener, job, deadline, out, err)?,
+        None => converse(stream, job, deadline, out, err)?,
+    };
+    match conversed {
+        Some(outcome) => {
+            // The guest is powering off: let ember finish its timeline.
+            if spec.events.is_some() && matches!(outcome, Outcome::Exited(_)) {
+                guard.grace = EVENTS_GRACE;
+            }
+            Ok(outcome)
+        }
+        None => Ok(no_report(&mut guard, &tail, true)),
+    }
+}
+
+/// The socket the VMM connects the channel to, listened on: for a vsock
+/// channel also the vsock device's own socket, which the VMM serves.
+fn listen(backend: &dyn Backend) -> Result<(Option<TempPath>, TempPath, UnixListener), HostError> {
     // A vsock channel: the VMM's device serves `uds` (removed with the
     // run, as the VMM may be killed before it can), and hands the guest's
     // connection to the host's port to `uds_<port>`, where this run
@@ -250,20 +299,18 @@ pub fn run(
     let socket = TempPath::new(path);
     let listener = UnixListener::bind(socket.path())
         .map_err(|e| HostError::Io(format!("cannot listen on {}", socket.path().display()), e))?;
-    match &vsock_uds {
-        Some(uds) => {
-            spec.devices.vsock = Some(VsockConfig {
-                cid: backend::VSOCK_CHANNEL_CID,
-                uds: uds.path().to_owned(),
-            });
-        }
-        None => spec.channel = Some(socket.path().to_owned()),
-    }
-    // Declared before the VMM's guard, so dropped after it: a daemon
-    // outlives the VMM that uses it.
-    let daemons = start_daemons(backend, &mut spec)?;
+    Ok((vsock_uds, socket, listener))
+}
 
-    let mut cmd = backend.command(&spec).map_err(HostError::Backend)?;
+/// Starts the VMM for `spec`, guarded, with its stdout and stderr drained
+/// into the returned tail.
+fn spawn_vmm(
+    backend: &dyn Backend,
+    spec: &GuestSpec,
+    job: &Job,
+    socket: TempPath,
+) -> Result<(VmmGuard, Tail), HostError> {
+    let mut cmd = backend.command(spec).map_err(HostError::Backend)?;
     ember_vmm::events::stage("run_spawn_vmm");
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -293,48 +340,22 @@ pub fn run(
     if let Some(e) = guard.child.stderr.take() {
         drain(e, tail.clone(), true);
     }
-    let no_report = |guard: &mut VmmGuard, connected: bool| {
-        // Give the drain threads a moment to collect the VMM's last words.
-        let status = guard.reap();
-        std::thread::sleep(Duration::from_millis(20));
-        let t = tail.lock().unwrap_or_else(|e| e.into_inner());
-        let tail = String::from_utf8_lossy(&t).into_owned();
-        match status {
-            // The guest's init connects first thing: a VMM that failed
-            // before that never ran it.
-            Some(status) if !connected && !status.success() => Outcome::VmmFailed { status, tail },
-            _ => Outcome::NoReport(tail),
-        }
-    };
+    Ok((guard, tail))
+}
 
-    let stream = match accept(&listener, &mut guard, deadline)? {
-        Some(s) => {
-            // The path was only the rendezvous: once connected, it goes
-            // (a vsock channel's stays: the command's stdio connections
-            // come to it too). So do the daemons': the VMM connects to
-            // them before it connects the channel (see the qemu backend).
-            if vsock_uds.is_none() {
-                let _ = std::fs::remove_file(guard.socket.path());
-            }
-            daemons.iter().for_each(virtiofsd::Daemon::forget_socket);
-            s
-        }
-        None if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(Outcome::TimedOut),
-        None => return Ok(no_report(&mut guard, false)),
-    };
-    let conversed = match &vsock_uds {
-        Some(_) => converse_vsock(stream, &listener, job, deadline, out, err)?,
-        None => converse(stream, job, deadline, out, err)?,
-    };
-    match conversed {
-        Some(outcome) => {
-            // The guest is powering off: let ember finish its timeline.
-            if spec.events.is_some() && matches!(outcome, Outcome::Exited(_)) {
-                guard.grace = EVENTS_GRACE;
-            }
-            Ok(outcome)
-        }
-        None => Ok(no_report(&mut guard, true)),
+/// How a run that got no report ended: the VMM reaped, with the tail of
+/// its output.
+fn no_report(guard: &mut VmmGuard, tail: &Tail, connected: bool) -> Outcome {
+    // Give the drain threads a moment to collect the VMM's last words.
+    let status = guard.reap();
+    std::thread::sleep(Duration::from_millis(20));
+    let t = tail.lock().unwrap_or_else(|e| e.into_inner());
+    let tail = String::from_utf8_lossy(&t).into_owned();
+    match status {
+        // The guest's init connects first thing: a VMM that failed
+        // before that never ran it.
+        Some(status) if !connected && !status.success() => Outcome::VmmFailed { status, tail },
+        _ => Outcome::NoReport(tail),
     }
 }
 
@@ -401,96 +422,252 @@ fn accept(
     }
 }
 
+/// What is left of the run's time: `None` without a timeout, zero once it
+/// has run out.
+fn time_left(deadline: Option<Instant>) -> Option<Duration> {
+    deadline.map(|d| d.saturating_duration_since(Instant::now()))
+}
+
+/// Copies the command's output to `w`, ours; the run's end when it cannot:
+/// output that cannot be delivered stops the run (the caller's guard ends
+/// the VM, and the command with it), as carrying on would lose it and
+/// still report success. The channel is read no faster than this writes,
+/// so a slow reader holds the guest back instead.
+fn deliver(w: &mut dyn Write, stream: &'static str, bytes: &[u8]) -> Option<Outcome> {
+    let e = w.write_all(bytes).and_then(|_| w.flush()).err()?;
+    Some(Outcome::OutputFailed {
+        stream,
+        broken_pipe: e.kind() == io::ErrorKind::BrokenPipe,
+        reason: e.to_string(),
+    })
+}
+
+/// The command's status in a frame: its EXIT, or the appliance's ERROR.
+fn status(frame: &protocol::Frame) -> Option<Outcome> {
+    match frame.kind {
+        Kind::Exit => Some(Outcome::Exited(
+            protocol::exit_code(&frame.payload).unwrap_or(-1),
+        )),
+        Kind::Error => Some(Outcome::GuestError(
+            String::from_utf8_lossy(&frame.payload).into_owned(),
+        )),
+        _ => None,
+    }
+}
+
+/// How the job goes out on the channel (with its stdin as frames or not).
+type SendJob = fn(&UnixStream, &Job, &Arc<ToGuest>) -> io::Result<()>;
+
+/// The channel's frames, as both conversations read them: the job goes out
+/// on the guest's first READY (at once for a restored guest), the rest is
+/// the caller's.
+struct Channel<'j> {
+    stream: UnixStream,
+    job: &'j Job,
+    dec: Decoder,
+    /// The job (and the stdin thread it starts) goes out on the first READY only: a guest
+    /// repeating READY must not start a host thread per frame.
+    job_sent: bool,
+    to_guest: Arc<ToGuest>,
+    send: SendJob,
+}
+
+impl<'j> Channel<'j> {
+    fn open(stream: UnixStream, job: &'j Job, send: SendJob) -> Result<Self, HostError> {
+        let mut ch = Channel {
+            stream,
+            job,
+            dec: Decoder::new(),
+            job_sent: false,
+            to_guest: Arc::new(ToGuest::default()),
+            send,
+        };
+        if job.restored {
+            ch.send_job()?;
+        }
+        Ok(ch)
+    }
+
+    fn send_job(&mut self) -> Result<(), HostError> {
+        self.job_sent = true;
+        (self.send)(&self.stream, self.job, &self.to_guest)
+            .map_err(|e| HostError::Io("writing the channel".into(), e))
+    }
+
+    /// Reads what the guest sent into the decoder; `false` once the
+    /// channel has closed.
+    fn fill(&mut self, buf: &mut [u8]) -> Result<bool, HostError> {
+        let n = match self.stream.read(buf) {
+            Ok(0) => return Ok(false),
+            Ok(n) => n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) =>
+            {
+                return Ok(true);
+            }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return Ok(false),
+            Err(e) => return Err(HostError::Io("reading the channel".into(), e)),
+        };
+        self.dec.feed(&buf[..n]);
+        Ok(true)
+    }
+
+    /// The next frame read, READY aside: that one this answers with the
+    /// job.
+    fn next(&mut self) -> Result<Option<protocol::Frame>, HostError> {
+        while let Some(frame) = self.dec.next_frame().map_err(HostError::Protocol)? {
+            match frame.kind {
+                Kind::Ready if self.job_sent => {
+                    ember_vmm::guest_warn!("appliance: the guest sent READY again; ignored");
+                }
+                Kind::Ready => {
+                    snapshot_at_ready(self.job);
+                    self.send_job()?;
+                }
+                _ => return Ok(Some(frame)),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Ends the conversation with `outcome`, letting the guest power off.
+    fn end(&self, outcome: Outcome) -> Option<Outcome> {
+        release(&self.stream, &self.to_guest);
+        Some(outcome)
+    }
+}
+
 /// Runs the protocol; `None` if the channel closed without a report.
 fn converse(
-    mut stream: UnixStream,
+    stream: UnixStream,
     job: &Job,
     deadline: Option<Instant>,
     out: &mut dyn Write,
     err: &mut dyn Write,
 ) -> Result<Option<Outcome>, HostError> {
-    let io_err = |what: &str| {
-        let what = what.to_owned();
-        move |e| HostError::Io(what, e)
-    };
-    let mut dec = Decoder::new();
     let mut buf = vec![0u8; 64 * 1024];
-    // The job (and the stdin thread it starts) goes out on the first READY only: a guest
-    // repeating READY must not start a host thread per frame.
-    let mut job_sent = false;
-    let to_guest = Arc::new(ToGuest::default());
-    if job.restored {
-        job_sent = true;
-        send_job(&stream, job, &to_guest).map_err(io_err("writing the channel"))?;
-    }
+    let mut ch = Channel::open(stream, job, send_job)?;
     loop {
-        if let Some(d) = deadline {
-            let left = d.saturating_duration_since(Instant::now());
+        if let Some(left) = time_left(deadline) {
             if left.is_zero() {
                 return Ok(Some(Outcome::TimedOut));
             }
-            stream
+            ch.stream
                 .set_read_timeout(Some(left))
-                .map_err(io_err("socket"))?;
+                .map_err(|e| HostError::Io("socket".into(), e))?;
         }
-        let n = match stream.read(&mut buf) {
-            Ok(0) => return Ok(None),
-            Ok(n) => n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
+        if !ch.fill(&mut buf)? {
+            return Ok(None);
+        }
+        while let Some(frame) = ch.next()? {
+            let failed = match frame.kind {
+                Kind::Stdout => deliver(out, "stdout", &frame.payload),
+                Kind::Stderr => deliver(err, "stderr", &frame.payload),
+                // Host-bound kinds are never sent by the guest; ignore them.
+                _ => match status(&frame) {
+                    Some(outcome) => return Ok(ch.end(outcome)),
+                    None => None,
+                },
+            };
+            if failed.is_some() {
+                return Ok(failed);
+            }
+        }
+    }
+}
+
+/// The command's stdin, stdout and stderr connections on a vsock channel.
+struct VsockStdio {
+    /// Accepted in the guest's order: stdin, stdout, stderr.
+    conns: Vec<UnixStream>,
+    /// stdout and stderr not at their end yet.
+    open: [bool; 2],
+}
+
+impl VsockStdio {
+    /// All three came, and both outputs ended.
+    fn ended(&self) -> bool {
+        self.conns.len() == 3 && self.open == [false, false]
+    }
+
+    /// What to poll: the channel, the listener until all three came, and
+    /// the outputs not at their end.
+    fn poll_set(&self, control: i32, listener: i32) -> Vec<libc::pollfd> {
+        let fd = |fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let mut fds = vec![fd(control)];
+        if self.conns.len() < 3 {
+            fds.push(fd(listener));
+        }
+        for (i, s) in self.conns.iter().enumerate().skip(1) {
+            if self.open[i - 1] {
+                fds.push(fd(s.as_raw_fd()));
+            }
+        }
+        fds
+    }
+
+    /// Copies what the ready outputs have to `out` and `err`; the run's end
+    /// when one cannot take it.
+    fn copy_out(
+        &mut self,
+        ready: impl Fn(i32) -> bool,
+        buf: &mut [u8],
+        out: &mut dyn Write,
+        err: &mut dyn Write,
+    ) -> Option<Outcome> {
+        for i in [1, 2] {
+            let Some(s) = self.conns.get(i) else { continue };
+            if !self.open[i - 1] || !ready(s.as_raw_fd()) {
                 continue;
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return Ok(None),
-            Err(e) => return Err(HostError::Io("reading the channel".into(), e)),
-        };
-        dec.feed(&buf[..n]);
-        while let Some(frame) = dec.next_frame().map_err(HostError::Protocol)? {
-            match frame.kind {
-                Kind::Ready if job_sent => {
-                    ember_vmm::guest_warn!("appliance: the guest sent READY again; ignored");
-                }
-                Kind::Ready => {
-                    job_sent = true;
-                    snapshot_at_ready(job);
-                    send_job(&stream, job, &to_guest).map_err(io_err("writing the channel"))?;
-                }
-                Kind::Stdout | Kind::Stderr => {
-                    let (w, stream): (&mut dyn Write, _) = if frame.kind == Kind::Stdout {
-                        (&mut *out, "stdout")
-                    } else {
-                        (&mut *err, "stderr")
-                    };
-                    // Output that cannot be delivered stops the run (the
-                    // caller's guard ends the VM, and the command with it):
-                    // carrying on would lose it and still report success.
-                    // The channel is read no faster than this writes, so a
-                    // slow reader holds the guest back instead.
-                    if let Err(e) = w.write_all(&frame.payload).and_then(|_| w.flush()) {
-                        return Ok(Some(Outcome::OutputFailed {
-                            stream,
-                            broken_pipe: e.kind() == io::ErrorKind::BrokenPipe,
-                            reason: e.to_string(),
-                        }));
-                    }
-                }
-                Kind::Exit => {
-                    let code = protocol::exit_code(&frame.payload).unwrap_or(-1);
-                    release(&stream, &to_guest);
-                    return Ok(Some(Outcome::Exited(code)));
-                }
-                Kind::Error => {
-                    let msg = String::from_utf8_lossy(&frame.payload).into_owned();
-                    release(&stream, &to_guest);
-                    return Ok(Some(Outcome::GuestError(msg)));
-                }
-                // Host-bound kinds are never sent by the guest; ignore them.
-                _ => {}
+            let got = match (&*s).read(buf) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                // A guest that goes away mid-output ends that output.
+                Err(_) => 0,
+            };
+            if got == 0 {
+                self.open[i - 1] = false;
+                continue;
             }
+            // As in `converse`, and a slow reader holds the guest back
+            // through vsock's credit.
+            let failed = match i {
+                1 => deliver(out, "stdout", &buf[..got]),
+                _ => deliver(err, "stderr", &buf[..got]),
+            };
+            if failed.is_some() {
+                return failed;
+            }
+        }
+        None
+    }
+
+    /// Takes the next connection the guest made; the first, stdin, gets
+    /// our stdin.
+    fn accept(&mut self, listener: &UnixListener, job: &Job) -> Result<(), HostError> {
+        let sock = |e| HostError::Io("socket".into(), e);
+        match listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false).map_err(sock)?;
+                if self.conns.is_empty() {
+                    forward_stdin_raw(&s, job).map_err(sock)?;
+                }
+                self.conns.push(s);
+                Ok(())
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(()),
+            Err(e) => Err(HostError::Io("accept on the channel socket".into(), e)),
         }
     }
 }
@@ -503,70 +680,33 @@ fn converse(
 /// `err` take it; the status is taken once both outputs ended. `None` if
 /// the channel closed without a report.
 fn converse_vsock(
-    mut control: UnixStream,
+    control: UnixStream,
     listener: &UnixListener,
     job: &Job,
     deadline: Option<Instant>,
     out: &mut dyn Write,
     err: &mut dyn Write,
 ) -> Result<Option<Outcome>, HostError> {
-    use std::os::fd::AsRawFd;
-    let io_err = |what: &str| {
-        let what = what.to_owned();
-        move |e| HostError::Io(what, e)
-    };
-    let mut dec = Decoder::new();
     let mut buf = vec![0u8; 64 * 1024];
-    let mut job_sent = false;
-    let to_guest = Arc::new(ToGuest::default());
-    if job.restored {
-        job_sent = true;
-        send_frames(&control, job).map_err(io_err("writing the channel"))?;
-    }
-    // Accepted in the guest's order: stdin, stdout, stderr.
-    let mut stdio: Vec<UnixStream> = Vec::new();
-    // stdout and stderr not at their end yet.
-    let mut open = [true, true];
-    let mut status: Option<Outcome> = None;
+    let mut ch = Channel::open(control, job, |s, job, _| send_frames(s, job))?;
+    let mut stdio = VsockStdio {
+        conns: Vec::new(),
+        open: [true, true],
+    };
+    let mut status_frame: Option<Outcome> = None;
     loop {
-        if let Some(outcome) = &status
-            && stdio.len() == 3
-            && open == [false, false]
+        if let Some(outcome) = &status_frame
+            && stdio.ended()
         {
-            release(&control, &to_guest);
-            return Ok(Some(outcome.clone()));
+            return Ok(ch.end(outcome.clone()));
         }
-        let wait_ms = match deadline {
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Ok(Some(Outcome::TimedOut));
-                }
-                i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX)
-            }
+        let wait_ms = match time_left(deadline) {
+            Some(left) if left.is_zero() => return Ok(Some(Outcome::TimedOut)),
+            Some(left) => i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX),
             None => -1,
         };
-        let mut fds = vec![libc::pollfd {
-            fd: control.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
-        if stdio.len() < 3 {
-            fds.push(libc::pollfd {
-                fd: listener.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            });
-        }
-        for (i, s) in stdio.iter().enumerate().skip(1) {
-            if open[i - 1] {
-                fds.push(libc::pollfd {
-                    fd: s.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                });
-            }
-        }
+        let control_fd = ch.stream.as_raw_fd();
+        let mut fds = stdio.poll_set(control_fd, listener.as_raw_fd());
         let nfds = libc::nfds_t::try_from(fds.len()).unwrap_or(0);
         // SAFETY: `fds` is a live array of `nfds` pollfds.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), nfds, wait_ms) };
@@ -579,89 +719,24 @@ fn converse_vsock(
         }
         let ready = |fd: i32| fds.iter().any(|p| p.fd == fd && p.revents != 0);
         // The command's output first: its status waits for its end anyway.
-        for i in [1, 2] {
-            let Some(s) = stdio.get(i) else { continue };
-            if !open[i - 1] || !ready(s.as_raw_fd()) {
-                continue;
-            }
-            let got = match (&*s).read(&mut buf) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                // A guest that goes away mid-output ends that output.
-                Err(_) => 0,
-            };
-            if got == 0 {
-                open[i - 1] = false;
-                continue;
-            }
-            let (w, stream): (&mut dyn Write, _) = if i == 1 {
-                (&mut *out, "stdout")
-            } else {
-                (&mut *err, "stderr")
-            };
-            // As in `converse`: undeliverable output stops the run, and a
-            // slow reader holds the guest back (through vsock's credit).
-            if let Err(e) = w.write_all(&buf[..got]).and_then(|_| w.flush()) {
-                return Ok(Some(Outcome::OutputFailed {
-                    stream,
-                    broken_pipe: e.kind() == io::ErrorKind::BrokenPipe,
-                    reason: e.to_string(),
-                }));
-            }
+        if let Some(failed) = stdio.copy_out(ready, &mut buf, out, err) {
+            return Ok(Some(failed));
         }
-        if stdio.len() < 3 && ready(listener.as_raw_fd()) {
-            match listener.accept() {
-                Ok((s, _)) => {
-                    s.set_nonblocking(false).map_err(io_err("socket"))?;
-                    if stdio.is_empty() {
-                        forward_stdin_raw(&s, job).map_err(io_err("socket"))?;
-                    }
-                    stdio.push(s);
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(HostError::Io("accept on the channel socket".into(), e)),
-            }
+        if stdio.conns.len() < 3 && ready(listener.as_raw_fd()) {
+            stdio.accept(listener, job)?;
         }
-        if !ready(control.as_raw_fd()) {
+        if !ready(control_fd) {
             continue;
         }
-        let n = match control.read(&mut buf) {
-            Ok(0) => return Ok(None),
-            Ok(n) => n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                ) =>
-            {
-                continue;
-            }
-            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return Ok(None),
-            Err(e) => return Err(HostError::Io("reading the channel".into(), e)),
-        };
-        dec.feed(&buf[..n]);
-        while let Some(frame) = dec.next_frame().map_err(HostError::Protocol)? {
-            match frame.kind {
-                Kind::Ready if job_sent => {
-                    ember_vmm::guest_warn!("appliance: the guest sent READY again; ignored");
-                }
-                Kind::Ready => {
-                    job_sent = true;
-                    snapshot_at_ready(job);
-                    send_frames(&control, job).map_err(io_err("writing the channel"))?;
-                }
-                Kind::Exit if status.is_none() => {
-                    let code = protocol::exit_code(&frame.payload).unwrap_or(-1);
-                    status = Some(Outcome::Exited(code));
-                }
-                Kind::Error => {
-                    let msg = String::from_utf8_lossy(&frame.payload).into_owned();
-                    release(&control, &to_guest);
-                    return Ok(Some(Outcome::GuestError(msg)));
-                }
-                // Output comes on its own connections; nothing else is
-                // sent by the guest.
+        if !ch.fill(&mut buf)? {
+            return Ok(None);
+        }
+        // Output comes on its own connections; nothing else is sent by the
+        // guest.
+        while let Some(frame) = ch.next()? {
+            match status(&frame) {
+                Some(Outcome::GuestError(msg)) => return Ok(ch.end(Outcome::GuestError(msg))),
+                Some(exited) if status_frame.is_none() => status_frame = Some(exited),
                 _ => {}
             }
         }
