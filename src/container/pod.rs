@@ -203,106 +203,18 @@ impl Pod {
     ) -> Result<Pod, ContainerError> {
         let ember = companion("ember", "EMBER_BIN")?;
         let agent = companion("ember-agent", "EMBER_AGENT")?;
-        let mut cmd = Command::new(&ember);
-        cmd.arg("run");
-        if let Some(b) = &cfg.backend {
-            cmd.args(["--backend", b]);
-        }
-        if let Some(k) = &cfg.kernel {
-            cmd.arg("--kernel").arg(k);
-        }
-        if let Some(c) = &cfg.cmdline {
-            cmd.args(["--cmdline", c]);
-        }
-        if let Some(m) = &cfg.mem {
-            cmd.args(["--mem", m]);
-        }
-        if let Some(c) = cfg.cpus {
-            cmd.args(["--cpus", &c.to_string()]);
-        }
-        if let Some(ns) = &cfg.netns {
-            cmd.arg("--netns").arg(ns);
-        }
-        if cfg.net && cfg.publish.is_empty() {
-            cmd.arg("--net");
-        }
-        for p in &cfg.publish {
-            cmd.args(["--publish", p]);
-        }
-        for s in &cfg.shares {
-            cmd.arg("--share")
-                .arg(format!("{}:{},rw", s.host.display(), s.guest));
-        }
-        cmd.args(["--workdir", "/", "--"]).arg(&agent);
-        cmd.stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        // SAFETY: prctl in the forked child touches no memory.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        let cmd = vm_command(cfg, &ember, &agent);
         log::info!("booting the pod VM: {cmd:?}");
         let exit = Arc::new(VmExit {
             status: Mutex::new(None),
             cv: Condvar::new(),
         });
-        let (tx, rx) = std::sync::mpsc::channel();
-        {
-            let exit = exit.clone();
-            std::thread::Builder::new()
-                .name("ember-vm".into())
-                .spawn(move || {
-                    super::stage("shim_spawn_vm");
-                    let mut child = match cmd.spawn() {
-                        Ok(c) => c,
-                        Err(e) => {
-                            let _ = tx.send(Err(e));
-                            return;
-                        }
-                    };
-                    let io = (
-                        child.id(),
-                        child.stdin.take(),
-                        child.stdout.take(),
-                        child.stderr.take(),
-                    );
-                    let _ = tx.send(Ok(io));
-                    let code = match child.wait() {
-                        Ok(s) => s.code().unwrap_or(-1),
-                        Err(_) => -1,
-                    };
-                    log::info!("the pod VM ended with status {code}");
-                    *exit.status.lock().unwrap_or_else(|p| p.into_inner()) = Some(code);
-                    exit.cv.notify_all();
-                })
-                .map_err(ContainerError::io("a thread for the VM"))?;
-        }
-        let (vm_pid, stdin, stdout, stderr) = rx
-            .recv()
-            .map_err(|_| ContainerError::AgentGone)?
+        let (vm_pid, stdin, stdout, stderr) = spawn_vm(cmd, exit.clone())?
             .map_err(ContainerError::io(format!("start {}", ember.display())))?;
         let (Some(stdin), Some(stdout), Some(stderr)) = (stdin, stdout, stderr) else {
             return Err(ContainerError::AgentGone);
         };
-        let tail = Arc::new(Mutex::new(VecDeque::new()));
-        {
-            let tail = tail.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    log::info!("vm: {line}");
-                    let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
-                    if t.len() == STDERR_TAIL {
-                        t.pop_front();
-                    }
-                    t.push_back(line);
-                }
-            });
-        }
+        let tail = stderr_tail(stderr);
         let client = Arc::new(AgentClient::new(
             Box::new(stdout),
             Box::new(stdin),
@@ -554,6 +466,115 @@ impl Pod {
             self.wait_exit(Duration::from_secs(10));
         }
     }
+}
+
+/// `ember run … -- ember-agent` for the pod's VM, its stdio piped (the
+/// agent's channel and ember's messages), ended with the shim.
+fn vm_command(cfg: &PodConfig, ember: &Path, agent: &Path) -> Command {
+    let mut cmd = Command::new(ember);
+    cmd.arg("run");
+    if let Some(b) = &cfg.backend {
+        cmd.args(["--backend", b]);
+    }
+    if let Some(k) = &cfg.kernel {
+        cmd.arg("--kernel").arg(k);
+    }
+    if let Some(c) = &cfg.cmdline {
+        cmd.args(["--cmdline", c]);
+    }
+    if let Some(m) = &cfg.mem {
+        cmd.args(["--mem", m]);
+    }
+    if let Some(c) = cfg.cpus {
+        cmd.args(["--cpus", &c.to_string()]);
+    }
+    if let Some(ns) = &cfg.netns {
+        cmd.arg("--netns").arg(ns);
+    }
+    if cfg.net && cfg.publish.is_empty() {
+        cmd.arg("--net");
+    }
+    for p in &cfg.publish {
+        cmd.args(["--publish", p]);
+    }
+    for s in &cfg.shares {
+        cmd.arg("--share")
+            .arg(format!("{}:{},rw", s.host.display(), s.guest));
+    }
+    cmd.args(["--workdir", "/", "--"]).arg(agent);
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: prctl in the forked child touches no memory.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd
+}
+
+/// The VM's pid and its stdin, stdout and stderr.
+type VmIo = (
+    u32,
+    Option<std::process::ChildStdin>,
+    Option<std::process::ChildStdout>,
+    Option<std::process::ChildStderr>,
+);
+
+/// Spawns the VM on a thread of its own, which waits for it and posts its
+/// status in `exit`; the spawn's result once it is known.
+fn spawn_vm(mut cmd: Command, exit: Arc<VmExit>) -> Result<std::io::Result<VmIo>, ContainerError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("ember-vm".into())
+        .spawn(move || {
+            super::stage("shim_spawn_vm");
+            let mut child = match cmd.spawn() {
+                Ok(c) => c,
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            };
+            let io = (
+                child.id(),
+                child.stdin.take(),
+                child.stdout.take(),
+                child.stderr.take(),
+            );
+            let _ = tx.send(Ok(io));
+            let code = match child.wait() {
+                Ok(s) => s.code().unwrap_or(-1),
+                Err(_) => -1,
+            };
+            log::info!("the pod VM ended with status {code}");
+            *exit.status.lock().unwrap_or_else(|p| p.into_inner()) = Some(code);
+            exit.cv.notify_all();
+        })
+        .map_err(ContainerError::io("a thread for the VM"))?;
+    rx.recv().map_err(|_| ContainerError::AgentGone)
+}
+
+/// Logs ember's stderr on a thread, keeping its last lines for the error
+/// of a boot that fails.
+fn stderr_tail(stderr: std::process::ChildStderr) -> Arc<Mutex<VecDeque<String>>> {
+    let tail = Arc::new(Mutex::new(VecDeque::new()));
+    let kept = tail.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            log::info!("vm: {line}");
+            let mut t = kept.lock().unwrap_or_else(|p| p.into_inner());
+            if t.len() == STDERR_TAIL {
+                t.pop_front();
+            }
+            t.push_back(line);
+        }
+    });
+    tail
 }
 
 /// `pid` and every process below it, deepest first.
