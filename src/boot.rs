@@ -14,7 +14,7 @@ use ember_vmm::machine::{DeviceSet, Machine};
 use ember_vmm::prefault::MemoryOptions;
 use ember_vmm::seccomp;
 use ember_vmm::snapshot::restore::{self, RestoreConfig};
-use ember_vmm::vstate::end::GuestEnd;
+use ember_vmm::vstate::end::{EndError, GuestEnd};
 use ember_vmm::vstate::memory;
 use std::io::{self, Read, Write};
 use std::path::PathBuf;
@@ -216,17 +216,7 @@ impl BootArgs {
 
 /// Runs `ember boot`; returns the process exit status.
 pub fn main(args: BootArgs) -> anyhow::Result<i32> {
-    if let Some(t) = args.timeout {
-        // Durations from floats panic on NaN, infinity and overflow: refuse them here.
-        if t.is_nan() || t <= 0.0 {
-            anyhow::bail!("--timeout must be a positive number of seconds, not {t}");
-        }
-        if t >= 1e9 {
-            anyhow::bail!(
-                "--timeout {t} is too large: it must be less than 1e9 seconds (31 years)"
-            );
-        }
-    }
+    check_timeout(args.timeout)?;
     // Bound before any thread starts: binding sets the process's umask.
     let api = match &args.api_socket {
         Some(path) => Some(Arc::new(crate::api::ApiSocket::bind(path)?)),
@@ -246,34 +236,8 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
     // A terminal goes raw: keys reach the guest as typed, Ctrl-A x quits.
     let serial = args.console == ConsoleMode::Serial;
     let raw = serial && crate::terminal::enter_raw()?;
-    // The control socket's and stdin's threads start once the VM is complete
-    // and before it runs, from this thread while it is not yet filtered: each
-    // takes its own seccomp filter instead of running under this thread's.
-    let before_go: BeforeGo = {
-        let api = api.clone();
-        // A fresh VM's memory is locked as it is made; a restored one's here.
-        let lock_restored = args.mem_lock && args.restore.is_some();
-        Box::new(move |machine: &Arc<Machine>| {
-            if lock_restored {
-                machine
-                    .lock_memory()
-                    .map_err(|e| io::Error::other(ember_vmm::error_chain(&e)))?;
-            }
-            if let Some(api) = &api {
-                api.serve(crate::api::ApiContext {
-                    machine: machine.clone(),
-                })
-                .map_err(io::Error::other)?;
-            }
-            // Whatever stdin is (a terminal, a pipe; /dev/null ends at once)
-            // feeds COM1: a restored guest waiting at a prompt takes its
-            // command there.
-            if serial {
-                forward_stdin(machine.clone(), raw);
-            }
-            Ok(())
-        })
-    };
+    // `api` is held here until the end: the socket goes when it is dropped.
+    let before_go = before_go(&args, api.clone(), serial, raw);
     let mut devices = args.device_set()?;
     start_passt(&mut devices.net, &args.publish)?;
     let machine = match &args.restore {
@@ -295,12 +259,81 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
         None => boot(&args, devices, console, before_go, recorder.clone())?,
     };
     let timeout = args.timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
-    let outcome = machine.wait(timeout);
-    let code = match &outcome {
+    let code = exit_status(&args, &recorder, machine.wait(timeout));
+    machine.finish_console();
+    if let Some(path) = &args.devices.events {
+        write_events(path, &recorder, &machine);
+    }
+    // `exit` runs no destructors: the terminal goes back and the control
+    // socket goes first.
+    crate::cleanup::run_all();
+    // The VM's teardown is left to a process nobody waits for.
+    machine.exit(code)
+}
+
+/// Refuses a `--timeout` that is not a usable number of seconds.
+fn check_timeout(timeout: Option<f64>) -> anyhow::Result<()> {
+    if let Some(t) = timeout {
+        // Durations from floats panic on NaN, infinity and overflow: refuse them here.
+        if t.is_nan() || t <= 0.0 {
+            anyhow::bail!("--timeout must be a positive number of seconds, not {t}");
+        }
+        if t >= 1e9 {
+            anyhow::bail!(
+                "--timeout {t} is too large: it must be less than 1e9 seconds (31 years)"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// What runs once the VM is complete and before it runs: a restored VM's
+/// memory locked, the control socket served, stdin fed to COM1.
+fn before_go(
+    args: &BootArgs,
+    api: Option<Arc<crate::api::ApiSocket>>,
+    serial: bool,
+    raw: bool,
+) -> BeforeGo {
+    // The control socket's and stdin's threads start once the VM is complete
+    // and before it runs, from this thread while it is not yet filtered: each
+    // takes its own seccomp filter instead of running under this thread's.
+    // A fresh VM's memory is locked as it is made; a restored one's here.
+    let lock_restored = args.mem_lock && args.restore.is_some();
+    Box::new(move |machine: &Arc<Machine>| {
+        if lock_restored {
+            machine
+                .lock_memory()
+                .map_err(|e| io::Error::other(ember_vmm::error_chain(&e)))?;
+        }
+        if let Some(api) = &api {
+            api.serve(crate::api::ApiContext {
+                machine: machine.clone(),
+            })
+            .map_err(io::Error::other)?;
+        }
+        // Whatever stdin is (a terminal, a pipe; /dev/null ends at once)
+        // feeds COM1: a restored guest waiting at a prompt takes its
+        // command there.
+        if serial {
+            forward_stdin(machine.clone(), raw);
+        }
+        Ok(())
+    })
+}
+
+/// The process's exit status for how the guest ended (`None`: it did not
+/// within the timeout), saying why on stderr when it did not end well.
+fn exit_status(
+    args: &BootArgs,
+    recorder: &Recorder,
+    outcome: Option<Result<GuestEnd, EndError>>,
+) -> i32 {
+    match &outcome {
         Some(Ok(end)) => {
             recorder.mark(end.event_kind());
             if *end == GuestEnd::TripleFault {
-                match damaged_memory(&args) {
+                match damaged_memory(args) {
                     Some(why) => eprintln!("ember: {why}"),
                     None => eprintln!("ember: the guest crashed (triple fault)"),
                 }
@@ -310,7 +343,7 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
         Some(Err(why)) => {
             eprintln!(
                 "ember: {}",
-                damaged_memory(&args).unwrap_or_else(|| why.to_string())
+                damaged_memory(args).unwrap_or_else(|| why.to_string())
             );
             EXIT_GUEST_CRASHED
         }
@@ -321,25 +354,21 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
             );
             EXIT_TIMEOUT
         }
-    };
-    machine.finish_console();
-    if let Some(path) = &args.devices.events {
-        record_memory(&recorder, &machine);
-        recorder.mark(kind::PROCESS_EXIT);
-        // The guest's status is the answer the caller asked for: a timeline that cannot be
-        // written is reported, and the status kept.
-        let written = serde_json::to_vec_pretty(&recorder.snapshot())
-            .map_err(io::Error::other)
-            .and_then(|json| std::fs::write(path, json));
-        if let Err(e) = written {
-            eprintln!("ember: cannot write the events to {}: {e}", path.display());
-        }
     }
-    // `exit` runs no destructors: the terminal goes back and the control
-    // socket goes first.
-    crate::cleanup::run_all();
-    // The VM's teardown is left to a process nobody waits for.
-    machine.exit(code)
+}
+
+/// Writes the run's timeline to `path` (`--events`).
+fn write_events(path: &std::path::Path, recorder: &Recorder, machine: &Machine) {
+    record_memory(recorder, machine);
+    recorder.mark(kind::PROCESS_EXIT);
+    // The guest's status is the answer the caller asked for: a timeline that cannot be
+    // written is reported, and the status kept.
+    let written = serde_json::to_vec_pretty(&recorder.snapshot())
+        .map_err(io::Error::other)
+        .and_then(|json| std::fs::write(path, json));
+    if let Err(e) = written {
+        eprintln!("ember: cannot write the events to {}: {e}", path.display());
+    }
 }
 
 /// Starts a passt for each `--net passt` device and puts its socket in the
