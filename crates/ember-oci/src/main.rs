@@ -316,46 +316,11 @@ fn run(cli: Cli) -> Result<()> {
             *preserve_fds,
             id,
         ),
-        Cmd::Start { id } => {
-            let st = existing(&cli.root, id)?;
-            let reply = ask(&cli.root, id, Request::Start)?;
-            log::info!("{id}: started, guest pid {:?}", reply.pid);
-            let spec = ember::container::spec::Spec::load(Path::new(&st.bundle))?;
-            run_hooks(&spec.hooks.poststart, &hook_state(&st, "running"), false)
-        }
-        Cmd::State { id } => {
-            let st = existing(&cli.root, id)?;
-            let out = serde_json::json!({
-                "ociVersion": OCI_VERSION,
-                "id": st.id,
-                "pid": st.pid,
-                "status": st.status(),
-                "bundle": st.bundle,
-                "rootfs": st.rootfs,
-                "created": st.created,
-                "owner": "",
-                "annotations": st.annotations,
-            });
-            println!("{}", serde_json::to_string_pretty(&out)?);
-            Ok(())
-        }
+        Cmd::Start { id } => start(&cli.root, id),
+        Cmd::State { id } => state(&cli.root, id),
         Cmd::Kill {
             all, id, signal, ..
-        } => {
-            let st = existing(&cli.root, id)?;
-            if !st.alive() {
-                bail!("container not running");
-            }
-            ask(
-                &cli.root,
-                id,
-                Request::Kill {
-                    signal: parse_signal(signal)?,
-                    all: *all,
-                },
-            )
-            .map(drop)
-        }
+        } => kill(&cli.root, id, signal, *all),
         Cmd::Delete { force, id } => delete(&cli.root, id, *force),
         Cmd::Exec {
             process,
@@ -367,46 +332,15 @@ fn run(cli: Cli) -> Result<()> {
             env,
             id,
             args,
-        } => {
-            let process = match process {
-                Some(p) => {
-                    std::fs::read_to_string(p).with_context(|| format!("{}", p.display()))?
-                }
-                None => {
-                    if args.is_empty() {
-                        bail!("exec: no --process and no command");
-                    }
-                    serde_json::json!({
-                        "terminal": tty, "args": args, "env": env,
-                        "cwd": cwd.clone().unwrap_or_else(|| "/".into()),
-                    })
-                    .to_string()
-                }
-            };
-            exec(
-                &cli,
-                id,
-                process,
-                *detach,
-                pid_file.as_deref(),
-                console_socket.as_deref(),
-            )
-        }
-        Cmd::Ps { format, id, .. } => {
-            existing(&cli.root, id)?;
-            let reply = ask(&cli.root, id, Request::Pids)?;
-            if format == "json" {
-                println!("{}", serde_json::to_string(&reply.pids)?);
-            } else {
-                println!("PID CMD");
-                for p in reply.pids {
-                    let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
-                    let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-                    println!("{p} {}", cmd.trim_end());
-                }
-            }
-            Ok(())
-        }
+        } => exec(
+            &cli,
+            id,
+            exec_process(process.as_deref(), *tty, args, env, cwd.as_deref())?,
+            *detach,
+            pid_file.as_deref(),
+            console_socket.as_deref(),
+        ),
+        Cmd::Ps { format, id, .. } => ps(&cli.root, id, format),
         Cmd::Pause { id } => ask(&cli.root, id, Request::Pause).map(drop),
         Cmd::Resume { id } => ask(&cli.root, id, Request::Resume).map(drop),
         Cmd::Update {
@@ -445,6 +379,92 @@ fn run(cli: Cli) -> Result<()> {
         }),
         Cmd::Relay { fd, id } => relay(*fd, id),
     }
+}
+
+/// `start`: the supervisor starts the container's process, then the
+/// poststart hooks run.
+fn start(root: &Path, id: &str) -> Result<()> {
+    let st = existing(root, id)?;
+    let reply = ask(root, id, Request::Start)?;
+    log::info!("{id}: started, guest pid {:?}", reply.pid);
+    let spec = ember::container::spec::Spec::load(Path::new(&st.bundle))?;
+    run_hooks(&spec.hooks.poststart, &hook_state(&st, "running"), false)
+}
+
+/// `state`: the OCI state, as JSON on stdout.
+fn state(root: &Path, id: &str) -> Result<()> {
+    let st = existing(root, id)?;
+    let out = serde_json::json!({
+        "ociVersion": OCI_VERSION,
+        "id": st.id,
+        "pid": st.pid,
+        "status": st.status(),
+        "bundle": st.bundle,
+        "rootfs": st.rootfs,
+        "created": st.created,
+        "owner": "",
+        "annotations": st.annotations,
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}
+
+/// `kill`: a signal to the container's process (or all of them).
+fn kill(root: &Path, id: &str, signal: &str, all: bool) -> Result<()> {
+    let st = existing(root, id)?;
+    if !st.alive() {
+        bail!("container not running");
+    }
+    ask(
+        root,
+        id,
+        Request::Kill {
+            signal: parse_signal(signal)?,
+            all,
+        },
+    )
+    .map(drop)
+}
+
+/// `exec`'s process as the OCI process JSON: the `--process` file's, or
+/// one made of the command line's.
+fn exec_process(
+    process: Option<&Path>,
+    tty: bool,
+    args: &[String],
+    env: &[String],
+    cwd: Option<&str>,
+) -> Result<String> {
+    Ok(match process {
+        Some(p) => std::fs::read_to_string(p).with_context(|| format!("{}", p.display()))?,
+        None => {
+            if args.is_empty() {
+                bail!("exec: no --process and no command");
+            }
+            serde_json::json!({
+                "terminal": tty, "args": args, "env": env,
+                "cwd": cwd.unwrap_or("/"),
+            })
+            .to_string()
+        }
+    })
+}
+
+/// `ps`: the container's processes, as JSON or a `PID CMD` table.
+fn ps(root: &Path, id: &str, format: &str) -> Result<()> {
+    existing(root, id)?;
+    let reply = ask(root, id, Request::Pids)?;
+    if format == "json" {
+        println!("{}", serde_json::to_string(&reply.pids)?);
+    } else {
+        println!("PID CMD");
+        for p in reply.pids {
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            println!("{p} {}", cmd.trim_end());
+        }
+    }
+    Ok(())
 }
 
 fn existing(root: &Path, id: &str) -> Result<State> {
@@ -608,12 +628,36 @@ fn create_in(
     console_socket: Option<String>,
     id: &str,
 ) -> Result<()> {
+    let mut st = creating(bundle, spec, id);
+    st.save(&cli.root)?;
+    let ctl = state::ctl(&cli.root, id);
+    let (_dir, short) = state::socket_path(&ctl)?;
+    let listener = std::os::unix::net::UnixListener::bind(&short)
+        .with_context(|| format!("listen on {}", ctl.display()))?;
+    // The namespace's file is held open until the supervisor has joined it.
+    let (mut cmd, _netns_file) = supervisor_command(cli, bundle, spec, id, listener.as_raw_fd())?;
+    let child = cmd.spawn().context("start the container's supervisor")?;
+    drop(listener);
+    let pid = child.id();
+    st.pid = pid;
+    let result = boot_supervised(spec, &st, &ctl, console_socket, pid_file);
+    if result.is_err() {
+        // SAFETY: kill has no memory effects; the pid is our child's.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let mut child = child;
+        let _ = child.wait();
+    }
+    result
+}
+
+/// The state of a container being created from `bundle`.
+fn creating(bundle: &Path, spec: &ember::container::spec::Spec, id: &str) -> State {
     let rootfs = spec
         .root
         .as_ref()
         .map(|r| r.path.clone())
         .unwrap_or_default();
-    let mut st = State {
+    State {
         id: id.to_owned(),
         pid: 0,
         status: "creating".into(),
@@ -625,12 +669,19 @@ fn create_in(
         },
         created: state::rfc3339(SystemTime::now()),
         annotations: spec.annotations.clone(),
-    };
-    st.save(&cli.root)?;
-    let ctl = state::ctl(&cli.root, id);
-    let (_dir, short) = state::socket_path(&ctl)?;
-    let listener = std::os::unix::net::UnixListener::bind(&short)
-        .with_context(|| format!("listen on {}", ctl.display()))?;
+    }
+}
+
+/// `ember-oci supervise` for the container, in its own session and in the
+/// spec's network namespace (a new one, or joined through the returned
+/// file), inheriting the control listener `ctl_fd`.
+fn supervisor_command(
+    cli: &Cli,
+    bundle: &Path,
+    spec: &ember::container::spec::Spec,
+    id: &str,
+    ctl_fd: i32,
+) -> Result<(Command, Option<std::fs::File>)> {
     let netns = network_namespace(spec);
     let netns_file = match netns.as_deref() {
         Some(p) if !p.is_empty() => {
@@ -639,7 +690,6 @@ fn create_in(
         _ => None,
     };
     let new_netns = netns.as_deref() == Some("");
-    let ctl_fd = listener.as_raw_fd();
     let joined = netns_file.as_ref().map(|f| f.as_raw_fd());
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.arg("--root").arg(&cli.root);
@@ -683,38 +733,37 @@ fn create_in(
             Ok(())
         });
     }
-    let child = cmd.spawn().context("start the container's supervisor")?;
-    drop(listener);
-    let pid = child.id();
-    let result = (|| -> Result<()> {
-        st.pid = pid;
-        let hs = hook_state(&st, "created");
-        // Docker's network is set up by a prestart hook in the namespace
-        // the supervisor made: before the VM boots, so passt finds it.
-        run_hooks(&spec.hooks.create_runtime, &hs, false)?;
-        run_hooks(&spec.hooks.prestart, &hs, false)?;
-        let mut conn = Conn::send(&ctl, &Request::Boot { console_socket }, &[])
-            .context("the container's supervisor")?;
-        let reply = conn
-            .reply(Some(BOOT_TIMEOUT))?
-            .ok_or_else(|| anyhow!("the container's supervisor ended while booting its VM"))?;
-        if let Some(e) = reply.error {
-            bail!("{e}");
-        }
-        if let Some(p) = pid_file {
-            let tmp = p.with_extension("ember-tmp");
-            std::fs::write(&tmp, pid.to_string())?;
-            std::fs::rename(&tmp, p)?;
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        // SAFETY: kill has no memory effects; the pid is our child's.
-        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-        let mut child = child;
-        let _ = child.wait();
+    Ok((cmd, netns_file))
+}
+
+/// With the supervisor started (`st.pid`): the create hooks, the VM's boot
+/// through the supervisor, then the pid file.
+fn boot_supervised(
+    spec: &ember::container::spec::Spec,
+    st: &State,
+    ctl: &Path,
+    console_socket: Option<String>,
+    pid_file: Option<&Path>,
+) -> Result<()> {
+    let hs = hook_state(st, "created");
+    // Docker's network is set up by a prestart hook in the namespace
+    // the supervisor made: before the VM boots, so passt finds it.
+    run_hooks(&spec.hooks.create_runtime, &hs, false)?;
+    run_hooks(&spec.hooks.prestart, &hs, false)?;
+    let mut conn = Conn::send(ctl, &Request::Boot { console_socket }, &[])
+        .context("the container's supervisor")?;
+    let reply = conn
+        .reply(Some(BOOT_TIMEOUT))?
+        .ok_or_else(|| anyhow!("the container's supervisor ended while booting its VM"))?;
+    if let Some(e) = reply.error {
+        bail!("{e}");
     }
-    result
+    if let Some(p) = pid_file {
+        let tmp = p.with_extension("ember-tmp");
+        std::fs::write(&tmp, st.pid.to_string())?;
+        std::fs::rename(&tmp, p)?;
+    }
+    Ok(())
 }
 
 fn delete(root: &Path, id: &str, force: bool) -> Result<()> {
