@@ -217,22 +217,8 @@ fn boot(
     let root = spec.root_dir(&o.bundle);
     let dir = PodDir::new(crate::state::pod_dir(&o.root, &o.id));
     let agent_spec = dir.add(&spec, &o.id, &root)?;
-    let net = ember::passt::GuestNet::from_host().is_ok();
-    let publish = if net {
-        published_ports(&spec)
-    } else {
-        Vec::new()
-    };
-    let cfg = match PodConfig::for_spec(&spec, &dir, None, None) {
-        Ok(c) => PodConfig {
-            backend: o.backend.clone(),
-            // The supervisor lives in the container's namespace already:
-            // passt there gives the guest its address and forwards its ports.
-            netns: None,
-            net,
-            publish,
-            ..c
-        },
+    let cfg = match pod_config(o, &spec, &dir) {
+        Ok(c) => c,
         Err(e) => {
             dir.destroy();
             return Err(e);
@@ -267,15 +253,7 @@ fn boot(
         return Err(e);
     }
     let tty = if process.terminal {
-        let made = (|| {
-            let socket = console
-                .ok_or_else(|| ContainerError::Agent("a terminal needs --console-socket".into()))?;
-            let (master, slave) = fdpass::pty().map_err(ContainerError::io("openpty"))?;
-            fdpass::send_console(&socket, &master)
-                .map_err(ContainerError::io(format!("console socket {socket}")))?;
-            Ok(slave)
-        })();
-        match made {
+        match terminal(console) {
             Ok(s) => Some(s),
             Err(e) => {
                 pod.shutdown();
@@ -305,6 +283,37 @@ fn boot(
         init_done: Arc::new(AtomicBool::new(false)),
         ending: AtomicBool::new(false),
     })
+}
+
+/// The pod VM's configuration for `spec`, with this supervisor's backend
+/// and network.
+fn pod_config(o: &Opts, spec: &Spec, dir: &PodDir) -> Result<PodConfig, ContainerError> {
+    let net = ember::passt::GuestNet::from_host().is_ok();
+    let publish = if net {
+        published_ports(spec)
+    } else {
+        Vec::new()
+    };
+    Ok(PodConfig {
+        backend: o.backend.clone(),
+        // The supervisor lives in the container's namespace already:
+        // passt there gives the guest its address and forwards its ports.
+        netns: None,
+        net,
+        publish,
+        ..PodConfig::for_spec(spec, dir, None, None)?
+    })
+}
+
+/// The container's terminal: a pty whose master goes to the caller's
+/// console socket; its slave is the container's stdio.
+fn terminal(console: Option<String>) -> Result<OwnedFd, ContainerError> {
+    let socket =
+        console.ok_or_else(|| ContainerError::Agent("a terminal needs --console-socket".into()))?;
+    let (master, slave) = fdpass::pty().map_err(ContainerError::io("openpty"))?;
+    fdpass::send_console(&socket, &master)
+        .map_err(ContainerError::io(format!("console socket {socket}")))?;
+    Ok(slave)
 }
 
 /// The ports to forward from the container's network namespace into the
