@@ -503,22 +503,7 @@ impl Service {
         let spec = Spec::load(&bundle)?;
         let process = spec.process_in(&bundle)?;
         let root = spec.root_dir(&bundle);
-        let mounted = if req.rootfs.is_empty() {
-            None
-        } else {
-            let mounts: Vec<RootMount> = req
-                .rootfs
-                .iter()
-                .map(|m| RootMount {
-                    fstype: m.type_.clone(),
-                    source: m.source.clone(),
-                    options: m.options.clone(),
-                })
-                .collect();
-            rootfs::mount_all(&mounts, &root)?;
-            ember::container::stage("shim_rootfs_mounted");
-            Some(root.clone())
-        };
+        let mounted = mount_rootfs(req, &root)?;
         let existing = {
             let st = self.0.state();
             st.vm.as_ref().map(|v| (v.pod.clone(), v.dir.clone()))
@@ -538,22 +523,7 @@ impl Service {
             let pod = match &existing {
                 Some((pod, _)) => pod.clone(),
                 None => {
-                    let base_mem = std::env::var("EMBER_SHIM_MEM").ok();
-                    let cpus = std::env::var("EMBER_SHIM_CPUS")
-                        .ok()
-                        .and_then(|c| c.parse().ok());
-                    let cfg = PodConfig {
-                        backend: std::env::var("EMBER_SHIM_BACKEND").ok(),
-                        kernel: std::env::var_os("EMBER_SHIM_KERNEL").map(Into::into),
-                        cmdline: std::env::var("EMBER_SHIM_CMDLINE").ok(),
-                        // A cold boot of an emulated guest kernel on a loaded
-                        // host can outlast the default.
-                        boot_timeout: std::env::var("EMBER_SHIM_BOOT_TIMEOUT")
-                            .ok()
-                            .and_then(|s| s.parse().ok())
-                            .map(std::time::Duration::from_secs),
-                        ..PodConfig::for_spec(&spec, &dir, base_mem.as_deref(), cpus)?
-                    };
+                    let cfg = pod_config(&spec, &dir)?;
                     let weak: Weak<Inner> = Arc::downgrade(&self.0);
                     Arc::new(Pod::boot(&cfg, move |n| {
                         if let Some(inner) = weak.upgrade() {
@@ -639,6 +609,50 @@ impl Service {
         }
         Ok(())
     }
+}
+
+/// Mounts the rootfs containerd gave with the task (none: the bundle's
+/// own) at `root`; the mounted root, to unmount on failure.
+fn mount_rootfs(
+    req: &api::CreateTaskRequest,
+    root: &Path,
+) -> Result<Option<PathBuf>, ContainerError> {
+    if req.rootfs.is_empty() {
+        return Ok(None);
+    }
+    let mounts: Vec<RootMount> = req
+        .rootfs
+        .iter()
+        .map(|m| RootMount {
+            fstype: m.type_.clone(),
+            source: m.source.clone(),
+            options: m.options.clone(),
+        })
+        .collect();
+    rootfs::mount_all(&mounts, root)?;
+    ember::container::stage("shim_rootfs_mounted");
+    Ok(Some(root.to_owned()))
+}
+
+/// The pod VM's configuration for `spec`, with what the shim's
+/// environment (`EMBER_SHIM_*`) sets.
+fn pod_config(spec: &Spec, dir: &PodDir) -> Result<PodConfig, ContainerError> {
+    let base_mem = std::env::var("EMBER_SHIM_MEM").ok();
+    let cpus = std::env::var("EMBER_SHIM_CPUS")
+        .ok()
+        .and_then(|c| c.parse().ok());
+    Ok(PodConfig {
+        backend: std::env::var("EMBER_SHIM_BACKEND").ok(),
+        kernel: std::env::var_os("EMBER_SHIM_KERNEL").map(Into::into),
+        cmdline: std::env::var("EMBER_SHIM_CMDLINE").ok(),
+        // A cold boot of an emulated guest kernel on a loaded
+        // host can outlast the default.
+        boot_timeout: std::env::var("EMBER_SHIM_BOOT_TIMEOUT")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map(std::time::Duration::from_secs),
+        ..PodConfig::for_spec(spec, dir, base_mem.as_deref(), cpus)?
+    })
 }
 
 /// The guest's cgroup figures as containerd's cgroup v2 metrics.
