@@ -142,13 +142,11 @@ grep -q '^RIG-CTR ' "$OUT" || { say "$NAME: the rig measured nothing"; cat "$OUT
 
 say "$NAME: done at load $(cut -d' ' -f1-3 /proc/loadavg)"
 
-# RIG-CTR <runtime> <round> <ms to the first line> <ms to exit> <status> <start us>;
-# the shim's RIG-NOTE lines, one "booting the pod VM" and one "agent
-# answered" per ember run, in the runs' order: they split ember's first
-# line into exec -> the shim starts ember (containerd, the shim's start and
-# the rootfs mounts), -> the agent answers (the restore), -> the first line
-# (the container's creation and start in the guest, its output relayed).
-tr -d '\r' < "$OUT" | awk '
+# The runtimes' table of one report, for awk with -v tag=… (its lines:
+# <tag> <runtime> <round> <ms to the first line> <ms to exit> <status>
+# <start us>; round 0 is the warm-up), -v head=… (the table's first line)
+# and -v ratio=… (before the ratio line); its medians in med[runtime, 1|2].
+RUNTIMES_AWK='
 function median(a, c,   i, j, t) {
   for (i = 2; i <= c; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
   return (c % 2) ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2
@@ -158,18 +156,13 @@ function stat(k, col,   c, i, a) {
   med[k, col] = median(a, c)
   return sprintf("%.0f ms (%.0f–%.0f)", med[k, col], a[1], a[c])
 }
-# time="2026-11-29T19:35:09.10658532Z" -> seconds into the day.
-function tod(l,   t) { match(l, /T[0-9:.]+Z/); t = substr(l, RSTART + 1, RLENGTH - 2); split(t, h, ":"); return h[1] * 3600 + h[2] * 60 + h[3] }
-$1 == "RIG-CTR" && $3 == 0 { warm[$2] = sprintf("%s ms (exit %s ms, status %s)", $4, $5, $6) }
-$1 == "RIG-CTR" && $2 == "ember" { ne++; er[ne] = $3; et0[ne] = ($7 / 1e6) % 86400; efirst[ne] = $4 }
-$1 == "RIG-CTR" && $3 > 0 {
-  if ($4 == "none" || $6 != 0) { bad[$2]++; next }
-  cnt[$2]++; val[$2, cnt[$2], 1] = $4; val[$2, cnt[$2], 2] = $5
+$1 == tag && $3 == 0 { warm[$2] = sprintf("%s ms (exit %s ms, status %s)", $4, $5, $6) }
+$1 == tag && $3 > 0 {
+  if ($4 == "none" || $6 != 0) bad[$2]++
+  else { cnt[$2]++; val[$2, cnt[$2], 1] = $4; val[$2, cnt[$2], 2] = $5 }
 }
-$1 == "RIG-NOTE" && /booting the pod VM/ { nb++; boot[nb] = tod($0) }
-$1 == "RIG-NOTE" && /agent answered/ { na++; ans[na] = tod($0) }
 END {
-  print "| runtime | ctr run -> first line, median (min–max) | -> exit | warm-up run (first line) | runs |"
+  print head
   print "| --- | --- | --- | --- | --- |"
   split("ember runc", R, " ")
   for (i = 1; i <= 2; i++) {
@@ -178,7 +171,24 @@ END {
     printf "| %s | %s | %s | %s | %d%s |\n", k, f, x, warm[k], cnt[k], bad[k] ? " (" bad[k] " failed)" : ""
   }
   if (cnt["ember"] && cnt["runc"])
-    printf "\nember / runc, first line: %.2f×; exit: %.2f×\n", med["ember", 1] / med["runc", 1], med["ember", 2] / med["runc", 2]
+    printf "\n%sember / runc, first line: %.2f×; exit: %.2f×\n", ratio, med["ember", 1] / med["runc", 1], med["ember", 2] / med["runc", 2]
+}
+'
+
+# RIG-CTR lines; the shim's RIG-NOTE lines, one "booting the pod VM" and
+# one "agent answered" per ember run, in the runs' order: they split
+# ember's first line into exec -> the shim starts ember (containerd, the
+# shim's start and the rootfs mounts), -> the agent answers (the restore),
+# -> the first line (the container's creation and start in the guest, its
+# output relayed).
+tr -d '\r' < "$OUT" | awk -v tag=RIG-CTR -v ratio= \
+  -v head='| runtime | ctr run -> first line, median (min–max) | -> exit | warm-up run (first line) | runs |' "$RUNTIMES_AWK"'
+# time="2026-11-29T19:35:09.10658532Z" -> seconds into the day.
+function tod(l,   t) { match(l, /T[0-9:.]+Z/); t = substr(l, RSTART + 1, RLENGTH - 2); split(t, h, ":"); return h[1] * 3600 + h[2] * 60 + h[3] }
+$1 == "RIG-CTR" && $2 == "ember" { ne++; er[ne] = $3; et0[ne] = ($7 / 1e6) % 86400; efirst[ne] = $4 }
+$1 == "RIG-NOTE" && /booting the pod VM/ { nb++; boot[nb] = tod($0) }
+$1 == "RIG-NOTE" && /agent answered/ { na++; ans[na] = tod($0) }
+END {
   # The phases of the restored runs (round > 0), when every run has its two lines.
   if (nb != ne || na != ne || ne < 2) { printf "\n(phases: %d runs, %d boot and %d answer lines: not split)\n", ne, nb, na; exit }
   for (i = 1; i <= ne; i++) {
@@ -198,32 +208,6 @@ END {
 }'
 
 [ "$DOCKER" = 1 ] || exit 0
-# RIG-DOCKER <runtime> <round> <ms to the first line> <ms to exit> <status> <start us>.
 echo
-tr -d '\r' < "$OUT" | awk '
-function median(a, c,   i, j, t) {
-  for (i = 2; i <= c; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
-  return (c % 2) ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2
-}
-function stat(k, col,   c, i, a) {
-  c = cnt[k]; for (i = 1; i <= c; i++) a[i] = val[k, i, col]
-  med[k, col] = median(a, c)
-  return sprintf("%.0f ms (%.0f–%.0f)", med[k, col], a[1], a[c])
-}
-$1 == "RIG-DOCKER" && $3 == 0 { warm[$2] = sprintf("%s ms (exit %s ms, status %s)", $4, $5, $6) }
-$1 == "RIG-DOCKER" && $3 > 0 {
-  if ($4 == "none" || $6 != 0) { bad[$2]++; next }
-  cnt[$2]++; val[$2, cnt[$2], 1] = $4; val[$2, cnt[$2], 2] = $5
-}
-END {
-  print "| docker run --runtime | -> first line, median (min–max) | -> exit | warm-up run (first line) | runs |"
-  print "| --- | --- | --- | --- | --- |"
-  split("ember runc", R, " ")
-  for (i = 1; i <= 2; i++) {
-    k = R[i]; if (!cnt[k]) { printf "| %s | - | - | %s | 0 (%d failed) |\n", k, warm[k], bad[k]; continue }
-    f = stat(k, 1); x = stat(k, 2)
-    printf "| %s | %s | %s | %s | %d%s |\n", k, f, x, warm[k], cnt[k], bad[k] ? " (" bad[k] " failed)" : ""
-  }
-  if (cnt["ember"] && cnt["runc"])
-    printf "\ndocker: ember / runc, first line: %.2f×; exit: %.2f×\n", med["ember", 1] / med["runc", 1], med["ember", 2] / med["runc", 2]
-}'
+tr -d '\r' < "$OUT" | awk -v tag=RIG-DOCKER -v ratio='docker: ' \
+  -v head='| docker run --runtime | -> first line, median (min–max) | -> exit | warm-up run (first line) | runs |' "$RUNTIMES_AWK"
