@@ -527,6 +527,9 @@ impl Server {
     /// Serves one request: `arg` is what follows its header. A reply's
     /// payload (after the out header) goes into `out`, at most `out_cap`
     /// bytes of it.
+    ///
+    /// One function: the dispatch on the opcode, one short arm per FUSE
+    /// request, with who may do it (writable, may_create) checked in the arm.
     pub(crate) fn handle(
         &mut self,
         h: &InHeader,
@@ -565,14 +568,7 @@ impl Server {
                 return Ok(Reply::None);
             }
             abi::BATCH_FORGET => {
-                let (b, mut rest) = take::<BatchForgetIn>(arg)?;
-                for _ in 0..b.count {
-                    let Ok((f, r)) = take::<ForgetOne>(rest) else {
-                        break;
-                    };
-                    self.forget(f.nodeid, f.nlookup);
-                    rest = r;
-                }
+                self.batch_forget(arg)?;
                 return Ok(Reply::None);
             }
             abi::INTERRUPT => return Ok(Reply::None),
@@ -586,68 +582,22 @@ impl Server {
                 let fd = self.inode_fd(node)?;
                 push(out, &attr_out(&fstat(fd)?, self.id_map));
             }
-            abi::READLINK => {
-                let fd = self.inode_fd(node)?;
-                out.resize(libc::PATH_MAX as usize, 0);
-                // SAFETY: `out` has room for the length passed; "" with an
-                // O_PATH descriptor of a symlink reads that link.
-                let n = check(unsafe {
-                    libc::readlinkat(fd, c"".as_ptr(), out.as_mut_ptr().cast(), out.len())
-                } as libc::c_long)?;
-                out.truncate(n as usize);
-            }
+            abi::READLINK => self.readlink(node, out)?,
             abi::SYMLINK => {
                 self.may_create(h)?;
-                let (n, rest) = name(arg)?;
-                let (target, _) = name(rest)?;
-                let dir = self.inode_fd(node)?;
-                let (n_c, t_c) = (cstring(component(n)?)?, cstring(target)?);
-                // SAFETY: both strings are NUL-terminated.
-                check(unsafe { libc::symlinkat(t_c.as_ptr(), dir, n_c.as_ptr()) }.into())?;
-                push(out, &self.lookup(node, n)?);
+                self.symlink(node, arg, out)?;
             }
             abi::MKNOD => {
                 self.may_create(h)?;
-                let (m, rest) = take::<MknodIn>(arg)?;
-                let (n, _) = name(rest)?;
-                let kind = m.mode & libc::S_IFMT;
-                // Device nodes on the host are not the guest's to make.
-                if ![libc::S_IFREG, libc::S_IFIFO, libc::S_IFSOCK, 0].contains(&kind) {
-                    return Err(libc::EPERM);
-                }
-                let dir = self.inode_fd(node)?;
-                let n_c = cstring(component(n)?)?;
-                // SAFETY: `n_c` is NUL-terminated.
-                check(unsafe { libc::mknodat(dir, n_c.as_ptr(), m.mode & !m.umask, 0) }.into())?;
-                push(out, &self.lookup(node, n)?);
+                self.mknod(node, arg, out)?;
             }
             abi::MKDIR => {
                 self.may_create(h)?;
-                let (m, rest) = take::<MkdirIn>(arg)?;
-                let (n, _) = name(rest)?;
-                let dir = self.inode_fd(node)?;
-                let n_c = cstring(component(n)?)?;
-                // SAFETY: `n_c` is NUL-terminated.
-                check(unsafe { libc::mkdirat(dir, n_c.as_ptr(), m.mode & !m.umask) }.into())?;
-                push(out, &self.lookup(node, n)?);
+                self.mkdir(node, arg, out)?;
             }
             abi::UNLINK | abi::RMDIR => {
                 self.writable()?;
-                let (n, _) = name(arg)?;
-                let dir = self.inode_fd(node)?;
-                let n = component(n)?;
-                let gone = stat_at(dir, n).ok();
-                let n_c = cstring(n)?;
-                let flags = if h.opcode == abi::RMDIR {
-                    libc::AT_REMOVEDIR
-                } else {
-                    0
-                };
-                // SAFETY: `n_c` is NUL-terminated.
-                check(unsafe { libc::unlinkat(dir, n_c.as_ptr(), flags) }.into())?;
-                if let Some(st) = gone {
-                    self.unlinked(&st);
-                }
+                self.unlink(node, arg, h.opcode == abi::RMDIR)?;
             }
             abi::RENAME => {
                 let (r, rest) = take::<RenameIn>(arg)?;
@@ -659,160 +609,27 @@ impl Server {
             }
             abi::LINK => {
                 self.writable()?;
-                let (l, rest) = take::<LinkIn>(arg)?;
-                let (n, _) = name(rest)?;
-                let src = self.inode_fd(l.oldnodeid)?;
-                let dir = self.inode_fd(node)?;
-                let n_c = cstring(component(n)?)?;
-                let src_c = cstring(src.to_string().as_bytes())?;
-                // SAFETY: both names are NUL-terminated; following the
-                // /proc/self/fd magic link reaches the inode we hold.
-                let r = unsafe {
-                    libc::linkat(
-                        self.proc_fd.as_raw_fd(),
-                        src_c.as_ptr(),
-                        dir,
-                        n_c.as_ptr(),
-                        libc::AT_SYMLINK_FOLLOW,
-                    )
-                };
-                check(r.into())?;
-                push(out, &self.lookup(node, n)?);
+                self.link(node, arg, out)?;
             }
             abi::OPEN | abi::OPENDIR => {
-                let (o, _) = take::<OpenIn>(arg)?;
-                let dir = h.opcode == abi::OPENDIR;
-                let flags = if dir {
-                    libc::O_RDONLY | libc::O_DIRECTORY
-                } else {
-                    o.flags as i32
-                };
-                let fh = self.open(node, flags, dir)?;
-                push(
-                    out,
-                    &OpenOut {
-                        fh,
-                        ..Default::default()
-                    },
-                );
+                self.open_request(node, arg, h.opcode == abi::OPENDIR, out)?
             }
             abi::CREATE => {
                 self.may_create(h)?;
-                let (c, rest) = take::<CreateIn>(arg)?;
-                let (n, _) = name(rest)?;
-                let dir = self.inode_fd(node)?;
-                let flags = open_flags(c.flags as i32) | libc::O_CREAT | libc::O_NOFOLLOW;
-                // The guest's mode carries S_IFREG; openat2 takes permission bits only.
-                let mode = c.mode & !c.umask & 0o7777;
-                let file = File::from(openat2(dir, component(n)?, flags, mode)?);
-                let entry = self.lookup(node, n)?;
-                let fh = self.add_handle(entry.nodeid, Some(file), flags & !libc::O_CREAT)?;
-                push(out, &entry);
-                push(
-                    out,
-                    &OpenOut {
-                        fh,
-                        ..Default::default()
-                    },
-                );
+                self.create(node, arg, out)?;
             }
-            abi::READ => {
-                let (r, _) = take::<ReadIn>(arg)?;
-                let size = (r.size.min(MAX_IO) as usize).min(out_cap);
-                let fd = self.handle_fd(r.fh)?;
-                out.resize(size, 0);
-                let mut done = 0;
-                while done < size {
-                    // SAFETY: `out[done..size]` is writable and in bounds.
-                    let n = check(unsafe {
-                        libc::pread(
-                            fd,
-                            out[done..].as_mut_ptr().cast(),
-                            size - done,
-                            (r.offset + done as u64) as libc::off_t,
-                        )
-                    } as libc::c_long);
-                    match n {
-                        Ok(0) => break,
-                        Ok(n) => done += n as usize,
-                        Err(libc::EINTR) => {}
-                        Err(e) if done == 0 => return Err(e),
-                        Err(_) => break,
-                    }
-                }
-                out.truncate(done);
-            }
+            abi::READ => self.read(arg, out, out_cap)?,
             abi::WRITE => {
                 self.writable()?;
-                let (w, data) = take::<WriteIn>(arg)?;
-                let size = (w.size as usize).min(data.len());
-                let fd = self.handle_fd(w.fh)?;
-                let mut done = 0;
-                while done < size {
-                    // SAFETY: `data[done..size]` is readable and in bounds.
-                    let n = check(unsafe {
-                        libc::pwrite(
-                            fd,
-                            data[done..size].as_ptr().cast(),
-                            size - done,
-                            (w.offset + done as u64) as libc::off_t,
-                        )
-                    } as libc::c_long);
-                    match n {
-                        Ok(n) => done += n as usize,
-                        Err(libc::EINTR) => {}
-                        Err(e) if done == 0 => return Err(e),
-                        Err(_) => break,
-                    }
-                }
-                push(
-                    out,
-                    &WriteOut {
-                        size: done as u32,
-                        padding: 0,
-                    },
-                );
+                self.write(arg, out)?;
             }
-            abi::STATFS => {
-                let fd = self.inode_fd(node)?;
-                let mut s = std::mem::MaybeUninit::<libc::statfs>::zeroed();
-                // SAFETY: `s` is written on success.
-                check(unsafe { libc::fstatfs(fd, s.as_mut_ptr()) }.into())?;
-                // SAFETY: fstatfs succeeded and filled it.
-                let s = unsafe { s.assume_init() };
-                push(
-                    out,
-                    &StatfsOut {
-                        blocks: s.f_blocks,
-                        bfree: s.f_bfree,
-                        bavail: s.f_bavail,
-                        files: s.f_files,
-                        ffree: s.f_ffree,
-                        bsize: s.f_bsize as u32,
-                        namelen: s.f_namelen as u32,
-                        frsize: s.f_frsize as u32,
-                        ..Default::default()
-                    },
-                );
-            }
+            abi::STATFS => self.statfs(node, out)?,
             abi::RELEASE | abi::RELEASEDIR => {
                 let (r, _) = take::<ReleaseIn>(arg)?;
                 self.handles.remove(&r.fh);
             }
             abi::FLUSH => {}
-            abi::FSYNC | abi::FSYNCDIR => {
-                let (f, _) = take::<FsyncIn>(arg)?;
-                let fd = self.handle_fd(f.fh)?;
-                // SAFETY: plain syscalls on a descriptor we hold.
-                let r = unsafe {
-                    if f.fsync_flags & 1 != 0 {
-                        libc::fdatasync(fd)
-                    } else {
-                        libc::fsync(fd)
-                    }
-                };
-                check(r.into())?;
-            }
+            abi::FSYNC | abi::FSYNCDIR => self.fsync(arg)?,
             abi::READDIR => {
                 let (r, _) = take::<ReadIn>(arg)?;
                 let size = (r.size.min(MAX_IO) as usize).min(out_cap);
@@ -821,32 +638,280 @@ impl Server {
             }
             abi::FALLOCATE => {
                 self.writable()?;
-                let (f, _) = take::<FallocateIn>(arg)?;
-                let fd = self.handle_fd(f.fh)?;
-                // SAFETY: a plain syscall on a descriptor we hold.
-                let r = unsafe {
-                    libc::fallocate(
-                        fd,
-                        f.mode as i32,
-                        f.offset as libc::off_t,
-                        f.length as libc::off_t,
-                    )
-                };
-                check(r.into())?;
+                self.fallocate(arg)?;
             }
-            abi::LSEEK => {
-                let (l, _) = take::<LseekIn>(arg)?;
-                let fd = self.handle_fd(l.fh)?;
-                // SAFETY: a plain syscall on a descriptor we hold.
-                let off =
-                    check(unsafe { libc::lseek(fd, l.offset as libc::off_t, l.whence as i32) })?;
-                push(out, &LseekOut { offset: off as u64 });
-            }
+            abi::LSEEK => self.lseek(arg, out)?,
             // ACCESS never comes (virtio-fs mounts with default_permissions);
             // ENOSYS makes the kernel stop asking for the rest.
             _ => return Err(libc::ENOSYS),
         }
         Ok(Reply::Payload)
+    }
+
+    fn batch_forget(&mut self, arg: &[u8]) -> Res<()> {
+        let (b, mut rest) = take::<BatchForgetIn>(arg)?;
+        for _ in 0..b.count {
+            let Ok((f, r)) = take::<ForgetOne>(rest) else {
+                break;
+            };
+            self.forget(f.nodeid, f.nlookup);
+            rest = r;
+        }
+        Ok(())
+    }
+
+    fn readlink(&mut self, node: u64, out: &mut Vec<u8>) -> Res<()> {
+        let fd = self.inode_fd(node)?;
+        out.resize(libc::PATH_MAX as usize, 0);
+        // SAFETY: `out` has room for the length passed; "" with an
+        // O_PATH descriptor of a symlink reads that link.
+        let n =
+            check(
+                unsafe { libc::readlinkat(fd, c"".as_ptr(), out.as_mut_ptr().cast(), out.len()) }
+                    as libc::c_long,
+            )?;
+        out.truncate(n as usize);
+        Ok(())
+    }
+
+    fn symlink(&mut self, node: u64, arg: &[u8], out: &mut Vec<u8>) -> Res<()> {
+        let (n, rest) = name(arg)?;
+        let (target, _) = name(rest)?;
+        let dir = self.inode_fd(node)?;
+        let (n_c, t_c) = (cstring(component(n)?)?, cstring(target)?);
+        // SAFETY: both strings are NUL-terminated.
+        check(unsafe { libc::symlinkat(t_c.as_ptr(), dir, n_c.as_ptr()) }.into())?;
+        push(out, &self.lookup(node, n)?);
+        Ok(())
+    }
+
+    fn mknod(&mut self, node: u64, arg: &[u8], out: &mut Vec<u8>) -> Res<()> {
+        let (m, rest) = take::<MknodIn>(arg)?;
+        let (n, _) = name(rest)?;
+        let kind = m.mode & libc::S_IFMT;
+        // Device nodes on the host are not the guest's to make.
+        if ![libc::S_IFREG, libc::S_IFIFO, libc::S_IFSOCK, 0].contains(&kind) {
+            return Err(libc::EPERM);
+        }
+        let dir = self.inode_fd(node)?;
+        let n_c = cstring(component(n)?)?;
+        // SAFETY: `n_c` is NUL-terminated.
+        check(unsafe { libc::mknodat(dir, n_c.as_ptr(), m.mode & !m.umask, 0) }.into())?;
+        push(out, &self.lookup(node, n)?);
+        Ok(())
+    }
+
+    fn mkdir(&mut self, node: u64, arg: &[u8], out: &mut Vec<u8>) -> Res<()> {
+        let (m, rest) = take::<MkdirIn>(arg)?;
+        let (n, _) = name(rest)?;
+        let dir = self.inode_fd(node)?;
+        let n_c = cstring(component(n)?)?;
+        // SAFETY: `n_c` is NUL-terminated.
+        check(unsafe { libc::mkdirat(dir, n_c.as_ptr(), m.mode & !m.umask) }.into())?;
+        push(out, &self.lookup(node, n)?);
+        Ok(())
+    }
+
+    fn unlink(&mut self, node: u64, arg: &[u8], rmdir: bool) -> Res<()> {
+        let (n, _) = name(arg)?;
+        let dir = self.inode_fd(node)?;
+        let n = component(n)?;
+        let gone = stat_at(dir, n).ok();
+        let n_c = cstring(n)?;
+        let flags = if rmdir { libc::AT_REMOVEDIR } else { 0 };
+        // SAFETY: `n_c` is NUL-terminated.
+        check(unsafe { libc::unlinkat(dir, n_c.as_ptr(), flags) }.into())?;
+        if let Some(st) = gone {
+            self.unlinked(&st);
+        }
+        Ok(())
+    }
+
+    fn link(&mut self, node: u64, arg: &[u8], out: &mut Vec<u8>) -> Res<()> {
+        let (l, rest) = take::<LinkIn>(arg)?;
+        let (n, _) = name(rest)?;
+        let src = self.inode_fd(l.oldnodeid)?;
+        let dir = self.inode_fd(node)?;
+        let n_c = cstring(component(n)?)?;
+        let src_c = cstring(src.to_string().as_bytes())?;
+        // SAFETY: both names are NUL-terminated; following the
+        // /proc/self/fd magic link reaches the inode we hold.
+        let r = unsafe {
+            libc::linkat(
+                self.proc_fd.as_raw_fd(),
+                src_c.as_ptr(),
+                dir,
+                n_c.as_ptr(),
+                libc::AT_SYMLINK_FOLLOW,
+            )
+        };
+        check(r.into())?;
+        push(out, &self.lookup(node, n)?);
+        Ok(())
+    }
+
+    /// OPEN and OPENDIR: a directory is opened read-only, whatever the flags.
+    fn open_request(&mut self, node: u64, arg: &[u8], dir: bool, out: &mut Vec<u8>) -> Res<()> {
+        let (o, _) = take::<OpenIn>(arg)?;
+        let flags = if dir {
+            libc::O_RDONLY | libc::O_DIRECTORY
+        } else {
+            o.flags as i32
+        };
+        let fh = self.open(node, flags, dir)?;
+        push(
+            out,
+            &OpenOut {
+                fh,
+                ..Default::default()
+            },
+        );
+        Ok(())
+    }
+
+    fn create(&mut self, node: u64, arg: &[u8], out: &mut Vec<u8>) -> Res<()> {
+        let (c, rest) = take::<CreateIn>(arg)?;
+        let (n, _) = name(rest)?;
+        let dir = self.inode_fd(node)?;
+        let flags = open_flags(c.flags as i32) | libc::O_CREAT | libc::O_NOFOLLOW;
+        // The guest's mode carries S_IFREG; openat2 takes permission bits only.
+        let mode = c.mode & !c.umask & 0o7777;
+        let file = File::from(openat2(dir, component(n)?, flags, mode)?);
+        let entry = self.lookup(node, n)?;
+        let fh = self.add_handle(entry.nodeid, Some(file), flags & !libc::O_CREAT)?;
+        push(out, &entry);
+        push(
+            out,
+            &OpenOut {
+                fh,
+                ..Default::default()
+            },
+        );
+        Ok(())
+    }
+
+    fn read(&mut self, arg: &[u8], out: &mut Vec<u8>, out_cap: usize) -> Res<()> {
+        let (r, _) = take::<ReadIn>(arg)?;
+        let size = (r.size.min(MAX_IO) as usize).min(out_cap);
+        let fd = self.handle_fd(r.fh)?;
+        out.resize(size, 0);
+        let mut done = 0;
+        while done < size {
+            // SAFETY: `out[done..size]` is writable and in bounds.
+            let n = check(unsafe {
+                libc::pread(
+                    fd,
+                    out[done..].as_mut_ptr().cast(),
+                    size - done,
+                    (r.offset + done as u64) as libc::off_t,
+                )
+            } as libc::c_long);
+            match n {
+                Ok(0) => break,
+                Ok(n) => done += n as usize,
+                Err(libc::EINTR) => {}
+                Err(e) if done == 0 => return Err(e),
+                Err(_) => break,
+            }
+        }
+        out.truncate(done);
+        Ok(())
+    }
+
+    fn write(&mut self, arg: &[u8], out: &mut Vec<u8>) -> Res<()> {
+        let (w, data) = take::<WriteIn>(arg)?;
+        let size = (w.size as usize).min(data.len());
+        let fd = self.handle_fd(w.fh)?;
+        let mut done = 0;
+        while done < size {
+            // SAFETY: `data[done..size]` is readable and in bounds.
+            let n = check(unsafe {
+                libc::pwrite(
+                    fd,
+                    data[done..size].as_ptr().cast(),
+                    size - done,
+                    (w.offset + done as u64) as libc::off_t,
+                )
+            } as libc::c_long);
+            match n {
+                Ok(n) => done += n as usize,
+                Err(libc::EINTR) => {}
+                Err(e) if done == 0 => return Err(e),
+                Err(_) => break,
+            }
+        }
+        push(
+            out,
+            &WriteOut {
+                size: done as u32,
+                padding: 0,
+            },
+        );
+        Ok(())
+    }
+
+    fn statfs(&mut self, node: u64, out: &mut Vec<u8>) -> Res<()> {
+        let fd = self.inode_fd(node)?;
+        let mut s = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+        // SAFETY: `s` is written on success.
+        check(unsafe { libc::fstatfs(fd, s.as_mut_ptr()) }.into())?;
+        // SAFETY: fstatfs succeeded and filled it.
+        let s = unsafe { s.assume_init() };
+        push(
+            out,
+            &StatfsOut {
+                blocks: s.f_blocks,
+                bfree: s.f_bfree,
+                bavail: s.f_bavail,
+                files: s.f_files,
+                ffree: s.f_ffree,
+                bsize: s.f_bsize as u32,
+                namelen: s.f_namelen as u32,
+                frsize: s.f_frsize as u32,
+                ..Default::default()
+            },
+        );
+        Ok(())
+    }
+
+    fn fsync(&mut self, arg: &[u8]) -> Res<()> {
+        let (f, _) = take::<FsyncIn>(arg)?;
+        let fd = self.handle_fd(f.fh)?;
+        // SAFETY: plain syscalls on a descriptor we hold.
+        let r = unsafe {
+            if f.fsync_flags & 1 != 0 {
+                libc::fdatasync(fd)
+            } else {
+                libc::fsync(fd)
+            }
+        };
+        check(r.into())?;
+        Ok(())
+    }
+
+    fn lseek(&mut self, arg: &[u8], out: &mut Vec<u8>) -> Res<()> {
+        let (l, _) = take::<LseekIn>(arg)?;
+        let fd = self.handle_fd(l.fh)?;
+        // SAFETY: a plain syscall on a descriptor we hold.
+        let off = check(unsafe { libc::lseek(fd, l.offset as libc::off_t, l.whence as i32) })?;
+        push(out, &LseekOut { offset: off as u64 });
+        Ok(())
+    }
+
+    fn fallocate(&mut self, arg: &[u8]) -> Res<()> {
+        let (f, _) = take::<FallocateIn>(arg)?;
+        let fd = self.handle_fd(f.fh)?;
+        // SAFETY: a plain syscall on a descriptor we hold.
+        let r = unsafe {
+            libc::fallocate(
+                fd,
+                f.mode as i32,
+                f.offset as libc::off_t,
+                f.length as libc::off_t,
+            )
+        };
+        check(r.into())?;
+        Ok(())
     }
 
     fn init(&mut self, arg: &[u8], out: &mut Vec<u8>) -> Res<()> {
