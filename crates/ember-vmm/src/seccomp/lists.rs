@@ -417,30 +417,13 @@ fn device_loop() -> Rules {
 }
 
 /// The list of one kind of thread.
+///
+/// One function, as a table with one arm per kind of thread; the longer lists
+/// are functions of their own below, in the same order.
 pub fn rules(thread: Thread) -> Rules {
     match thread {
         Thread::Keeper => keeper(),
-        Thread::Block => {
-            let mut r = device_loop();
-            allow(
-                &mut r,
-                &[
-                    // The synchronous engine.
-                    libc::SYS_preadv,
-                    libc::SYS_pwritev,
-                    libc::SYS_pread64,
-                    libc::SYS_pwrite64,
-                    // The io_uring engine (set up on activation, by the vCPU).
-                    libc::SYS_io_uring_enter,
-                    // FLUSH.
-                    libc::SYS_fdatasync,
-                    libc::SYS_fsync,
-                    // DISCARD and WRITE_ZEROES (punch hole, zero range).
-                    libc::SYS_fallocate,
-                ],
-            );
-            r
-        }
+        Thread::Block => block_thread(),
         Thread::Console => {
             let mut r = device_loop();
             // The channel is a unix stream: plain read/write (device_loop),
@@ -483,48 +466,7 @@ pub fn rules(thread: Thread) -> Rules {
             );
             r
         }
-        Thread::Fs => {
-            let mut r = device_loop();
-            // The passthrough (`devices::virtio::fs::passthrough`): every
-            // name the guest sends is opened with openat2 beneath a
-            // descriptor it already holds, and file data is reached by
-            // reopening an inode's /proc/self/fd link (openat).
-            allow(
-                &mut r,
-                &[
-                    libc::SYS_openat2,
-                    libc::SYS_openat,
-                    libc::SYS_newfstatat,
-                    libc::SYS_statx,
-                    libc::SYS_fstat,
-                    libc::SYS_fstatfs,
-                    libc::SYS_readlinkat,
-                    libc::SYS_symlinkat,
-                    libc::SYS_mknodat,
-                    libc::SYS_mkdirat,
-                    libc::SYS_unlinkat,
-                    libc::SYS_renameat2,
-                    libc::SYS_linkat,
-                    libc::SYS_fchmodat,
-                    libc::SYS_fchownat,
-                    libc::SYS_utimensat,
-                    libc::SYS_ftruncate,
-                    libc::SYS_fallocate,
-                    libc::SYS_pread64,
-                    libc::SYS_pwrite64,
-                    libc::SYS_lseek,
-                    libc::SYS_getdents64,
-                    libc::SYS_fsync,
-                    libc::SYS_fdatasync,
-                ],
-            );
-            // Each request is served as its guest caller when ember is
-            // root: this thread's fsuid/fsgid, and its supplementary
-            // groups dropped (to none: the only list it ever sets).
-            allow(&mut r, &[libc::SYS_setfsuid, libc::SYS_setfsgid]);
-            allow_arg(&mut r, libc::SYS_setgroups, 0, &[0]);
-            r
-        }
+        Thread::Fs => fs_thread(),
         Thread::Balloon => {
             // Discarding inflated and reported pages is madvise (in base).
             // With --prefault async, a deflate first commits the pages it
@@ -534,36 +476,7 @@ pub fn rules(thread: Thread) -> Rules {
             merge(&mut r, &thread_start());
             r
         }
-        Thread::Vsock => {
-            let mut r = device_loop();
-            allow(
-                &mut r,
-                &[
-                    // Host programs connecting to the device's socket.
-                    libc::SYS_accept4,
-                    // Guest connections to PATH_<port> (on the Unix
-                    // sockets below, the only ones it can make).
-                    libc::SYS_connect,
-                    // Stream data (send/recv, MSG_NOSIGNAL and MSG_PEEK).
-                    libc::SYS_recvfrom,
-                    libc::SYS_sendto,
-                    // A guest's half-close.
-                    libc::SYS_shutdown,
-                ],
-            );
-            // Unix stream sockets only: no network.
-            r.insert(
-                libc::SYS_socket,
-                vec![vec![
-                    Cond::low_eq(0, libc::AF_UNIX as u64),
-                    Cond::low_eq(
-                        1,
-                        (libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC) as u64,
-                    ),
-                ]],
-            );
-            r
-        }
+        Thread::Vsock => vsock_thread(),
         Thread::Mem => {
             // Discarding unplugged blocks is madvise (in base); locked
             // memory (--mem-lock) is unlocked for it and locked again.
@@ -589,45 +502,8 @@ pub fn rules(thread: Thread) -> Rules {
             }
             r
         }
-        Thread::Vcpu => {
-            let mut r = base();
-            // KVM_RUN, memory slots registered on first touch, the vCPU's
-            // state for a snapshot, irq lines.
-            merge(&mut r, &kvm_ioctls());
-            allow(
-                &mut r,
-                &[
-                    // COM1 to stdout, eventfds.
-                    libc::SYS_read,
-                    libc::SYS_write,
-                    libc::SYS_writev,
-                    // A driver activating its device, on this thread: the
-                    // queue and kill eventfds, a duplicate of the backing
-                    // file, block's io_uring.
-                    libc::SYS_eventfd2,
-                    libc::SYS_fcntl,
-                    libc::SYS_dup,
-                    libc::SYS_io_uring_setup,
-                    libc::SYS_io_uring_register,
-                ],
-            );
-            r
-        }
-        Thread::Committer => {
-            let mut r = base();
-            merge(&mut r, &thread_start());
-            allow(
-                &mut r,
-                &[
-                    // Its own priority (nice 10).
-                    libc::SYS_setpriority,
-                    // MADV_POPULATE_WRITE is madvise (base); --mem-lock.
-                    libc::SYS_mlock2,
-                    libc::SYS_mincore,
-                ],
-            );
-            r
-        }
+        Thread::Vcpu => vcpu_thread(),
+        Thread::Committer => committer_thread(),
         Thread::Stdin => {
             let mut r = base();
             merge(&mut r, &ending());
@@ -635,103 +511,251 @@ pub fn rules(thread: Thread) -> Rules {
             allow(&mut r, &[libc::SYS_read]);
             r
         }
-        Thread::Api => {
-            let mut r = base();
-            merge(&mut r, &thread_start());
-            merge(&mut r, &ending());
-            // The VM's and vCPUs' state for a snapshot.
-            merge(&mut r, &kvm_ioctls());
-            allow(
-                &mut r,
-                &[
-                    // Clients and their requests.
-                    libc::SYS_accept4,
-                    libc::SYS_read,
-                    libc::SYS_write,
-                    libc::SYS_recvfrom,
-                    libc::SYS_sendto,
-                    libc::SYS_setsockopt,
-                    libc::SYS_fcntl,
-                    // Kicking vCPUs out of KVM_RUN (pthread_kill).
-                    libc::SYS_tgkill,
-                    libc::SYS_tkill,
-                    // Writing a snapshot: its directory and files, durably;
-                    // pagemap tells which pages to write. (musl opens with
-                    // open, glibc with openat.)
-                    libc::SYS_open,
-                    // musl's stat and lstat of a path are stat and lstat.
-                    libc::SYS_stat,
-                    libc::SYS_lstat,
-                    libc::SYS_access,
-                    libc::SYS_readlink,
-                    libc::SYS_openat,
-                    libc::SYS_mkdir,
-                    libc::SYS_mkdirat,
-                    libc::SYS_newfstatat,
-                    libc::SYS_statx,
-                    libc::SYS_fstat,
-                    libc::SYS_statx,
-                    libc::SYS_fstat,
-                    libc::SYS_lseek,
-                    libc::SYS_pread64,
-                    libc::SYS_pwrite64,
-                    libc::SYS_writev,
-                    libc::SYS_ftruncate,
-                    libc::SYS_fsync,
-                    libc::SYS_fdatasync,
-                    libc::SYS_rename,
-                    libc::SYS_renameat,
-                    libc::SYS_renameat2,
-                    libc::SYS_unlink,
-                    libc::SYS_unlinkat,
-                    // The replaced snapshot's directory (musl's remove_dir
-                    // is rmdir, glibc's unlinkat).
-                    libc::SYS_rmdir,
-                    libc::SYS_getdents64,
-                    libc::SYS_fchmod,
-                    libc::SYS_mincore,
-                ],
-            );
-            r
-        }
-        Thread::Main => {
-            // Every thread it starts is started before it is filtered
-            // (`builder::BeforeGo`), but the keeper.
-            let mut r = base();
-            merge(&mut r, &ending());
-            merge(&mut r, &fatal_signals());
-            allow(
-                &mut r,
-                &[
-                    // Waiting for the guest's end (eventfd) with a timeout.
-                    libc::SYS_poll,
-                    libc::SYS_ppoll,
-                    libc::SYS_read,
-                    libc::SYS_writev,
-                    // The --events file and /proc/self/status and smaps at
-                    // the end (musl's open is open, glibc's openat).
-                    libc::SYS_open,
-                    // musl's stat and lstat of a path are stat and lstat.
-                    libc::SYS_stat,
-                    libc::SYS_lstat,
-                    libc::SYS_access,
-                    libc::SYS_readlink,
-                    libc::SYS_openat,
-                    libc::SYS_fstat,
-                    libc::SYS_newfstatat,
-                    libc::SYS_statx,
-                    libc::SYS_fstat,
-                    libc::SYS_statx,
-                    libc::SYS_lseek,
-                    libc::SYS_fcntl,
-                ],
-            );
-            // The terminal: musl's isatty asks for the window size (raw
-            // mode's TCGETS and TCSETS are in base).
-            allow_arg(&mut r, libc::SYS_ioctl, 1, &[request(libc::TIOCGWINSZ)]);
-            r
-        }
+        Thread::Api => api_thread(),
+        Thread::Main => main_thread(),
     }
+}
+
+/// The block device's thread: its I/O engines.
+fn block_thread() -> Rules {
+    let mut r = device_loop();
+    allow(
+        &mut r,
+        &[
+            // The synchronous engine.
+            libc::SYS_preadv,
+            libc::SYS_pwritev,
+            libc::SYS_pread64,
+            libc::SYS_pwrite64,
+            // The io_uring engine (set up on activation, by the vCPU).
+            libc::SYS_io_uring_enter,
+            // FLUSH.
+            libc::SYS_fdatasync,
+            libc::SYS_fsync,
+            // DISCARD and WRITE_ZEROES (punch hole, zero range).
+            libc::SYS_fallocate,
+        ],
+    );
+    r
+}
+
+/// The virtio-fs device's thread: the passthrough's file system calls.
+fn fs_thread() -> Rules {
+    let mut r = device_loop();
+    // The passthrough (`devices::virtio::fs::passthrough`): every
+    // name the guest sends is opened with openat2 beneath a
+    // descriptor it already holds, and file data is reached by
+    // reopening an inode's /proc/self/fd link (openat).
+    allow(
+        &mut r,
+        &[
+            libc::SYS_openat2,
+            libc::SYS_openat,
+            libc::SYS_newfstatat,
+            libc::SYS_statx,
+            libc::SYS_fstat,
+            libc::SYS_fstatfs,
+            libc::SYS_readlinkat,
+            libc::SYS_symlinkat,
+            libc::SYS_mknodat,
+            libc::SYS_mkdirat,
+            libc::SYS_unlinkat,
+            libc::SYS_renameat2,
+            libc::SYS_linkat,
+            libc::SYS_fchmodat,
+            libc::SYS_fchownat,
+            libc::SYS_utimensat,
+            libc::SYS_ftruncate,
+            libc::SYS_fallocate,
+            libc::SYS_pread64,
+            libc::SYS_pwrite64,
+            libc::SYS_lseek,
+            libc::SYS_getdents64,
+            libc::SYS_fsync,
+            libc::SYS_fdatasync,
+        ],
+    );
+    // Each request is served as its guest caller when ember is
+    // root: this thread's fsuid/fsgid, and its supplementary
+    // groups dropped (to none: the only list it ever sets).
+    allow(&mut r, &[libc::SYS_setfsuid, libc::SYS_setfsgid]);
+    allow_arg(&mut r, libc::SYS_setgroups, 0, &[0]);
+    r
+}
+
+/// The vsock device's thread: Unix stream sockets only.
+fn vsock_thread() -> Rules {
+    let mut r = device_loop();
+    allow(
+        &mut r,
+        &[
+            // Host programs connecting to the device's socket.
+            libc::SYS_accept4,
+            // Guest connections to PATH_<port> (on the Unix
+            // sockets below, the only ones it can make).
+            libc::SYS_connect,
+            // Stream data (send/recv, MSG_NOSIGNAL and MSG_PEEK).
+            libc::SYS_recvfrom,
+            libc::SYS_sendto,
+            // A guest's half-close.
+            libc::SYS_shutdown,
+        ],
+    );
+    // Unix stream sockets only: no network.
+    r.insert(
+        libc::SYS_socket,
+        vec![vec![
+            Cond::low_eq(0, libc::AF_UNIX as u64),
+            Cond::low_eq(
+                1,
+                (libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC) as u64,
+            ),
+        ]],
+    );
+    r
+}
+
+/// A vCPU's thread: KVM_RUN and what a driver's activation does on it.
+fn vcpu_thread() -> Rules {
+    let mut r = base();
+    // KVM_RUN, memory slots registered on first touch, the vCPU's
+    // state for a snapshot, irq lines.
+    merge(&mut r, &kvm_ioctls());
+    allow(
+        &mut r,
+        &[
+            // COM1 to stdout, eventfds.
+            libc::SYS_read,
+            libc::SYS_write,
+            libc::SYS_writev,
+            // A driver activating its device, on this thread: the
+            // queue and kill eventfds, a duplicate of the backing
+            // file, block's io_uring.
+            libc::SYS_eventfd2,
+            libc::SYS_fcntl,
+            libc::SYS_dup,
+            libc::SYS_io_uring_setup,
+            libc::SYS_io_uring_register,
+        ],
+    );
+    r
+}
+
+/// The prefault committer's threads.
+fn committer_thread() -> Rules {
+    let mut r = base();
+    merge(&mut r, &thread_start());
+    allow(
+        &mut r,
+        &[
+            // Its own priority (nice 10).
+            libc::SYS_setpriority,
+            // MADV_POPULATE_WRITE is madvise (base); --mem-lock.
+            libc::SYS_mlock2,
+            libc::SYS_mincore,
+        ],
+    );
+    r
+}
+
+/// The control socket's thread: its clients, and writing a snapshot.
+fn api_thread() -> Rules {
+    let mut r = base();
+    merge(&mut r, &thread_start());
+    merge(&mut r, &ending());
+    // The VM's and vCPUs' state for a snapshot.
+    merge(&mut r, &kvm_ioctls());
+    allow(
+        &mut r,
+        &[
+            // Clients and their requests.
+            libc::SYS_accept4,
+            libc::SYS_read,
+            libc::SYS_write,
+            libc::SYS_recvfrom,
+            libc::SYS_sendto,
+            libc::SYS_setsockopt,
+            libc::SYS_fcntl,
+            // Kicking vCPUs out of KVM_RUN (pthread_kill).
+            libc::SYS_tgkill,
+            libc::SYS_tkill,
+            // Writing a snapshot: its directory and files, durably;
+            // pagemap tells which pages to write. (musl opens with
+            // open, glibc with openat.)
+            libc::SYS_open,
+            // musl's stat and lstat of a path are stat and lstat.
+            libc::SYS_stat,
+            libc::SYS_lstat,
+            libc::SYS_access,
+            libc::SYS_readlink,
+            libc::SYS_openat,
+            libc::SYS_mkdir,
+            libc::SYS_mkdirat,
+            libc::SYS_newfstatat,
+            libc::SYS_statx,
+            libc::SYS_fstat,
+            libc::SYS_statx,
+            libc::SYS_fstat,
+            libc::SYS_lseek,
+            libc::SYS_pread64,
+            libc::SYS_pwrite64,
+            libc::SYS_writev,
+            libc::SYS_ftruncate,
+            libc::SYS_fsync,
+            libc::SYS_fdatasync,
+            libc::SYS_rename,
+            libc::SYS_renameat,
+            libc::SYS_renameat2,
+            libc::SYS_unlink,
+            libc::SYS_unlinkat,
+            // The replaced snapshot's directory (musl's remove_dir
+            // is rmdir, glibc's unlinkat).
+            libc::SYS_rmdir,
+            libc::SYS_getdents64,
+            libc::SYS_fchmod,
+            libc::SYS_mincore,
+        ],
+    );
+    r
+}
+
+/// The main thread, once the VM runs: waiting for its end.
+fn main_thread() -> Rules {
+    // Every thread it starts is started before it is filtered
+    // (`builder::BeforeGo`), but the keeper.
+    let mut r = base();
+    merge(&mut r, &ending());
+    merge(&mut r, &fatal_signals());
+    allow(
+        &mut r,
+        &[
+            // Waiting for the guest's end (eventfd) with a timeout.
+            libc::SYS_poll,
+            libc::SYS_ppoll,
+            libc::SYS_read,
+            libc::SYS_writev,
+            // The --events file and /proc/self/status and smaps at
+            // the end (musl's open is open, glibc's openat).
+            libc::SYS_open,
+            // musl's stat and lstat of a path are stat and lstat.
+            libc::SYS_stat,
+            libc::SYS_lstat,
+            libc::SYS_access,
+            libc::SYS_readlink,
+            libc::SYS_openat,
+            libc::SYS_fstat,
+            libc::SYS_newfstatat,
+            libc::SYS_statx,
+            libc::SYS_fstat,
+            libc::SYS_statx,
+            libc::SYS_lseek,
+            libc::SYS_fcntl,
+        ],
+    );
+    // The terminal: musl's isatty asks for the window size (raw
+    // mode's TCGETS and TCSETS are in base).
+    allow_arg(&mut r, libc::SYS_ioctl, 1, &[request(libc::TIOCGWINSZ)]);
+    r
 }
 
 // Classic BPF, as seccomp runs it (linux/filter.h, linux/seccomp.h).
