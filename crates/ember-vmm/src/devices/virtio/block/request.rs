@@ -163,7 +163,8 @@ pub(crate) enum ParseError {
 /// One pass, nothing stored but the data: the header is copied out as its bytes go by,
 /// which also tells, before the first device-writable descriptor, which side of the chain
 /// the data is on; the last writable descriptor is held back, since its last byte is the
-/// status.
+/// status. One function because the pass's state (the header so far, the data's side, the
+/// held-back descriptor) lives across the whole chain.
 pub(crate) fn parse(
     mem: &GuestMemory,
     chain: DescriptorChain<&GuestMemory>,
@@ -251,24 +252,7 @@ pub(crate) fn parse(
         }
     }
 
-    if !ended {
-        return Err(ParseError::NoStatus {
-            head,
-            reason: "descriptor chain loops, is too long or leaves the table",
-        });
-    }
-    let Some(last) = last_writable else {
-        return Err(ParseError::NoStatus {
-            head,
-            reason: "no device-writable status byte",
-        });
-    };
-    if last.len == 0 {
-        return Err(ParseError::NoStatus {
-            head,
-            reason: "status byte outside guest memory",
-        });
-    }
+    let last = status_segment(head, ended, last_writable)?;
     let status = last.addr.unchecked_add_len(last.len - 1);
     let invalid = |reason| ParseError::Invalid {
         head,
@@ -303,6 +287,29 @@ pub(crate) fn parse(
         data_len,
         status,
     })
+}
+
+/// The last device-writable descriptor of a chain that ended, whose last byte is the
+/// status; why no status can be written otherwise.
+#[inline]
+fn status_segment(
+    head: u16,
+    ended: bool,
+    last_writable: Option<Segment>,
+) -> Result<Segment, ParseError> {
+    let no_status = |reason| ParseError::NoStatus { head, reason };
+    if !ended {
+        return Err(no_status(
+            "descriptor chain loops, is too long or leaves the table",
+        ));
+    }
+    let Some(last) = last_writable else {
+        return Err(no_status("no device-writable status byte"));
+    };
+    if last.len == 0 {
+        return Err(no_status("status byte outside guest memory"));
+    }
+    Ok(last)
 }
 
 trait AddLen {
