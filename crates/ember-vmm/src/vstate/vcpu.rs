@@ -254,6 +254,8 @@ impl Vcpu {
         Ok(())
     }
 
+    /// One function: one loop around KVM_RUN and a match with an arm per
+    /// exit, on the hot path, while `exit` borrows the vCPU.
     fn run_loop(
         &mut self,
         io: &Bus,
@@ -322,17 +324,7 @@ impl Vcpu {
                 // An instruction KVM could not emulate may be one that touched RAM
                 // KVM does not know yet (e.g. a fetch): register it and retry.
                 VcpuExit::InternalError if vm.claim_all_ram().map_err(VcpuError::Memory)? => false,
-                VcpuExit::InternalError => {
-                    let run = self.fd.get_kvm_run();
-                    // SAFETY: KVM filled the `internal` member of the exit union because
-                    // exit_reason is KVM_EXIT_INTERNAL_ERROR; it is plain integers.
-                    let suberror = unsafe { run.__bindgen_anon_1.internal.suberror };
-                    return Err(VcpuError::Internal {
-                        id,
-                        rip: self.rip(),
-                        suberror,
-                    });
-                }
+                VcpuExit::InternalError => return Err(self.internal_error()),
                 VcpuExit::FailEntry(reason, _) => {
                     return Err(VcpuError::FailEntry {
                         id,
@@ -353,6 +345,19 @@ impl Vcpu {
             if port_io {
                 self.serve_port_io(io);
             }
+        }
+    }
+
+    /// KVM's internal error, with its suberror and where the guest was.
+    fn internal_error(&mut self) -> VcpuError {
+        let run = self.fd.get_kvm_run();
+        // SAFETY: KVM filled the `internal` member of the exit union because
+        // exit_reason is KVM_EXIT_INTERNAL_ERROR; it is plain integers.
+        let suberror = unsafe { run.__bindgen_anon_1.internal.suberror };
+        VcpuError::Internal {
+            id: self.id,
+            rip: self.rip(),
+            suberror,
         }
     }
 
