@@ -11,37 +11,6 @@ fn sample() -> SnapshotState {
         chip_id: id,
         ..Default::default()
     };
-    let regs = kvm_bindings::kvm_regs {
-        rip: 0x10_0040,
-        rax: 0xdead_beef,
-        ..Default::default()
-    };
-    let mut xsave = kvm_bindings::kvm_xsave::default();
-    xsave.region[7] = 0x1234_5678;
-    let mut lapic = kvm_bindings::kvm_lapic_state::default();
-    lapic.regs[0x350] = 7;
-    let vcpu = vcpu::VcpuState {
-        id: 0,
-        cpuid: vec![kvm_cpuid_entry2 {
-            function: 1,
-            eax: 0x800f12,
-            ..Default::default()
-        }],
-        tsc_khz: Some(2_250_000),
-        mp_state: Default::default(),
-        regs,
-        sregs: Default::default(),
-        xsave,
-        xcrs: Default::default(),
-        debugregs: Default::default(),
-        lapic,
-        msrs: vec![kvm_msr_entry {
-            index: 0x10,
-            data: 12345,
-            ..Default::default()
-        }],
-        events: Default::default(),
-    };
     SnapshotState {
         ember_version: "test".into(),
         mem_size: 64 << 20,
@@ -50,7 +19,7 @@ fn sample() -> SnapshotState {
             eax: 0x10,
             ..Default::default()
         }],
-        vcpus: vec![vcpu],
+        vcpus: vec![sample_vcpu()],
         vm: vm::VmState {
             pic_master: chip(0),
             pic_slave: chip(1),
@@ -73,45 +42,85 @@ fn sample() -> SnapshotState {
             scratch: 0,
             in_buffer: b"ls\n".to_vec(),
         },
-        devices: vec![DeviceState {
-            config: DeviceConfig::Block(DiskConfig {
-                path: "/tmp/disk.img".into(),
-                read_only: false,
-                direct: false,
-                serial: Some("d0".into()),
-                poll_us: Some(50),
-            }),
-            placement: Placement::default(),
-            file: Some(FileIdentity {
-                dev: 1,
-                ino: 2,
-                size: 4096,
-                mtime_ns: 3,
-            }),
-            transport: TransportState {
-                device_type: 2,
-                status: 15,
-                device_features_sel: 1,
-                driver_features_sel: 0,
-                driver_features: 1 << 32,
-                queue_sel: 0,
-                active: true,
-                interrupt_status: 1,
-                needs_reset: false,
-                queues: vec![QueueRegs {
-                    size: 256,
-                    ready: true,
-                    desc: 0x80_0000,
-                    avail: 0x80_1000,
-                    used: 0x80_2000,
-                }],
-            },
-            balloon: None,
-            hotplug: None,
-            fs: None,
-        }],
+        devices: vec![sample_disk()],
         vmgenid: true,
         memory_checksum: None,
+    }
+}
+
+/// [`sample`]'s vCPU.
+fn sample_vcpu() -> vcpu::VcpuState {
+    let regs = kvm_bindings::kvm_regs {
+        rip: 0x10_0040,
+        rax: 0xdead_beef,
+        ..Default::default()
+    };
+    let mut xsave = kvm_bindings::kvm_xsave::default();
+    xsave.region[7] = 0x1234_5678;
+    let mut lapic = kvm_bindings::kvm_lapic_state::default();
+    lapic.regs[0x350] = 7;
+    vcpu::VcpuState {
+        id: 0,
+        cpuid: vec![kvm_cpuid_entry2 {
+            function: 1,
+            eax: 0x800f12,
+            ..Default::default()
+        }],
+        tsc_khz: Some(2_250_000),
+        mp_state: Default::default(),
+        regs,
+        sregs: Default::default(),
+        xsave,
+        xcrs: Default::default(),
+        debugregs: Default::default(),
+        lapic,
+        msrs: vec![kvm_msr_entry {
+            index: 0x10,
+            data: 12345,
+            ..Default::default()
+        }],
+        events: Default::default(),
+    }
+}
+
+/// [`sample`]'s one device: a disk, its driver ready.
+fn sample_disk() -> DeviceState {
+    DeviceState {
+        config: DeviceConfig::Block(DiskConfig {
+            path: "/tmp/disk.img".into(),
+            read_only: false,
+            direct: false,
+            serial: Some("d0".into()),
+            poll_us: Some(50),
+        }),
+        placement: Placement::default(),
+        file: Some(FileIdentity {
+            dev: 1,
+            ino: 2,
+            size: 4096,
+            mtime_ns: 3,
+        }),
+        transport: TransportState {
+            device_type: 2,
+            status: 15,
+            device_features_sel: 1,
+            driver_features_sel: 0,
+            driver_features: 1 << 32,
+            queue_sel: 0,
+            active: true,
+            interrupt_status: 1,
+            needs_reset: false,
+            queues: vec![QueueRegs {
+                size: 256,
+                ready: true,
+                desc: 0x80_0000,
+                avail: 0x80_1000,
+                used: 0x80_2000,
+            }],
+        },
+        balloon: None,
+        hotplug: None,
+        fs: None,
     }
 }
 
