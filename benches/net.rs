@@ -17,9 +17,13 @@
 //!
 //! The medians, their min–max, and ember/QEMU ratios of the medians (with the
 //! ratio's range over the rounds, paired round by round).
+//!
+//! `EMBER_NET_BASE_BIN=PATH` also runs another ember build (main's, or an older
+//! commit's) in each round, in the rotation, and adds its column and the
+//! ember/base ratio: a change to the data path is then measured against the
+//! build before it in the same run.
 
 use ember::lab::stats::Summary;
-use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::{Command, Stdio};
@@ -191,7 +195,13 @@ fn flood(fd: &OwnedFd, mode: &AtomicU8) {
 }
 
 /// One VM run; the guest's four figures, in METRICS order.
-fn run_once(ns: &Netns, vmm: &str, guest: &std::path::Path, secs: u64) -> Vec<f64> {
+/// Who runs the guest: this build, another ember build, or QEMU.
+enum Vmm {
+    Ember(std::path::PathBuf),
+    Qemu,
+}
+
+fn run_once(ns: &Netns, vmm: &Vmm, name: &str, guest: &std::path::Path, secs: u64) -> Vec<f64> {
     let mac = GUEST_MAC.map(|b| format!("{b:02x}")).join(":");
     let cmdline = format!(
         "console=ttyS0 netinfo netlen=60 netsecs={secs} nettx netsecs={secs} nettso=65000 \
@@ -199,8 +209,7 @@ fn run_once(ns: &Netns, vmm: &str, guest: &std::path::Path, secs: u64) -> Vec<f6
     );
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", &ns.0]);
-    if vmm == "ember" {
-        let ember: OsString = env!("CARGO_BIN_EXE_ember").into();
+    if let Vmm::Ember(ember) = vmm {
         cmd.arg(ember).arg("boot").arg("--kernel").arg(guest).args([
             "--mem",
             "128M",
@@ -278,11 +287,11 @@ fn run_once(ns: &Netns, vmm: &str, guest: &std::path::Path, secs: u64) -> Vec<f6
         let lines = ember_testing::guest_results(&c, prefix);
         let line = lines
             .get(i)
-            .unwrap_or_else(|| panic!("{vmm}: no {prefix} line {i}; console:\n{c}"));
+            .unwrap_or_else(|| panic!("{name}: no {prefix} line {i}; console:\n{c}"));
         line.iter()
             .find(|(k, _)| k == key)
             .and_then(|(_, v)| v.parse().ok())
-            .unwrap_or_else(|| panic!("{vmm}: no {key} in {line:?}"))
+            .unwrap_or_else(|| panic!("{name}: no {key} in {line:?}"))
     };
     vec![
         get("nettx", 0, "fps"),
@@ -306,14 +315,21 @@ fn main() {
         .unwrap_or(3);
     let guest = ember_testing::test_guest().expect("build the test guest");
     let ns = Netns::new();
-    let vmms = ["ember", "qemu"];
+    let mut vmms = vec![
+        ("ember", Vmm::Ember(env!("CARGO_BIN_EXE_ember").into())),
+        ("qemu", Vmm::Qemu),
+    ];
+    if let Some(base) = std::env::var_os("EMBER_NET_BASE_BIN") {
+        vmms.push(("base", Vmm::Ember(base.into())));
+    }
     // samples[vmm][metric][round]
     let mut samples = vec![vec![Vec::new(); METRICS.len()]; vmms.len()];
     for r in 0..runs {
         for k in 0..vmms.len() {
             let v = (r + k) % vmms.len();
-            let got = run_once(&ns, vmms[v], &guest, secs);
-            eprintln!("round {} {}: {got:?}", r + 1, vmms[v]);
+            let (name, vmm) = &vmms[v];
+            let got = run_once(&ns, vmm, name, &guest, secs);
+            eprintln!("round {} {name}: {got:?}", r + 1);
             for (m, x) in got.into_iter().enumerate() {
                 samples[v][m].push(x);
             }
@@ -322,29 +338,41 @@ fn main() {
     println!(
         "virtio-net, the test guest polling, {runs} rounds of {secs} s phases, ember vs QEMU microvm (vhost=off)"
     );
-    println!("| phase | ember median (min–max) | QEMU median (min–max) | ember/QEMU (range) |");
-    println!("|---|---|---|---|");
-    for (m, (name, _, unit)) in METRICS.iter().enumerate() {
-        let e = Summary::of(&samples[0][m]).unwrap();
-        let q = Summary::of(&samples[1][m]).unwrap();
-        let ratios: Vec<f64> = samples[0][m]
-            .iter()
-            .zip(&samples[1][m])
-            .map(|(a, b)| a / b)
-            .collect();
-        let r = Summary::of(&ratios).unwrap();
-        let unit = if *unit == "fps" { "frames/s" } else { "MiB/s" };
+    let base = vmms.len() > 2;
+    if base {
         println!(
-            "| {name} ({unit}) | {:.0} ({:.0}–{:.0}) | {:.0} ({:.0}–{:.0}) | {:.2}× ({:.2}–{:.2}) |",
-            e.median,
-            e.min,
-            e.max,
-            q.median,
-            q.min,
-            q.max,
-            e.median / q.median,
-            r.min,
-            r.max
+            "| phase | ember median (min–max) | QEMU median (min–max) | ember/QEMU (range) | base median (min–max) | ember/base (range) |"
         );
+        println!("|---|---|---|---|---|---|");
+    } else {
+        println!("| phase | ember median (min–max) | QEMU median (min–max) | ember/QEMU (range) |");
+        println!("|---|---|---|---|");
+    }
+    // The median of `a`, its range, and a/b's medians' ratio with its range over
+    // the rounds, paired round by round.
+    let ratio = |a: &[f64], b: &[f64]| {
+        let ratios: Vec<f64> = a.iter().zip(b).map(|(a, b)| a / b).collect();
+        let r = Summary::of(&ratios).unwrap();
+        let (x, y) = (Summary::of(a).unwrap(), Summary::of(b).unwrap());
+        format!("{:.2}× ({:.2}–{:.2})", x.median / y.median, r.min, r.max)
+    };
+    let cell = |a: &[f64]| {
+        let s = Summary::of(a).unwrap();
+        format!("{:.0} ({:.0}–{:.0})", s.median, s.min, s.max)
+    };
+    for (m, (name, _, unit)) in METRICS.iter().enumerate() {
+        let unit = if *unit == "fps" { "frames/s" } else { "MiB/s" };
+        let (e, q) = (&samples[0][m], &samples[1][m]);
+        let mut row = format!(
+            "| {name} ({unit}) | {} | {} | {} |",
+            cell(e),
+            cell(q),
+            ratio(e, q)
+        );
+        if base {
+            let b = &samples[2][m];
+            row += &format!(" {} | {} |", cell(b), ratio(e, b));
+        }
+        println!("{row}");
     }
 }
