@@ -51,8 +51,10 @@ pub(crate) trait Backend: Send + Sync + std::fmt::Debug {
 /// # Safety
 /// As [`Backend::recv_scatter`].
 pub(crate) unsafe fn readv(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> {
+    // The system call itself, not libc's wrapper: that one is a cancellation
+    // point, two more calls around each frame's read for a thread never cancelled.
     // SAFETY: the caller vouches for the buffers; the count is the slice's.
-    let n = unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as libc::c_int) };
+    let n = unsafe { libc::syscall(libc::SYS_readv, fd, iov.as_ptr(), iov.len() as libc::c_int) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -64,8 +66,9 @@ pub(crate) unsafe fn readv(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> 
 /// # Safety
 /// As [`Backend::send_gather`].
 pub(crate) unsafe fn writev(fd: RawFd, iov: &[libc::iovec]) -> io::Result<()> {
+    // The system call itself, as in `readv`.
     // SAFETY: the caller vouches for the buffers; the count is the slice's.
-    let n = unsafe { libc::writev(fd, iov.as_ptr(), iov.len() as libc::c_int) };
+    let n = unsafe { libc::syscall(libc::SYS_writev, fd, iov.as_ptr(), iov.len() as libc::c_int) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
