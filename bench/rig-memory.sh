@@ -26,6 +26,8 @@
 # Usage: bench/rig-memory.sh [ROUNDS]     (default 2)
 # Environment:
 #   EMBER_BIN      ember to measure (default: scripts/build-release)
+#   EMBER_BASE_BIN a second ember, measured as `ember-base` in the same
+#                  rounds, interleaved (a before/after comparison in one run)
 #   RIG_SIZES      guest sizes in MiB (default "512 4096 8192")
 #   RIG_MODES      default "off sync async"; a mode may add ember's options
 #                  ("async,threads=1"; the anchors take sync* as sync; with
@@ -119,6 +121,11 @@ rig_cpio "$I" "$R/initrd.cpio"
 
 VMMS=ember
 rig_stage "$EMBER" "$R/ember"
+if [ -n "${EMBER_BASE_BIN:-}" ]; then
+  [ -x "$EMBER_BASE_BIN" ] || { say "$NAME: EMBER_BASE_BIN=$EMBER_BASE_BIN is not executable"; exit 1; }
+  rig_stage "$EMBER_BASE_BIN" "$R/ember-base"
+  VMMS="ember-base ember"
+fi
 FILES=(--file "$R:/rig" --file "$BUSYBOX:/bin/busybox")
 if [ "${RIG_QEMU:-0}" = 1 ]; then
   QEMU=$(rig_need qemu-system-x86_64) || exit 1

@@ -418,6 +418,116 @@ impl Committer {
         self.inner.commit(&ranges)
     }
 
+    /// Bytes from the start of guest RAM (the committer's first region)
+    /// committed without a gap: for a virtio-mem region's committer, the
+    /// part of the region the driver may be given.
+    pub(crate) fn committed_prefix(&self) -> u64 {
+        let Some(&(start, len, _)) = self.inner.ram.first() else {
+            return 0;
+        };
+        let committed = self.inner.lock();
+        let gap = committed.gaps(start, start + len, 1).first().map(|g| g.0);
+        gap.unwrap_or(start + len) - start
+    }
+
+    /// Commits what is not committed yet of the first RAM region (a
+    /// virtio-mem region's committer has just that one), in address order,
+    /// streaming: every thread takes the next unit as soon as it is done
+    /// with one. Each time the part committed without a gap from the
+    /// region's start has grown by `step` bytes (and at the end), it is
+    /// recorded and `progress` is told its length. At most `rate` bytes a
+    /// second when not 0, a step at a time.
+    pub(crate) fn commit_in_order(
+        &self,
+        step: u64,
+        rate: u64,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<(), CommitError> {
+        let Some(&(start, len, _)) = self.inner.ram.first() else {
+            return Ok(());
+        };
+        let todo = self.inner.lock().gaps(start, start + len, u64::MAX);
+        let units = self.inner.units(&todo);
+        struct Front {
+            /// Units done, by index.
+            done: Vec<bool>,
+            /// Units done without a gap from the first.
+            upto: usize,
+            /// The prefix last recorded and reported, guest address.
+            reported: u64,
+        }
+        let front = Mutex::new(Front {
+            done: vec![false; units.len()],
+            upto: 0,
+            reported: start + self.committed_prefix(),
+        });
+        let next = AtomicUsize::new(0);
+        let failure = Mutex::new(None);
+        let started = Instant::now();
+        // Pacing: a unit starts once its step's first byte is due, so each
+        // step of `step` bytes is committed at once, the next no sooner than
+        // `step / rate` seconds later (as the chunks of `step`).
+        let mut due = Vec::with_capacity(units.len());
+        let mut before = 0;
+        for u in &units {
+            due.push(before / step * step);
+            before += u.2;
+        }
+        let work = || {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(guest, host, n)) = units.get(i) else {
+                    return;
+                };
+                if rate > 0 {
+                    let due = Duration::from_secs_f64(due[i] as f64 / rate as f64);
+                    if let Some(wait) = due.checked_sub(started.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                }
+                if let Err(source) = crate::vstate::memory::populate(host, n) {
+                    let mut f = failure.lock().unwrap_or_else(|p| p.into_inner());
+                    f.get_or_insert(CommitError::Populate {
+                        addr: guest,
+                        len: n,
+                        source,
+                    });
+                    next.store(units.len(), Ordering::Relaxed);
+                    return;
+                }
+                let mut f = front.lock().unwrap_or_else(|p| p.into_inner());
+                f.done[i] = true;
+                while f.upto < units.len() && f.done[f.upto] {
+                    f.upto += 1;
+                }
+                let Some(&(g, _, l)) = f.upto.checked_sub(1).and_then(|u| units.get(u)) else {
+                    continue;
+                };
+                let end = g + l;
+                if end >= f.reported + step || f.upto == units.len() {
+                    self.inner.lock().insert(f.reported.min(end), end);
+                    f.reported = end;
+                    progress(end - start);
+                }
+            }
+        };
+        let workers = self.inner.threads.min(units.len());
+        if workers <= 1 {
+            work();
+        } else {
+            std::thread::scope(|s| {
+                for _ in 1..workers {
+                    s.spawn(work);
+                }
+                work();
+            });
+        }
+        if let Some(e) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// One background step: commits up to `chunk` bytes of what is not committed
     /// yet — memory the guest owns (not held by `balloon`) first — and returns
     /// how much it committed (0: everything is committed).
@@ -611,35 +721,42 @@ impl Committer {
 /// Event: all of the virtio-mem region is committed (and requested).
 pub const EVENT_HOTPLUG_COMMITTED: &str = "hotplug_committed";
 
-/// Commits a virtio-mem `region` (its own memory) from its start, a chunk at
-/// a time, raising the part `handle` may hand the driver after each: the
-/// guest is never asked to plug, and may not plug, memory not committed
-/// yet, so no fence is needed. Returns when all of it is committed.
+/// Event: the virtio-mem region's background commit starts (the guest's
+/// driver has the device).
+pub const EVENT_HOTPLUG_COMMIT_STARTED: &str = "hotplug_commit_started";
+
+/// Commits a virtio-mem region (the committer `c` is the region's own) from
+/// its start, raising the part `handle` may hand the driver each time at
+/// least `opts.chunk` more of it is committed: the guest is never asked to
+/// plug, and may not plug, memory not committed yet, so no fence is needed.
+/// The populate streams on all the committer's threads (no thread waits at
+/// a chunk's end for the others): a raise costs the commit nothing, and the
+/// guest plugs one part while the next is committed. Returns when all of it
+/// is committed.
 pub(crate) fn commit_hotplug(
     c: &Committer,
     handle: &MemHandle,
     opts: &MemoryOptions,
 ) -> Result<(), CommitError> {
-    let started = Instant::now();
-    let mut done = 0u64;
-    loop {
-        let n = c.step(None, opts.chunk)?;
-        handle.set_committed(c.committed_bytes());
-        if n == 0 {
-            return Ok(());
-        }
-        done += n;
-        if opts.rate > 0 && opts.prefault == Prefault::Async {
-            let due = Duration::from_secs_f64(done as f64 / opts.rate as f64);
-            if let Some(wait) = due.checked_sub(started.elapsed()) {
-                std::thread::sleep(wait);
-            }
-        }
-    }
+    let rate = if opts.prefault == Prefault::Async {
+        opts.rate
+    } else {
+        0
+    };
+    let result = c.commit_in_order(opts.chunk.max(HUGE_PAGE), rate, &|bytes| {
+        handle.set_committed(bytes)
+    });
+    // (After a failure: what is committed stays offered; the rest is never asked for.)
+    handle.set_committed(c.committed_prefix());
+    result
 }
 
 /// `--prefault async` with a virtio-mem region: [`commit_hotplug`] on a
-/// thread of its own, below the vCPUs' priority. Records
+/// thread of its own, from the moment the guest's `virtio_mem` driver has the
+/// device (until then nothing can be plugged, and in a guest that is still
+/// booting the commit would only take CPU from the boot). Once started it
+/// runs at the VMM's priority: the boot is over, and the guest waits for
+/// what it commits. Records [`EVENT_HOTPLUG_COMMIT_STARTED`] and
 /// [`EVENT_HOTPLUG_COMMITTED`].
 pub(crate) fn start_hotplug_background(
     region: GuestMemoryMmap,
@@ -654,14 +771,10 @@ pub(crate) fn start_hotplug_background(
         .name("ember-commit-mem".into())
         .spawn(move || {
             crate::seccomp::confine_or_exit(crate::seccomp::Thread::Committer);
-            // SAFETY: setpriority on this thread's own id; no memory is involved.
-            unsafe {
-                libc::setpriority(
-                    libc::PRIO_PROCESS,
-                    libc::gettid() as libc::id_t,
-                    BACKGROUND_NICE,
-                )
-            };
+            if !handle.wait_for_driver() {
+                return;
+            }
+            recorder.mark(EVENT_HOTPLUG_COMMIT_STARTED);
             let started = Instant::now();
             match commit_hotplug(&c, &handle, &opts) {
                 Ok(()) => {
@@ -673,7 +786,6 @@ pub(crate) fn start_hotplug_background(
                     );
                 }
                 Err(e) => {
-                    // What is committed stays offered; the rest is never asked for.
                     eprintln!(
                         "ember: background commit of the virtio-mem region failed: {}",
                         crate::error_chain(&e)
@@ -699,19 +811,12 @@ impl Inner {
             .collect()
     }
 
-    /// Commits what is not committed yet of the guest ranges, on `threads`
-    /// threads, and records it.
-    fn commit(&self, ranges: &[(u64, u64)]) -> Result<(), CommitError> {
-        let todo: Vec<(u64, u64)> = {
-            let committed = self.lock();
-            ranges
-                .iter()
-                .flat_map(|&(s, e)| committed.gaps(s, e, u64::MAX))
-                .collect()
-        };
-        // Work units: cut at huge-page boundaries of the host address.
+    /// (guest, host, len) work units of a populate of the guest ranges, in
+    /// their order: at most [`POPULATE_UNIT`], cut at huge-page boundaries of
+    /// the host address.
+    fn units(&self, ranges: &[(u64, u64)]) -> Vec<(u64, u64, u64)> {
         let mut units = Vec::new();
-        for &(s, e) in &todo {
+        for &(s, e) in ranges {
             for (guest, host, len) in self.host_pieces(s, e) {
                 let mut at = 0;
                 while at < len {
@@ -729,6 +834,20 @@ impl Inner {
                 }
             }
         }
+        units
+    }
+
+    /// Commits what is not committed yet of the guest ranges, on `threads`
+    /// threads, and records it.
+    fn commit(&self, ranges: &[(u64, u64)]) -> Result<(), CommitError> {
+        let todo: Vec<(u64, u64)> = {
+            let committed = self.lock();
+            ranges
+                .iter()
+                .flat_map(|&(s, e)| committed.gaps(s, e, u64::MAX))
+                .collect()
+        };
+        let units = self.units(&todo);
         let next = AtomicUsize::new(0);
         let failure = Mutex::new(None);
         let workers = self.threads.min(units.len());
@@ -854,6 +973,52 @@ mod tests {
         assert_eq!(c2.step(None, 64 << 20).unwrap(), 6 << 20);
         assert_eq!(c2.step(None, 64 << 20).unwrap(), 0);
         assert!(c2.is_resident(hi, 8 << 20));
+    }
+
+    /// A virtio-mem region's commit streams on all threads, and the driver
+    /// is offered each part only once every page below its end is
+    /// resident, in steps of at least the chunk.
+    #[test]
+    fn a_region_is_offered_in_steps_as_it_is_committed() {
+        use crate::devices::virtio::{MemConfig, VirtioMem};
+        let ram = memory::create(16 << 20).unwrap();
+        let at = 4u64 << 30;
+        let size = 384u64 << 20;
+        let (_all, region) = memory::add_hotplug(&ram, at, size).unwrap();
+        let c = Committer::new(&region, 3);
+        let seen = Mutex::new(Vec::new());
+        c.commit_in_order(100 << 20, 0, &|b| {
+            assert!(c.is_resident(at, b), "{b:#x} offered before it is resident");
+            assert_eq!(c.committed_prefix(), b);
+            seen.lock().unwrap().push(b);
+        })
+        .unwrap();
+        let seen = seen.into_inner().unwrap();
+        assert_eq!(seen.last(), Some(&size), "{seen:x?}");
+        assert!(
+            seen.windows(2)
+                .all(|w| w[1] >= w[0] + (100 << 20) || w[1] == size),
+            "{seen:x?}"
+        );
+        assert!((2..=4).contains(&seen.len()), "{seen:x?}");
+        assert!(c.is_resident(at, size));
+
+        // Through the device: the requested size follows the commit, no
+        // further; all of it once all is committed.
+        let (_all, region) = memory::add_hotplug(&ram, at, size).unwrap();
+        let dev = VirtioMem::new(&MemConfig::new(size).unwrap(), at).unwrap();
+        let h = dev.handle();
+        h.set_requested(size).unwrap();
+        assert_eq!(h.requested_bytes(), 0);
+        let c = Committer::new(&region, 2);
+        let opts = MemoryOptions {
+            prefault: Prefault::Async,
+            chunk: 128 << 20,
+            ..MemoryOptions::default()
+        };
+        commit_hotplug(&c, &h, &opts).unwrap();
+        assert_eq!(h.requested_bytes(), size);
+        assert!(c.is_resident(at, size));
     }
 
     #[test]

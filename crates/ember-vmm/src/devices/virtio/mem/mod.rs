@@ -23,7 +23,8 @@ pub(crate) mod protocol;
 
 use std::io::{Read, Write};
 use std::str::FromStr;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -178,6 +179,8 @@ struct Shared {
 #[derive(Debug, Clone)]
 pub struct MemHandle {
     shared: Arc<Mutex<Shared>>,
+    /// Notified when a driver sets the device up (DRIVER_OK).
+    bound: Arc<Condvar>,
 }
 
 impl MemHandle {
@@ -269,6 +272,26 @@ impl MemHandle {
         self.lock().irq.is_some()
     }
 
+    /// Waits until a driver has the device up (its DRIVER_OK: the guest's
+    /// driver is bound and reads the requested size from then on). Returns
+    /// false, without waiting further, once this handle is the device's last
+    /// (the VM is gone and no driver can come).
+    pub fn wait_for_driver(&self) -> bool {
+        let mut s = self.lock();
+        while s.irq.is_none() {
+            if Arc::strong_count(&self.shared) == 1 {
+                return false;
+            }
+            // (Timed: the VM's end notifies no one.)
+            s = self
+                .bound
+                .wait_timeout(s, Duration::from_millis(100))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+
     /// The state for a snapshot (the VM paused, the queue drained).
     pub(crate) fn state(&self) -> MemState {
         let s = self.lock();
@@ -313,6 +336,7 @@ impl VirtioMem {
                     discarded: 0,
                     stale: None,
                 })),
+                bound: Arc::new(Condvar::new()),
             },
             worker: None,
         }
@@ -379,6 +403,7 @@ impl VirtioDevice for VirtioMem {
             },
         )?);
         self.handle.lock().irq = Some(irq);
+        self.handle.bound.notify_all();
         Ok(())
     }
 
@@ -767,6 +792,28 @@ mod tests {
         discard(&mem, at, at + BS);
         mem.write_obj(1u8, GuestAddress(at + BS - 1)).unwrap();
         assert_eq!(resident(at + BS), 0);
+    }
+
+    /// The region's committer waits for the driver: woken when it binds,
+    /// and let go when the device is gone and no driver can come.
+    #[test]
+    fn waiting_for_the_driver_ends_when_it_binds_or_the_device_goes() {
+        let dev = VirtioMem::new(&MemConfig::new(256 << 20).unwrap(), 4 << 30).unwrap();
+        let h = dev.handle();
+        let waiter = {
+            let h = h.clone();
+            std::thread::spawn(move || h.wait_for_driver())
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!waiter.is_finished(), "returned before any driver");
+        h.lock().irq = Some(VirtioInterrupt::new(Arc::new(CountingInterrupt::default())));
+        h.bound.notify_all();
+        assert!(waiter.join().unwrap());
+
+        let gone = VirtioMem::new(&MemConfig::new(256 << 20).unwrap(), 4 << 30).unwrap();
+        let h = gone.handle();
+        drop(gone);
+        assert!(!h.wait_for_driver());
     }
 
     #[test]
