@@ -92,7 +92,8 @@ pub struct BootArgs {
     pub balloon_no_reporting: bool,
     /// Commit guest memory up front: `sync` (all of it before the guest starts) or
     /// `async[,window=SIZE][,chunk=SIZE]` (a boot window before, the rest in the
-    /// background, fenced by the balloon); `,threads=N` for either.
+    /// background, fenced by the balloon); `,threads=N` for either. With --restore:
+    /// the restored memory (RAM, plugged virtio-mem blocks) before or beside the guest.
     #[arg(long, value_name = "off|sync|async[,window=SIZE]")]
     pub prefault: Option<String>,
     /// Lock guest memory in host RAM (mlock; pages lock as they are committed).
@@ -118,7 +119,7 @@ pub struct BootArgs {
     /// memory size and backing, devices, ACPI) are refused with it.
     #[arg(long, value_name = "DIR", conflicts_with_all = [
         "kernel", "initrd", "cmdline", "disk", "rng", "balloon", "cpus", "mem", "mem_boot", "hugepages",
-        "prefault", "no_acpi", "balloon_target", "balloon_no_reporting",
+        "no_acpi", "balloon_target", "balloon_no_reporting",
     ])]
     pub restore: Option<PathBuf>,
     /// Seccomp filters on every thread (allow-lists in ember-vmm's seccomp/):
@@ -253,6 +254,7 @@ pub fn main(args: BootArgs) -> anyhow::Result<i32> {
                 fs: devices.fs,
                 vsock: devices.vsock,
                 before_go: Some(before_go),
+                memory: memory_options(&args)?,
             };
             restore::restore(cfg, recorder.clone())?
         }

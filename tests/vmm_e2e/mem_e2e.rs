@@ -176,7 +176,9 @@ fn a_resize_through_the_socket_gives_memory_back_and_takes_it_again() {
 }
 
 /// A guest snapshotted with blocks plugged and written is restored with
-/// them plugged (the bitmap) and their contents intact (the region's file).
+/// them plugged (the bitmap) and their contents intact (the region's file),
+/// and plugs more; so too with `--prefault sync|async`, which commit the
+/// restored memory (the plugged blocks, and the new plug before its ack).
 #[test]
 fn a_plugged_guest_is_restored_plugged_and_intact() {
     if !require_kvm("virtio-mem snapshot") {
@@ -188,7 +190,8 @@ fn a_plugged_guest_is_restored_plugged_and_intact() {
     let vm = start(
         &[],
         "vmemplug=0,4 vmemplug=200,1 vmemfill=0,4 vmemfill=200,1 print=filled spin=8000 \
-         vmemcheck=0,4 vmemcheck=200,1 vmemstate=0,5 vmemstate=199,2 vmem",
+         vmemcheck=0,4 vmemcheck=200,1 vmemstate=0,5 vmemstate=199,2 \
+         vmemplug=10,1 vmemfill=10,1 vmemcheck=10,1 vmem",
         &sock,
     );
     vm.wait_for_line("filled");
@@ -202,22 +205,36 @@ fn a_plugged_guest_is_restored_plugged_and_intact() {
     assert!(o.status.success(), "{}", stderr(&o));
     vm.finish();
     assert!(snap.join("hotplug").exists());
-    let o = output(
-        ember()
-            .args(["boot", "--timeout", "30", "--restore"])
-            .arg(&snap),
-    );
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let out = stdout(&o);
-    assert_eq!(
-        vmem_lines(&out),
-        [
-            "check 4 blocks from 0: intact",
-            "check 1 blocks from 200: intact",
-            "state block=0 n=5 -> mixed",
-            "state block=199 n=2 -> mixed",
-            "addr=0x100000000 region=536870912 block=2097152 plugged=10485760 requested=536870912",
-        ],
-        "{out}"
-    );
+    let events = dir.path("events.json");
+    for prefault in [None, Some("sync"), Some("async")] {
+        let mut cmd = ember();
+        cmd.args(["boot", "--timeout", "30", "--restore"])
+            .arg(&snap);
+        if let Some(p) = prefault {
+            cmd.args(["--prefault", p, "--events"]).arg(&events);
+        }
+        let o = output(&mut cmd);
+        assert_eq!(o.status.code(), Some(0), "{prefault:?}: {}", stderr(&o));
+        let out = stdout(&o);
+        assert_eq!(
+            vmem_lines(&out),
+            [
+                "check 4 blocks from 0: intact",
+                "check 1 blocks from 200: intact",
+                "state block=0 n=5 -> mixed",
+                "state block=199 n=2 -> mixed",
+                "plug block=10 n=1 -> ack",
+                "filled 1 blocks from 10",
+                "check 1 blocks from 10: intact",
+                "addr=0x100000000 region=536870912 block=2097152 plugged=12582912 requested=536870912",
+            ],
+            "{prefault:?}: {out}"
+        );
+        if prefault == Some("sync") {
+            // Committed before the guest ran: its RAM and the 5 plugged blocks.
+            let ev = std::fs::read_to_string(&events).unwrap();
+            assert!(ev.contains("restored_memory_committed"), "{ev}");
+            assert!(ev.contains("plugged_bytes=10485760"), "{ev}");
+        }
+    }
 }

@@ -795,6 +795,106 @@ pub(crate) fn start_hotplug_background(
         })
 }
 
+/// Event: a restored VM's memory is committed (`--restore … --prefault async`).
+pub const EVENT_RESTORED_COMMITTED: &str = "restored_memory_committed";
+
+/// A restored VM's memory, committed (`--restore … --prefault async`;
+/// `c` is the committer of all of it): its RAM but what the balloon holds,
+/// then the virtio-mem blocks the guest has plugged, a chunk of the region
+/// at a time under the device's lock (so no block is unplugged while it is
+/// committed). A block not plugged is committed when it is plugged, before
+/// the plug is acknowledged ([`MemHandle::keep_committed_restored`]), so
+/// growing the region commits as a booted VM's does. Returns the bytes of
+/// RAM and of plugged blocks committed.
+pub(crate) fn commit_restored(
+    c: &Committer,
+    balloon: Option<&BalloonHandle>,
+    hotplug: Option<&MemHandle>,
+    chunk: u64,
+) -> Result<(u64, u64), CommitError> {
+    let region = hotplug.map(|h| (h.addr(), h.addr() + h.region_size()));
+    let ram: Vec<(u64, u64)> = c
+        .inner
+        .ram
+        .iter()
+        .map(|&(g, len, _)| (g, g + len))
+        .filter(|&(g, _)| region.is_none_or(|(a, _)| g < a))
+        .flat_map(|(s, e)| match balloon {
+            Some(b) => b.not_held(s, e, u64::MAX),
+            None => vec![(s, e)],
+        })
+        .collect();
+    c.inner.commit(&ram)?;
+    let ram_bytes = ram.iter().map(|r| r.1 - r.0).sum();
+    let mut plugged = 0;
+    if let (Some(h), Some((mut at, end))) = (hotplug, region) {
+        while at < end {
+            let to = (at + chunk.max(HUGE_PAGE)).min(end);
+            plugged += h.with_plugged(at, to, |parts| {
+                c.inner.commit(parts)?;
+                Ok::<_, CommitError>(parts.iter().map(|r| r.1 - r.0).sum::<u64>())
+            })?;
+            at = to;
+        }
+    }
+    Ok((ram_bytes, plugged))
+}
+
+/// Records [`EVENT_RESTORED_COMMITTED`] with what [`commit_restored`] committed.
+pub(crate) fn mark_restored_committed(recorder: &Recorder, (ram, plugged): (u64, u64)) {
+    recorder.mark_text(
+        EVENT_RESTORED_COMMITTED,
+        &format!("ram_bytes={ram} plugged_bytes={plugged}"),
+    );
+}
+
+/// `--restore … --prefault async`: [`commit_restored`] on a thread of its
+/// own, below the vCPUs' priority (the restored guest runs meanwhile, on the
+/// memory file's pages). Records [`EVENT_RESTORED_COMMITTED`].
+pub fn start_restored_background(
+    mem: &GuestMemoryMmap,
+    balloon: Option<BalloonHandle>,
+    hotplug: Option<MemHandle>,
+    opts: &MemoryOptions,
+    recorder: Arc<Recorder>,
+) -> std::io::Result<JoinHandle<()>> {
+    if let Some(h) = &hotplug {
+        h.keep_committed_restored();
+    }
+    // Made here: counting CPUs reads files, which the thread's list forbids.
+    let c = Committer::new(mem, opts.threads);
+    let chunk = opts.chunk;
+    std::thread::Builder::new()
+        .name("ember-commit".into())
+        .spawn(move || {
+            crate::seccomp::confine_or_exit(crate::seccomp::Thread::Committer);
+            // SAFETY: setpriority on this thread's own id; no memory is involved.
+            unsafe {
+                libc::setpriority(
+                    libc::PRIO_PROCESS,
+                    libc::gettid() as libc::id_t,
+                    BACKGROUND_NICE,
+                )
+            };
+            let started = Instant::now();
+            match commit_restored(&c, balloon.as_ref(), hotplug.as_ref(), chunk) {
+                Ok((ram, plugged)) => {
+                    mark_restored_committed(&recorder, (ram, plugged));
+                    eprintln!(
+                        "ember: restored memory committed in the background: {} MiB of RAM, {} MiB of plugged virtio-mem blocks in {:.1} s",
+                        ram >> 20,
+                        plugged >> 20,
+                        started.elapsed().as_secs_f64()
+                    );
+                }
+                Err(e) => eprintln!(
+                    "ember: background commit of restored memory failed: {}",
+                    crate::error_chain(&e)
+                ),
+            }
+        })
+}
+
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, RangeSet> {
         self.committed.lock().unwrap_or_else(|p| p.into_inner())

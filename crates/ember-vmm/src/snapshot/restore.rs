@@ -44,6 +44,7 @@ use crate::devices::virtio::{
 use crate::devices::vmgenid::VmGenId;
 use crate::events::{Recorder, kind};
 use crate::machine::Attached;
+use crate::prefault::{self, MemoryOptions, Prefault};
 use crate::vstate::bus::Bus;
 use crate::vstate::end::{EndError, VmEnd};
 use crate::vstate::kvm;
@@ -83,6 +84,12 @@ pub struct RestoreConfig {
     /// Run once the VM is complete, before the vCPUs start
     /// ([`builder::BeforeGo`]).
     pub before_go: Option<builder::BeforeGo>,
+    /// `--prefault`: commit the restored memory (the guest's RAM but what
+    /// its balloon holds, and its plugged virtio-mem blocks) before the
+    /// guest runs (`sync`) or beside it (`async`); a virtio-mem block
+    /// plugged later is committed before its plug is acknowledged. Without,
+    /// pages fault in from the memory file as the guest touches them.
+    pub memory: MemoryOptions,
 }
 
 fn step(e: impl std::error::Error) -> SnapshotError {
@@ -331,6 +338,33 @@ pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Arc<Machin
         _pmem: pmem_regions,
         _committer: None,
     });
+    match cfg.memory.prefault {
+        Prefault::Off => {}
+        Prefault::Sync => {
+            if let Some(h) = &machine.hotplug {
+                h.keep_committed_restored();
+            }
+            let c = prefault::Committer::new(&mem, cfg.memory.threads);
+            let done = prefault::commit_restored(
+                &c,
+                machine.balloon.as_ref(),
+                machine.hotplug.as_ref(),
+                cfg.memory.chunk,
+            )
+            .map_err(step)?;
+            prefault::mark_restored_committed(&recorder, done);
+        }
+        Prefault::Async => {
+            prefault::start_restored_background(
+                &mem,
+                machine.balloon.clone(),
+                machine.hotplug.clone(),
+                &cfg.memory,
+                recorder.clone(),
+            )
+            .map_err(step)?;
+        }
+    }
     if let Some(f) = cfg.before_go {
         f(&machine).map_err(step)?;
     }

@@ -232,6 +232,43 @@ impl MemHandle {
         }
     }
 
+    /// A restored VM with `--prefault`: as [`Self::keep_committed`], and
+    /// every block not plugged now counts as discarded (the memory file
+    /// backs it, nothing committed it), so a plug of it commits it first.
+    /// The plugged blocks are the committer's ([`Self::with_plugged`]).
+    pub fn keep_committed_restored(&self) {
+        let mut s = self.lock();
+        let (addr, size) = (s.blocks.addr, s.blocks.region_size());
+        let mut stale = RangeSet::new();
+        stale.insert(addr, addr + size);
+        for (a, z) in s.blocks.plugged_ranges() {
+            stale.remove(a, z);
+        }
+        s.stale = Some(stale);
+    }
+
+    /// Runs `f` on the plugged parts of guest-physical `start..end` with no
+    /// request answered meanwhile: a block `f` commits cannot be unplugged
+    /// (and discarded) under it.
+    pub(crate) fn with_plugged<R>(
+        &self,
+        start: u64,
+        end: u64,
+        f: impl FnOnce(&[(u64, u64)]) -> R,
+    ) -> R {
+        let s = self.lock();
+        let parts: Vec<(u64, u64)> = s
+            .blocks
+            .plugged_ranges()
+            .into_iter()
+            .filter_map(|(a, z)| {
+                let (a, z) = (a.max(start), z.min(end));
+                (a < z).then_some((a, z))
+            })
+            .collect();
+        f(&parts)
+    }
+
     /// Bytes of the region.
     pub fn region_size(&self) -> u64 {
         self.lock().blocks.region_size()
@@ -719,6 +756,59 @@ mod tests {
         assert_eq!(ack(unplug(1)), Response::Ack);
         assert_eq!(ack(plug(1)), Response::Ack);
         assert_eq!(resident(region), 0);
+    }
+
+    /// A restored VM with `--prefault`: the committer commits the plugged
+    /// blocks (and RAM) and nothing else; a block plugged afterwards is
+    /// committed before the plug is acknowledged.
+    #[test]
+    fn a_restored_region_commits_its_plugged_blocks_and_each_new_plug() {
+        let ram = crate::vstate::memory::create(16 << 20).unwrap();
+        let region = 4u64 << 30;
+        let (mem, _) = crate::vstate::memory::add_hotplug(&ram, region, 128 << 20).unwrap();
+        let resident = |b: u64| {
+            let host = mem.get_host_address(GuestAddress(region + b * BS)).unwrap();
+            let mut v = vec![0u8; (BS / 4096) as usize];
+            // SAFETY: a block of the region, mapped; mincore only fills `v`.
+            let rc = unsafe { libc::mincore(host.cast(), BS as usize, v.as_mut_ptr()) };
+            assert_eq!(rc, 0);
+            v.iter().filter(|&&b| b & 1 != 0).count()
+        };
+        // As a snapshot has it: blocks 0-3 and 20 plugged, all requested.
+        let mut blocks = Blocks::new(region, BS, 64);
+        (blocks.user, blocks.committed) = (64 * BS, 64 * BS);
+        for (addr, nb_blocks) in [(region, 4), (region + 20 * BS, 1)] {
+            assert_eq!(
+                blocks.handle(Request::Plug { addr, nb_blocks }, &mut Vec::new()),
+                Response::Ack
+            );
+        }
+        let dev = VirtioMem::from_state(&MemState {
+            blocks,
+            generation: 3,
+        });
+        let h = dev.handle();
+        h.keep_committed_restored();
+        let c = crate::prefault::Committer::new(&mem, 2);
+        let (ram_bytes, plugged) =
+            crate::prefault::commit_restored(&c, None, Some(&h), 8 * BS).unwrap();
+        assert_eq!((ram_bytes, plugged), (16 << 20, 5 * BS));
+        assert_eq!(
+            (0..4).chain([20]).map(resident).collect::<Vec<_>>(),
+            [512; 5],
+            "the plugged blocks are committed"
+        );
+        assert_eq!(
+            (4..20).chain(21..64).map(resident).sum::<usize>(),
+            0,
+            "nothing else of the region is"
+        );
+        let ack = |addr, nb_blocks| {
+            MemHandler::answer(&mem, &h.shared, Request::Plug { addr, nb_blocks })
+        };
+        assert_eq!(ack(region + 30 * BS, 2), Response::Ack);
+        assert_eq!((resident(30), resident(31)), (512, 512));
+        assert_eq!(resident(32), 0);
     }
 
     /// `--mem-lock`: a locked block is discarded all the same (madvise
