@@ -41,15 +41,21 @@ ev_ms() {
 latest() {
   echo "$@" | awk '{ m = 0; for (i = 1; i <= NF; i++) { if ($i == "none") { print "none"; exit } if ($i + 0 > m) m = $i + 0 } print m }'
 }
+# avail_kib: the L1's MemAvailable.
+avail_kib() { awk '/^MemAvailable:/ { print $2 }' /proc/meminfo; }
 free -m | sed 's/^/RIG-NOTE L1 /'
 echo RIG-START
 for r in $(seq "$ROUNDS"); do
+  # The VMMs' order reversed every other round: a boot's predecessor (its
+  # freed memory, the L1's caches) weighs on no VMM more than another.
+  vmms=$VMMS
+  [ $((r % 2)) = 0 ] && vmms=$(echo "$VMMS" | awk '{ for (i = NF; i > 0; i--) printf "%s ", $i }')
   for MEM in $SIZES; do
     case " $MODES " in *" memboot "* | *" memwhole "*)
       pop=$(./rig-populate "$MEM" 2) && echo "RIG-BOOT host:populate:$MEM 2 $r $pop $pop 0" ;;
     esac
     for mode in $MODES; do
-      for v in $VMMS; do
+      for v in $vmms; do
         # (A mode may carry ember's options: `async,threads=1`.)
         case $v:$mode in ember*) ;; *:sync* | *:mem*) PREFAULT=sync ;; *:off) PREFAULT= ;; *) continue ;; esac
         EVENTS=; CMDLINE=$BASE_CMDLINE; MARK=$BASE_MARK; MARK2=; VMEM=; QMACHINE=
@@ -70,7 +76,16 @@ for r in $(seq "$ROUNDS"); do
             CMDLINE="$CMDLINE memhp_default_state=online memory_hotplug.online_policy=auto-movable"
             CMDLINE="$CMDLINE rig.memfull=${VMEM:-0}"; MARK=RIG-MEM-BOUND; MARK2=RIG-MEM-FULL ;;
         esac
+        avail0=$(avail_kib)
         boot "$v" "$VCPUS" "$r" "$v:$mode:$MEM"
+        # The next boot starts once the L1 has this one's memory back: the
+        # process that unmaps it (ember's teardown keeper) may carry another
+        # name than the one boot waits for, and freeing gigabytes while the
+        # next guest boots would be charged to that boot.
+        n=0
+        while [ "$(avail_kib)" -lt $((avail0 - 131072)) ] && [ $n -lt 600 ]; do
+          sleep 0.1; n=$((n + 1))
+        done
         if [ "${TIMELINE:-0}" = 1 ] && [ -n "$EVENTS" ]; then
           echo "RIG-EVENTS $v:$mode:$MEM $r $(tr -d '\n' < "$EVENTS")"
         fi
