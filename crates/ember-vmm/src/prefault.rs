@@ -851,7 +851,7 @@ pub(crate) fn mark_restored_committed(recorder: &Recorder, (ram, plugged): (u64,
 /// `--restore … --prefault async`: [`commit_restored`] on a thread of its
 /// own, below the vCPUs' priority (the restored guest runs meanwhile, on the
 /// memory file's pages). Records [`EVENT_RESTORED_COMMITTED`].
-pub fn start_restored_background(
+pub(crate) fn start_restored_background(
     mem: &GuestMemoryMmap,
     balloon: Option<BalloonHandle>,
     hotplug: Option<MemHandle>,

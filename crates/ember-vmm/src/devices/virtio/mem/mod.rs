@@ -236,7 +236,7 @@ impl MemHandle {
     /// every block not plugged now counts as discarded (the memory file
     /// backs it, nothing committed it), so a plug of it commits it first.
     /// The plugged blocks are the committer's ([`Self::with_plugged`]).
-    pub fn keep_committed_restored(&self) {
+    pub(crate) fn keep_committed_restored(&self) {
         let mut s = self.lock();
         let (addr, size) = (s.blocks.addr, s.blocks.region_size());
         let mut stale = RangeSet::new();
