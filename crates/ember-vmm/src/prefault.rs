@@ -447,7 +447,8 @@ impl Committer {
             return Ok(());
         };
         let todo = self.inner.lock().gaps(start, start + len, u64::MAX);
-        let units = self.inner.units(&todo);
+        // (No unit larger than a step: a step is what `rate` paces.)
+        let units = self.inner.units(&todo, POPULATE_UNIT.min(step));
         struct Front {
             /// Units done, by index.
             done: Vec<bool>,
@@ -586,7 +587,7 @@ impl Committer {
 
     /// Pages not committed yet, as the balloon's 32-bit count.
     pub(crate) fn uncommitted_pages(&self) -> u32 {
-        let bytes = self.ram_bytes() - self.committed_bytes();
+        let bytes = self.ram_bytes().saturating_sub(self.committed_bytes());
         u32::try_from(bytes.div_ceil(PAGE)).unwrap_or(u32::MAX)
     }
 
@@ -912,9 +913,9 @@ impl Inner {
     }
 
     /// (guest, host, len) work units of a populate of the guest ranges, in
-    /// their order: at most [`POPULATE_UNIT`], cut at huge-page boundaries of
+    /// their order: at most `max` bytes, cut at huge-page boundaries of
     /// the host address.
-    fn units(&self, ranges: &[(u64, u64)]) -> Vec<(u64, u64, u64)> {
+    fn units(&self, ranges: &[(u64, u64)], max: u64) -> Vec<(u64, u64, u64)> {
         let mut units = Vec::new();
         for &(s, e) in ranges {
             for (guest, host, len) in self.host_pieces(s, e) {
@@ -922,7 +923,7 @@ impl Inner {
                 while at < len {
                     let h = host + at;
                     let next_cut = (h / HUGE_PAGE + 1) * HUGE_PAGE;
-                    let end_h = (h + POPULATE_UNIT).min(host + len);
+                    let end_h = (h + max).min(host + len);
                     // Cut at a huge-page boundary unless the piece ends first.
                     let cut = if end_h == host + len {
                         end_h
@@ -940,14 +941,23 @@ impl Inner {
     /// Commits what is not committed yet of the guest ranges, on `threads`
     /// threads, and records it.
     fn commit(&self, ranges: &[(u64, u64)]) -> Result<(), CommitError> {
+        // Only this committer's RAM is recorded: the balloon's driver may
+        // inflate, and deflate through the fence, pages of a virtio-mem
+        // region, which the region's own committer commits.
         let todo: Vec<(u64, u64)> = {
             let committed = self.lock();
             ranges
                 .iter()
-                .flat_map(|&(s, e)| committed.gaps(s, e, u64::MAX))
+                .flat_map(|&(s, e)| {
+                    self.ram.iter().filter_map(move |&(g, len, _)| {
+                        let (a, z) = (s.max(g), e.min(g + len));
+                        (a < z).then_some((a, z))
+                    })
+                })
+                .flat_map(|(s, e)| committed.gaps(s, e, u64::MAX))
                 .collect()
         };
-        let units = self.units(&todo);
+        let units = self.units(&todo, POPULATE_UNIT);
         let next = AtomicUsize::new(0);
         let failure = Mutex::new(None);
         let workers = self.threads.min(units.len());
@@ -1073,6 +1083,23 @@ mod tests {
         assert_eq!(c2.step(None, 64 << 20).unwrap(), 6 << 20);
         assert_eq!(c2.step(None, 64 << 20).unwrap(), 0);
         assert!(c2.is_resident(hi, 8 << 20));
+    }
+
+    /// The balloon's driver may inflate pages of a virtio-mem region and
+    /// deflate them through RAM's fence: RAM's committer records none of
+    /// them (it once did, counted more committed than RAM, and its floor's
+    /// subtraction overflowed in the nested rig).
+    #[test]
+    fn the_fence_records_only_ram() {
+        let ram = memory::create(16 << 20).unwrap();
+        let c = Committer::new(&ram, 1);
+        c.commit_window(8 << 20).unwrap();
+        let (_all, _region) = memory::add_hotplug(&ram, 4 << 30, 128 << 20).unwrap();
+        let fence = c.fence();
+        fence.commit(4 << 30, 2 << 20).unwrap();
+        fence.commit((16 << 20) - 4096, 8192).unwrap();
+        assert_eq!(c.committed_bytes(), (8 << 20) + 4096);
+        assert_eq!(c.uncommitted_pages(), ((8 << 20) - 4096) / 4096);
     }
 
     /// A virtio-mem region's commit streams on all threads, and the driver
