@@ -688,8 +688,45 @@ pub struct CreateStats {
 /// kept whole if this one fails; a directory holding anything but a
 /// snapshot's files is refused.
 pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotError> {
-    let (vm, mem, serial, end) = (&machine.vm, &machine.mem, &machine.serial, &machine.end);
     let start = Instant::now();
+    check_snapshottable(machine)?;
+    let in_flight = drain(machine)?;
+    let step = |e: &dyn std::fmt::Display| SnapshotError::Step(e.to_string());
+    // Here, not on the vCPU threads (their seccomp list opens no files).
+    crate::vstate::vcpu_state::msr_list().map_err(|e| step(&e))?;
+    let vcpus = machine
+        .control
+        .collect(&machine.end)
+        .map_err(|e| step(&e))?;
+    let vm_state = vm::save(machine.vm.fd()).map_err(|e| step(&e))?;
+    let serial_state = machine
+        .serial
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .0
+        .state();
+    let mut state = SnapshotState {
+        ember_version: env!("CARGO_PKG_VERSION").into(),
+        mem_size: machine.mem_size,
+        host_cpuid: crate::arch::x86_64::cpuid::host_signature(),
+        vcpus,
+        vm: vm_state,
+        serial: serial_state.into(),
+        devices: device_states(machine)?,
+        vmgenid: machine.vmgenid,
+        memory_checksum: None,
+    };
+    let (memory_bytes, state_bytes) = write_files(machine, &mut state, dir)?;
+    Ok(CreateStats {
+        memory_bytes,
+        state_bytes,
+        in_flight,
+        ms: start.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+/// Refuses a VM that is running, or whose balloon's state cannot be read.
+fn check_snapshottable(machine: &Machine) -> Result<(), SnapshotError> {
     if machine.control.state() != crate::vstate::control::RunState::Paused {
         return Err(SnapshotError::NotPaused);
     }
@@ -703,50 +740,47 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
             "virtio-balloon without its handle",
         ));
     }
-    // Block requests in flight finish first: their completions land in
-    // guest memory and the used rings, where the restore finds them.
+    Ok(())
+}
+
+/// A device's transport, whether or not a thread panicked holding it.
+fn transport(
+    d: &crate::machine::AttachedDevice,
+) -> std::sync::MutexGuard<'_, crate::devices::virtio::mmio::MmioTransport> {
+    d.transport.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Lets the requests in flight finish: their completions land in guest
+/// memory and the used rings, where the restore finds them. Returns how
+/// many there were.
+fn drain(machine: &Machine) -> Result<u32, SnapshotError> {
     let in_flight = machine
         .devices
         .iter()
-        .map(|d| {
-            d.transport
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .in_flight()
-        })
+        .map(|d| transport(d).in_flight())
         .sum();
     for d in &machine.devices {
-        d.transport
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .kick_queues();
+        transport(d).kick_queues();
     }
     let drain_start = Instant::now();
-    while !machine.devices.iter().all(|d| {
-        d.transport
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drained()
-    }) {
+    while !machine.devices.iter().all(|d| transport(d).drained()) {
         if drain_start.elapsed() > DRAIN_TIMEOUT {
             return Err(SnapshotError::Drain(DRAIN_TIMEOUT));
         }
         std::thread::sleep(Duration::from_micros(200));
     }
-    let step = |e: &dyn std::fmt::Display| SnapshotError::Step(e.to_string());
-    // Here, not on the vCPU threads (their seccomp list opens no files).
-    crate::vstate::vcpu_state::msr_list().map_err(|e| step(&e))?;
-    let vcpus = machine.control.collect(end).map_err(|e| step(&e))?;
-    let vm_state = vm::save(vm.fd()).map_err(|e| step(&e))?;
-    let serial_state = serial.lock().unwrap_or_else(|p| p.into_inner()).0.state();
-    let host_cpuid = crate::arch::x86_64::cpuid::host_signature();
+    Ok(in_flight)
+}
+
+/// Each device's configuration, placement, backing file and state, taken
+/// after the drain: no inflate or deflate is half-way.
+fn device_states(machine: &Machine) -> Result<Vec<DeviceState>, SnapshotError> {
     let mut devices = Vec::new();
     for d in &machine.devices {
         let file = match d.config.path() {
             Some(p) => Some(FileIdentity::of(p).map_err(io_err(p))?),
             None => None,
         };
-        // Taken after the drain: no inflate or deflate is half-way.
         let balloon = match d.config {
             DeviceConfig::Balloon(_) => machine.balloon.as_ref().map(BalloonHandle::state),
             _ => None,
@@ -762,33 +796,28 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
             balloon,
             hotplug,
             fs: d.fs.as_ref().map(FsHandle::state),
-            transport: d
-                .transport
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .state(),
+            transport: transport(d).state(),
         });
     }
-    let mut state = SnapshotState {
-        ember_version: env!("CARGO_PKG_VERSION").into(),
-        mem_size: machine.mem_size,
-        host_cpuid,
-        vcpus,
-        vm: vm_state,
-        serial: serial_state.into(),
-        devices,
-        vmgenid: machine.vmgenid,
-        memory_checksum: None,
-    };
+    Ok(devices)
+}
 
-    // Staged in a private directory beside `dir` and swapped in whole
-    // (`staging`): a failed snapshot leaves the previous one as it was, and
-    // a VM restored from the old one keeps its mapping of the old memory.
+/// Writes the memory file(s) and the state file, staged in a private
+/// directory beside `dir` and swapped in whole (`staging`): a failed
+/// snapshot leaves the previous one as it was, and a VM restored from the
+/// old one keeps its mapping of the old memory. Returns the memory bytes
+/// written and the state file's size.
+fn write_files(
+    machine: &Machine,
+    state: &mut SnapshotState,
+    dir: &Path,
+) -> Result<(u64, u64), SnapshotError> {
+    let mem = &machine.mem;
     let staging = staging::Staging::new(dir).map_err(io_err(dir))?;
     let mem_path = staging.path(MEMORY_FILE);
     // Boot RAM to the memory file, a virtio-mem region to its own.
     let hotplug_at = layout::hotplug_start(machine.mem_size);
-    let (memory_bytes, checksum) = staging
+    let (mut memory_bytes, checksum) = staging
         .create(MEMORY_FILE)
         .and_then(|f| {
             memory::write_range(mem, &f, machine.anonymous_memory, 0..hotplug_at).and_then(|n| {
@@ -797,7 +826,6 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
             })
         })
         .map_err(io_err(&mem_path))?;
-    let mut memory_bytes = memory_bytes;
     if machine.hotplug.is_some() {
         let hp_path = staging.path(HOTPLUG_FILE);
         let (n, _) = staging
@@ -812,7 +840,7 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
         memory_bytes += n;
     }
     state.memory_checksum = Some(checksum);
-    let bytes = encode(&state);
+    let bytes = encode(state);
     let state_path = staging.path(STATE_FILE);
     staging
         .create(STATE_FILE)
@@ -823,12 +851,7 @@ pub fn create(machine: &Machine, dir: &Path) -> Result<CreateStats, SnapshotErro
         })
         .map_err(io_err(&state_path))?;
     staging.commit().map_err(io_err(dir))?;
-    Ok(CreateStats {
-        memory_bytes,
-        state_bytes: bytes.len() as u64,
-        in_flight,
-        ms: start.elapsed().as_secs_f64() * 1e3,
-    })
+    Ok((memory_bytes, bytes.len() as u64))
 }
 
 #[cfg(test)]
