@@ -152,8 +152,25 @@ pub fn init(mode: Mode, exit_status: i32) -> Result<(), SeccompError> {
     }
     EXIT_STATUS.store(exit_status, Ordering::SeqCst);
     install_sigsys_handler()?;
+    fix_malloc_arena_limit();
     MODE.set(mode).map_err(|_| SeccompError::Twice)?;
     Ok(())
+}
+
+/// glibc's malloc sizes its arena limit from the CPU count the first time
+/// a thread needs a ninth arena, reading `/sys/devices/system/cpu/online`:
+/// on a filtered thread (a virtio-mem populate worker, say) that `openat` is
+/// a violation that ends ember. Set here, before any filter, to glibc's own
+/// default (8 a CPU), it is never read. musl has no arenas.
+fn fix_malloc_arena_limit() {
+    #[cfg(target_env = "gnu")]
+    {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let max = libc::c_int::try_from(cpus.saturating_mul(8)).unwrap_or(libc::c_int::MAX);
+        // SAFETY: mallopt only sets a malloc parameter; no filter is in
+        // place yet and no pointer is passed.
+        unsafe { libc::mallopt(libc::M_ARENA_MAX, max) };
+    }
 }
 
 /// Has the SIGSYS handler call `f` (async-signal-safe: e.g. put the
