@@ -150,6 +150,9 @@ if [ "$RIGCASE" = prefault ]; then
   load core
   load balloon
   echo "@balloon-loaded inflate=$(vm balloon_inflate)"
+  # The virtio-mem region (the suite's --mem-boot): ember commits it from
+  # now on and raises the requested size as it goes.
+  load mem
   # The commit ends when the balloon has given back all it took: wait until
   # the counts agree and stay so.
   n=0
@@ -164,6 +167,25 @@ if [ "$RIGCASE" = prefault ]; then
   # inflate and one more deflate, counted by the guest as balloon_migrate.
   echo "@balloon-vmstat inflate=$(vm balloon_inflate) deflate=$(vm balloon_deflate) migrate=$(vm balloon_migrate)"
   touch_memory
+  n=0
+  until [ "$(mt)" -ge 340000 ] || [ $n -gt 1500 ]; do n=$((n + 1)); $b sleep 0.2; done
+  echo "@mem-plugged $(mt)"
+  # The host unplugs the region and plugs it again: each MemTotal seen,
+  # until it is full again after being short (at most 5 minutes).
+  full=$(mt)
+  last=
+  shrunk=
+  n=0
+  while [ $n -lt 1500 ]; do
+    m=$(mt)
+    [ "$m" != "$last" ] && echo "@memtotal $m" && last=$m
+    [ "$m" -lt 262144 ] && shrunk=1
+    [ -n "$shrunk" ] && [ "$m" -ge "$full" ] && break
+    n=$((n + 1))
+    $b sleep 0.2
+  done
+  # (The host reads ember's RSS once the plug is acknowledged.)
+  $b sleep 3
 fi
 if [ "$RIGCASE" = snapshot ]; then
   # Bound at boot: the DSDT's VGEN device, matched by its _HID.

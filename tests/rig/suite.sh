@@ -400,6 +400,43 @@ balloon_steps() {
     $b sleep 0.2
   done
 }
+# The prefault-async case's boot: --prefault async with the balloon's fence
+# and a virtio-mem region, with a control socket.
+prefault_socket() {
+  s=/tmp/prefault.sock
+  con=/tmp/prefault.console
+  # shellcheck disable=SC2086 # RIG_L2_ARGS is a list of arguments
+  ember boot --kernel "$vmlinux" --initrd /rig/l2.cpio --mem 384M --mem-boot 256M --cpus 1 --timeout "$((LIMIT - 10))" \
+    --cmdline "$CMDLINE memhp_default_state=online_movable RIGCASE=prefault RIGTOKEN=$RIG_TOKEN" $RIG_L2_ARGS \
+    --prefault async,window=64M,chunk=8M,rate=4M,driver-timeout=300 --events /tmp/prefault.json \
+    --api-socket "$s" </dev/null >"$con" 2>/tmp/prefault.err &
+  pid=$!
+  prefault_steps
+  steps=$?
+  # The guest powers off once it has seen the region back (or fails a step).
+  [ $steps = 0 ] || ember ctl --api-socket "$s" shutdown >/dev/null 2>&1 || kill "$pid"
+  wait "$pid"
+  rc=$?
+  $b cat "$con"
+  $b sed 's/^/@stderr /' /tmp/prefault.err
+  [ $steps = 0 ] || return $steps
+  return $rc
+}
+# prefault_socket's steps: the region plugged (all of it committed first),
+# unplugged through the socket (ember's RSS falls), plugged again: each
+# block is committed again before its plug is acknowledged, so ember's RSS
+# is back up before the guest touches any of it.
+prefault_steps() {
+  wait_line "$con" '^@mem-plugged' || return 1
+  echo "@ctl-mem-shrink $(ember ctl --api-socket "$s" mem --size 256M)"
+  wait_plugged "$s" 0 || return 1
+  # (No `$`: the serial console's lines end in CR LF.)
+  wait_line "$con" '^@memtotal [12][0-9][0-9][0-9][0-9][0-9][^0-9]' || return 1
+  echo "@rss-unplugged $(rss_kib $pid)"
+  echo "@ctl-mem-grow $(ember ctl --api-socket "$s" mem --size 384M)"
+  wait_plugged "$s" 134217728 || return 1
+  echo "@rss-replugged $(rss_kib $pid)"
+}
 # wait_plugged SOCKET BYTES: until the virtio-mem region has BYTES plugged,
 # or the case's time is up (as wait_line).
 wait_plugged() {
@@ -560,9 +597,11 @@ run_case balloon-socket 480 balloon_socket
 # --prefault async with Debian's kernel: the background commit (paced, so it
 # is still running when the driver comes up) ends, the unmodified driver
 # inflates to the fence and deflates it all as memory is committed, and the
-# guest then uses more than the boot window.
-run_case prefault-async 240 l2 "$vmlinux" 1 prefault \
-  --prefault async,window=64M,chunk=8M,rate=4M,driver-timeout=300 --events /tmp/prefault.json
+# guest then uses more than the boot window. The same boot has a virtio-mem
+# region (one 128 MiB block): its commit starts as virtio_mem binds, the
+# driver plugs it as it is committed, and the socket unplugs and plugs it
+# again (prefault_steps).
+run_case prefault-async 300 prefault_socket
 run_case prefault-async-events 30 sh -c 'cat /tmp/prefault.json; echo'
 run_case uart 120 uart
 run_case vsock 240 vsock_case

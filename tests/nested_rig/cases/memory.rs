@@ -206,6 +206,68 @@ fn prefault_async_is_fenced_by_debians_balloon_driver() {
     assert!(c.fact("done").is_some(), "{}", c.dump());
 }
 
+/// The prefault-async boot's virtio-mem region (`--mem 384M --mem-boot
+/// 256M`, one 128 MiB block): its commit starts once Debian's `virtio_mem`
+/// has the device, the driver plugs it all as it is committed (MemTotal
+/// full), the socket unplugs it (MemTotal short) and plugs it again: the
+/// block is committed again before the plug is acknowledged (ember's RSS is
+/// back up before the guest touches it), and MemTotal is full again.
+#[test]
+fn prefault_async_commits_debians_virtio_mem_region_and_each_plug_again() {
+    let r = rig();
+    let c = r.case("prefault-async");
+    assert_eq!(c.rc, Some(0), "ember's exit status\n{}", c.dump());
+    let json = r.case("prefault-async-events").out.join("\n");
+    let ev: ember_vmm::events::EventFile = serde_json::from_str(&json)
+        .unwrap_or_else(|e| panic!("the events file is not JSON ({e}): {json:.800}"));
+    let at = |kind: &str| ev.events.iter().find(|e| e.kind == kind).map(|e| e.t_us);
+    let (started, committed) = (
+        at(ember_vmm::prefault::EVENT_HOTPLUG_COMMIT_STARTED),
+        at(ember_vmm::prefault::EVENT_HOTPLUG_COMMITTED),
+    );
+    let entry = at("first_guest_entry");
+    assert!(
+        matches!((entry, started, committed), (Some(e), Some(s), Some(d)) if e < s && s < d),
+        "first entry {entry:?}, region commit started {started:?}, ended {committed:?}"
+    );
+    for op in ["ctl-mem-shrink", "ctl-mem-grow"] {
+        assert!(
+            c.fact(op).is_some_and(|r| r.contains(r#""ok":true"#)),
+            "`ember ctl … mem --size` ({op})\n{}",
+            c.dump()
+        );
+    }
+    let plugged = number(c, "mem-plugged", None);
+    assert!(
+        plugged > (256 + 64) << 10,
+        "MemTotal {plugged} KiB once the region was plugged\n{}",
+        c.dump()
+    );
+    let totals: Vec<u64> = c
+        .facts("memtotal")
+        .iter()
+        .filter_map(|v| v.trim().parse().ok())
+        .collect();
+    let shrunk = totals.iter().position(|&t| t < 256 << 10);
+    assert!(
+        totals.first() == Some(&plugged) && shrunk.is_some() && totals.last() == Some(&plugged),
+        "MemTotal over the resize: {totals:?} (plugged {plugged})\n{}",
+        c.dump()
+    );
+    let (unplugged, replugged) = (
+        number(c, "rss-unplugged", None),
+        number(c, "rss-replugged", None),
+    );
+    eprintln!(
+        "prefault-async virtio-mem: MemTotal {totals:?} KiB; ember VmRSS {unplugged} KiB unplugged, {replugged} KiB plugged again"
+    );
+    assert!(
+        replugged >= unplugged + (96 << 10),
+        "the block plugged again was not committed: VmRSS {unplugged} -> {replugged} KiB\n{}",
+        c.dump()
+    );
+}
+
 #[test]
 fn appliance_with_prefault_async_loads_the_balloon_first() {
     let r = rig();
