@@ -26,8 +26,8 @@ use crate::device_manager::{DeviceManager, DeviceManagerError, TransportFactory,
 use crate::devices::legacy::{ConsoleSink, Serial, SerialUart};
 use crate::devices::virtio::pmem::PMEM_ALIGN;
 use crate::devices::virtio::{
-    self, Balloon, BalloonConfig, Block, Console, Fs, FsConfig, MemError, Net, Pmem, PmemConfig,
-    PmemRegion, Rng, VirtioMem, Vsock,
+    self, Balloon, BalloonConfig, BalloonHandle, Block, Console, Fs, FsConfig, MemConfig, MemError,
+    MemHandle, Net, Pmem, PmemConfig, PmemRegion, Rng, VirtioMem, Vsock,
 };
 use crate::devices::vmgenid;
 use crate::events::{Recorder, kind};
@@ -213,6 +213,9 @@ struct Start {
 
 /// Builds the VM described by `cfg` and starts its vCPUs. Steps are numbered
 /// as in the module docs and `ARCHITECTURE.md`.
+///
+/// One function on purpose: the numbered boot path reads top to bottom, each
+/// step a call or a few lines, as ARCHITECTURE.md walks it.
 pub fn build(cfg: VmConfig, recorder: Arc<Recorder>) -> Result<Arc<Machine>, BuildError> {
     if cfg.vcpus == 0 {
         return Err(BuildError::NoVcpus);
@@ -610,34 +613,12 @@ fn attach_virtio_devices(
             transport_for(dev),
         )?;
     }
-    let fenced = cfg.memory.prefault == Prefault::Async;
-    let balloon = match &cfg.devices.balloon {
-        Some(b) => Some(b.clone()),
-        None => fenced.then(BalloonConfig::default),
-    };
-    let balloon = if let Some(config) = balloon {
-        // `async`: the guest may use the boot window only, until the committer
-        // lowers the target chunk by chunk.
-        let mut dev = Balloon::new(0)?;
-        // Committed memory stays committed: with `--prefault` the guest's free
-        // pages are not reported (each report would drop pages the user asked
-        // to have ready); only a balloon target gives memory back.
-        dev.set_free_page_reporting(
-            config.free_page_reporting && cfg.memory.prefault == Prefault::Off,
-        );
-        let handle = dev.handle();
-        handle.set_target_bytes(config.target_bytes);
-        if let Some(c) = committer.filter(|_| fenced) {
-            let rest = c.ram_bytes().saturating_sub(cfg.memory.window);
-            handle.set_fence_pages(u32::try_from(rest / 4096).unwrap_or(u32::MAX));
+    let balloon = match balloon_device(cfg, committer)? {
+        Some((config, dev, handle)) => {
+            place(DeviceConfig::Balloon(config), here, transport_for(dev))?;
+            Some(handle)
         }
-        if let Some(c) = committer {
-            handle.set_fence(c.fence());
-        }
-        place(DeviceConfig::Balloon(config), here, transport_for(dev))?;
-        Some(handle)
-    } else {
-        None
+        None => None,
     };
     for net in &cfg.devices.net {
         // The MAC is fixed here, so that a snapshot records the one the guest saw.
@@ -659,17 +640,7 @@ fn attach_virtio_devices(
     }
     let hotplug = match &cfg.devices.mem {
         Some(config) => {
-            let dev = VirtioMem::new(config, hotplug_at)?;
-            let handle = dev.handle();
-            // All of it requested; with `--prefault` the committer lets the
-            // driver have it as it is committed, without, it is all there
-            // (lazily backed) at once.
-            handle.set_requested(config.size)?;
-            if cfg.memory.prefault == Prefault::Off {
-                handle.set_committed(config.size);
-            } else {
-                handle.keep_committed();
-            }
+            let (dev, handle) = mem_device(config, cfg.memory.prefault, hotplug_at)?;
             let placement = Placement {
                 region: Some(hotplug_at),
             };
@@ -693,6 +664,60 @@ fn attach_virtio_devices(
         balloon,
         hotplug,
     })
+}
+
+/// The balloon `cfg` asks for, or the one `--prefault async` needs for its
+/// fence; its configuration, the device and its handle.
+fn balloon_device(
+    cfg: &VmConfig,
+    committer: Option<&Committer>,
+) -> Result<Option<(BalloonConfig, Balloon, BalloonHandle)>, BuildError> {
+    let fenced = cfg.memory.prefault == Prefault::Async;
+    let Some(config) = cfg
+        .devices
+        .balloon
+        .clone()
+        .or_else(|| fenced.then(BalloonConfig::default))
+    else {
+        return Ok(None);
+    };
+    // `async`: the guest may use the boot window only, until the committer
+    // lowers the target chunk by chunk.
+    let mut dev = Balloon::new(0)?;
+    // Committed memory stays committed: with `--prefault` the guest's free
+    // pages are not reported (each report would drop pages the user asked
+    // to have ready); only a balloon target gives memory back.
+    dev.set_free_page_reporting(config.free_page_reporting && cfg.memory.prefault == Prefault::Off);
+    let handle = dev.handle();
+    handle.set_target_bytes(config.target_bytes);
+    if let Some(c) = committer.filter(|_| fenced) {
+        let rest = c.ram_bytes().saturating_sub(cfg.memory.window);
+        handle.set_fence_pages(u32::try_from(rest / 4096).unwrap_or(u32::MAX));
+    }
+    if let Some(c) = committer {
+        handle.set_fence(c.fence());
+    }
+    Ok(Some((config, dev, handle)))
+}
+
+/// The virtio-mem device for `config` at `hotplug_at`, and its handle.
+fn mem_device(
+    config: &MemConfig,
+    prefault: Prefault,
+    hotplug_at: u64,
+) -> Result<(VirtioMem, MemHandle), BuildError> {
+    let dev = VirtioMem::new(config, hotplug_at)?;
+    let handle = dev.handle();
+    // All of it requested; with `--prefault` the committer lets the driver
+    // have it as it is committed, without, it is all there (lazily backed)
+    // at once.
+    handle.set_requested(config.size)?;
+    if prefault == Prefault::Off {
+        handle.set_committed(config.size);
+    } else {
+        handle.keep_committed();
+    }
+    Ok((dev, handle))
 }
 
 /// What loading the kernel and initramfs decided, for the boot structures.

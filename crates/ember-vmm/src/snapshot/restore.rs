@@ -237,6 +237,9 @@ struct VcpuStart {
 
 /// Builds and starts the VM saved in `cfg.dir`, in the steps of this module's
 /// documentation.
+///
+/// One function on purpose: the numbered restore path reads top to bottom,
+/// as `build`'s boot path does.
 pub fn restore(cfg: RestoreConfig, recorder: Arc<Recorder>) -> Result<Arc<Machine>, SnapshotError> {
     // 1-2. KVM; this host's CPU and the VM on helper threads while the
     // state file is read and checked here.
@@ -491,6 +494,10 @@ fn start_vcpus(vm: &Arc<Vm>, states: Vec<vcpu::VcpuState>) -> Result<WaitingVcpu
 /// Step 5: each virtio device rebuilt in its window on its recorded backing,
 /// its transport's state set. Returns the devices as the machine lists them
 /// and the balloon's handle, if there is one.
+///
+/// One function: one short arm per device kind, in the snapshot's order,
+/// with the backends given for this restore (network, pmem, the channel)
+/// taken in step as the arms meet their devices.
 fn restore_virtio(
     devices: &mut DeviceManager,
     states: &[super::DeviceState],
@@ -500,26 +507,7 @@ fn restore_virtio(
     fs: &[FsConfig],
     vsock: Option<&VsockConfig>,
 ) -> Result<Attached, SnapshotError> {
-    if vsock.is_some()
-        && !states
-            .iter()
-            .any(|d| matches!(d.config, DeviceConfig::Vsock(_)))
-    {
-        return Err(SnapshotError::Step(
-            "--vsock: the snapshot has no vsock device to put on it".into(),
-        ));
-    }
-    for given in fs {
-        let recorded = states
-            .iter()
-            .any(|d| matches!(&d.config, DeviceConfig::Fs(s) if s.tag == given.tag));
-        if !recorded {
-            return Err(SnapshotError::Step(format!(
-                "the snapshot has no virtio-fs share tagged {:?}",
-                given.tag
-            )));
-        }
-    }
+    check_given(states, fs, vsock)?;
     let mut attached = Vec::new();
     let mut net_iter = net.iter();
     let mut pmem_iter = pmem_regions.iter();
@@ -631,6 +619,36 @@ fn restore_virtio(
         balloon,
         hotplug,
     })
+}
+
+/// Refuses a vsock or a share given for this restore that the snapshot has
+/// no device for.
+fn check_given(
+    states: &[super::DeviceState],
+    fs: &[FsConfig],
+    vsock: Option<&VsockConfig>,
+) -> Result<(), SnapshotError> {
+    if vsock.is_some()
+        && !states
+            .iter()
+            .any(|d| matches!(d.config, DeviceConfig::Vsock(_)))
+    {
+        return Err(SnapshotError::Step(
+            "--vsock: the snapshot has no vsock device to put on it".into(),
+        ));
+    }
+    for given in fs {
+        let recorded = states
+            .iter()
+            .any(|d| matches!(&d.config, DeviceConfig::Fs(s) if s.tag == given.tag));
+        if !recorded {
+            return Err(SnapshotError::Step(format!(
+                "the snapshot has no virtio-fs share tagged {:?}",
+                given.tag
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A recorded network device on the backend given for it, if any: its MAC and rate

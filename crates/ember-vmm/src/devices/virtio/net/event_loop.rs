@@ -44,6 +44,8 @@ pub(super) fn run(
     }
 }
 
+/// The I/O thread's loop. One function: one epoll wait and one arm per
+/// source (kill, queues, backend, timer, link), the state they share local.
 fn serve(
     h: &mut NetHandler,
     evts: &[EventFd; 2],

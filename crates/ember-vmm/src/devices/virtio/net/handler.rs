@@ -588,6 +588,9 @@ impl NetHandler {
     /// one that does not (or that the rate limit holds) is moved whole into
     /// `rx_buf` and the chains are given back to the ring, to go the copying
     /// way.
+    ///
+    /// One function: the per-frame hot path, whose chains and iovecs are
+    /// gathered, read into and used or given back in one pass.
     fn receive_direct(&mut self) -> Direct {
         let start = self.rx.next_avail();
         self.chains.clear();
