@@ -512,17 +512,7 @@ impl Committer {
                 }
             }
         };
-        let workers = self.inner.threads.min(units.len());
-        if workers <= 1 {
-            work();
-        } else {
-            std::thread::scope(|s| {
-                for _ in 1..workers {
-                    s.spawn(work);
-                }
-                work();
-            });
-        }
+        on_threads(self.inner.threads.min(units.len()), work);
         if let Some(e) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
             return Err(e);
         }
@@ -980,16 +970,7 @@ impl Inner {
                 }
             }
         };
-        if workers <= 1 {
-            work();
-        } else {
-            std::thread::scope(|s| {
-                for _ in 1..workers {
-                    s.spawn(work);
-                }
-                work();
-            });
-        }
+        on_threads(workers, work);
         if let Some(e) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
             return Err(e);
         }
@@ -1024,6 +1005,19 @@ impl MemoryFence for Inner {
     fn commit(&self, addr: u64, len: u64) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         Ok(Inner::commit(self, &[(addr, addr + len)])?)
     }
+}
+
+/// Runs `work` on `workers` threads, this one among them, until all return.
+fn on_threads(workers: usize, work: impl Fn() + Sync) {
+    if workers <= 1 {
+        return work();
+    }
+    std::thread::scope(|s| {
+        for _ in 1..workers {
+            s.spawn(&work);
+        }
+        work();
+    });
 }
 
 #[cfg(test)]
