@@ -596,17 +596,7 @@ impl Committer {
         std::thread::Builder::new()
             .name("ember-commit".into())
             .spawn(move || {
-                crate::seccomp::confine_or_exit(crate::seccomp::Thread::Committer);
-                // Below the vCPUs: on a busy host the guest's boot must win the CPU over
-                // its own background commit (threads the populate spawns inherit this).
-                // SAFETY: setpriority on this thread's own id; no memory is involved.
-                unsafe {
-                    libc::setpriority(
-                        libc::PRIO_PROCESS,
-                        libc::gettid() as libc::id_t,
-                        BACKGROUND_NICE,
-                    )
-                };
+                enter_background_commit();
                 if let Err(e) = this.background(balloon.as_ref(), chunk, timeout, rate, &recorder) {
                     // Host out of memory: the guest's pages fault in lazily instead.
                     eprintln!(
@@ -858,15 +848,7 @@ pub(crate) fn start_restored_background(
     std::thread::Builder::new()
         .name("ember-commit".into())
         .spawn(move || {
-            crate::seccomp::confine_or_exit(crate::seccomp::Thread::Committer);
-            // SAFETY: setpriority on this thread's own id; no memory is involved.
-            unsafe {
-                libc::setpriority(
-                    libc::PRIO_PROCESS,
-                    libc::gettid() as libc::id_t,
-                    BACKGROUND_NICE,
-                )
-            };
+            enter_background_commit();
             let started = Instant::now();
             match commit_restored(&c, balloon.as_ref(), hotplug.as_ref(), chunk) {
                 Ok((ram, plugged)) => {
@@ -1007,6 +989,20 @@ impl MemoryFence for Inner {
     }
 }
 
+/// A background committer thread's start: its seccomp list, then a priority
+/// below the vCPUs, so that on a busy host the guest wins the CPU over its
+/// own background commit (threads the populate spawns inherit both).
+fn enter_background_commit() {
+    crate::seccomp::confine_or_exit(crate::seccomp::Thread::Committer);
+    // SAFETY: setpriority on this thread's own id; no memory is involved.
+    unsafe {
+        libc::setpriority(
+            libc::PRIO_PROCESS,
+            libc::gettid() as libc::id_t,
+            BACKGROUND_NICE,
+        )
+    };
+}
 /// Runs `work` on `workers` threads, this one among them, until all return.
 fn on_threads(workers: usize, work: impl Fn() + Sync) {
     if workers <= 1 {

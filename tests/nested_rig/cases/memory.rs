@@ -23,6 +23,14 @@ fn number(c: &Case, key: &str, name: Option<&str>) -> u64 {
         .unwrap_or_else(|_| panic!("no number in @{key} ({name:?})\n{}", c.dump()))
 }
 
+/// Each MemTotal (KiB) the guest printed as `@memtotal N`, in order.
+fn memtotals(c: &Case) -> Vec<u64> {
+    c.facts("memtotal")
+        .iter()
+        .filter_map(|v| v.trim().parse().ok())
+        .collect()
+}
+
 /// The fields of the `memory_visible` event (the background commit's end) in
 /// an events file the rig printed: driver, inflated, deflated and held pages.
 fn visible_fields(events_case: &Case) -> (u64, u64, u64, u64, u64) {
@@ -157,11 +165,7 @@ fn debians_virtio_mem_plugs_the_region_and_follows_the_socket() {
         );
     }
     // MemTotal as the guest saw it change: full, a block less, full again.
-    let totals: Vec<u64> = c
-        .facts("memtotal")
-        .iter()
-        .filter_map(|v| v.trim().parse().ok())
-        .collect();
+    let totals = memtotals(c);
     let shrunk = totals.iter().position(|&t| t < boot_kib);
     let regrown = shrunk.and_then(|i| totals[i..].iter().position(|&t| t == plugged));
     assert!(
@@ -243,11 +247,7 @@ fn prefault_async_commits_debians_virtio_mem_region_and_each_plug_again() {
         "MemTotal {plugged} KiB once the region was plugged\n{}",
         c.dump()
     );
-    let totals: Vec<u64> = c
-        .facts("memtotal")
-        .iter()
-        .filter_map(|v| v.trim().parse().ok())
-        .collect();
+    let totals = memtotals(c);
     let shrunk = totals.iter().position(|&t| t < 256 << 10);
     assert!(
         totals.first() == Some(&plugged) && shrunk.is_some() && totals.last() == Some(&plugged),

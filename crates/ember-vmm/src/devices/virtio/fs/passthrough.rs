@@ -759,13 +759,7 @@ impl Server {
             o.flags as i32
         };
         let fh = self.open(node, flags, dir)?;
-        push(
-            out,
-            &OpenOut {
-                fh,
-                ..Default::default()
-            },
-        );
+        push(out, &open_out(fh));
         Ok(())
     }
 
@@ -780,13 +774,7 @@ impl Server {
         let entry = self.lookup(node, n)?;
         let fh = self.add_handle(entry.nodeid, Some(file), flags & !libc::O_CREAT)?;
         push(out, &entry);
-        push(
-            out,
-            &OpenOut {
-                fh,
-                ..Default::default()
-            },
-        );
+        push(out, &open_out(fh));
         Ok(())
     }
 
@@ -1420,6 +1408,14 @@ fn readdir(fd: RawFd, offset: u64, size: usize, out: &mut Vec<u8>) -> Res<()> {
         pos += reclen;
     }
     Ok(())
+}
+
+/// An OPEN or CREATE reply's open part for handle `fh`.
+fn open_out(fh: u64) -> OpenOut {
+    OpenOut {
+        fh,
+        ..Default::default()
+    }
 }
 
 #[cfg(test)]
