@@ -159,6 +159,11 @@ pub fn parse(token: &str) -> Result<Option<Command<'_>>, &'static str> {
             "1" => true,
             _ => return Err("expected 0 or 1"),
         })),
+        ("netevent", Some(v)) => Command::NetOpt(NetOpt::EventIdx(match v {
+            "0" => false,
+            "1" => true,
+            _ => return Err("expected 0 or 1"),
+        })),
         ("netlen", Some(v)) => Command::NetOpt(NetOpt::Len(number(v)?)),
         ("netcount", Some(v)) => Command::NetOpt(NetOpt::Count(number(v)?)),
         ("netbytes", Some(v)) => Command::NetOpt(NetOpt::Bytes(number(v)?)),
@@ -176,9 +181,9 @@ pub fn parse(token: &str) -> Result<Option<Command<'_>>, &'static str> {
         })),
         (
             "print" | "mark" | "touch" | "spin" | "exit" | "blkop" | "pattern" | "bs" | "qd"
-            | "blkmib" | "secs" | "ios" | "netoffload" | "netlen" | "netcount" | "netbytes"
-            | "netsecs" | "nettso" | "netwatch" | "netbad" | "vsock" | "vsockport" | "vsockbytes"
-            | "vsockbuf" | "vsockslow" | "vsocksecs",
+            | "blkmib" | "secs" | "ios" | "netoffload" | "netevent" | "netlen" | "netcount"
+            | "netbytes" | "netsecs" | "nettso" | "netwatch" | "netbad" | "vsock" | "vsockport"
+            | "vsockbytes" | "vsockbuf" | "vsockslow" | "vsocksecs",
             None,
         ) => return Err("needs a value"),
         (

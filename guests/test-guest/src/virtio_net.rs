@@ -8,7 +8,9 @@
 //! reposted as they come back (mergeable buffers: a frame spans as many as
 //! its header says). Transmit descriptor i is a 2 KiB slot, reused in ring
 //! order (both VMMs complete transmits in order). We poll both used rings and
-//! ask for no interrupts.
+//! ask for no interrupts. Event indices are negotiated unless `netevent=0`, as
+//! Linux's driver does: the device then says after how many new buffers it
+//! wants a notification.
 
 use crate::io::{self, Clock};
 use crate::println;
@@ -30,6 +32,7 @@ const F_HOST_TSO4: u64 = 1 << 11;
 const F_HOST_TSO6: u64 = 1 << 12;
 const F_MRG_RXBUF: u64 = 1 << 15;
 const F_STATUS: u64 = 1 << 16;
+const F_EVENT_IDX: u64 = 1 << 29;
 const OFFLOADS: u64 =
     F_CSUM | F_GUEST_CSUM | F_GUEST_TSO4 | F_GUEST_TSO6 | F_HOST_TSO4 | F_HOST_TSO6;
 
@@ -62,6 +65,8 @@ const SCRATCH_LEN: u64 = 0x2_0000;
 /// One option token (they persist for later commands).
 pub enum NetOpt {
     Offloads(bool),
+    /// `VIRTIO_RING_F_EVENT_IDX` (on by default, as in Linux's driver).
+    EventIdx(bool),
     Len(u64),
     Count(u64),
     Bytes(u64),
@@ -92,6 +97,7 @@ pub enum BadKind {
 /// Settings and the device, kept between commands.
 pub struct Net {
     offloads: bool,
+    event_idx: bool,
     len: u64,
     count: u64,
     bytes: u64,
@@ -103,6 +109,7 @@ impl Default for Net {
     fn default() -> Self {
         Net {
             offloads: true,
+            event_idx: true,
             len: 60,
             count: 1000,
             bytes: 0,
@@ -121,14 +128,20 @@ struct Device {
     rx_used: u16,
     tx_avail: u16,
     tx_used: u16,
+    /// The avail index each queue's driver last told the device about (or
+    /// decided it need not): where event-index notification counts from.
+    told: [u16; 2],
 }
 
 impl Device {
-    fn init(offloads: bool) -> Result<Device, &'static str> {
+    fn init(offloads: bool, event_idx: bool) -> Result<Device, &'static str> {
         let mmio = Mmio::find(DEVICE_ID_NET).ok_or("no virtio-net device found")?;
         let mut want = F_MAC | F_STATUS | F_MRG_RXBUF | F_MTU;
         if offloads {
             want |= OFFLOADS;
+        }
+        if event_idx {
+            want |= F_EVENT_IDX;
         }
         let accepted = mmio.negotiate(want)?;
         if accepted & F_MRG_RXBUF == 0 {
@@ -144,7 +157,7 @@ impl Device {
         fence(Ordering::SeqCst);
         wr16(RX_AVAIL + 2, rx_size);
         mmio.driver_ok();
-        let dev = Device {
+        let mut dev = Device {
             mmio,
             features: accepted,
             rx_size,
@@ -153,14 +166,36 @@ impl Device {
             rx_used: 0,
             tx_avail: 0,
             tx_used: 0,
+            told: [0, 0],
         };
         dev.notify(RX);
         Ok(dev)
     }
 
-    fn notify(&self, queue: u32) {
-        let rings = if queue == RX { RX_RINGS } else { TX_RINGS };
-        if !rings.no_notify() {
+    /// Tells the device of the buffers published since the last call, if it
+    /// asked: past its avail event with `VIRTIO_RING_F_EVENT_IDX`, else
+    /// unless it set `VRING_USED_F_NO_NOTIFY`.
+    fn notify(&mut self, queue: u32) {
+        let (rings, new, size, used) = if queue == RX {
+            (RX_RINGS, self.rx_avail, self.rx_size, self.rx_used)
+        } else {
+            (TX_RINGS, self.tx_avail, self.tx_size, self.tx_used)
+        };
+        let old = core::mem::replace(&mut self.told[queue as usize], new);
+        let kick = if self.features & F_EVENT_IDX != 0 {
+            // No interrupts (the flag means nothing with event indices): the
+            // used event is kept half the index space ahead.
+            wr16(
+                rings.avail() + 4 + 2 * u64::from(size),
+                used.wrapping_add(0x8000),
+            );
+            fence(Ordering::SeqCst);
+            let event = rd16(rings.used() + 4 + 8 * u64::from(size));
+            new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old)
+        } else {
+            !rings.no_notify()
+        };
+        if kick {
             self.mmio.write(reg::QUEUE_NOTIFY, queue);
         }
     }
@@ -193,7 +228,7 @@ impl Device {
         self.tx_avail = self.tx_avail.wrapping_add(1);
     }
 
-    fn publish_tx(&self) {
+    fn publish_tx(&mut self) {
         fence(Ordering::SeqCst);
         wr16(TX_AVAIL + 2, self.tx_avail);
         self.notify(TX);
@@ -287,6 +322,10 @@ impl Net {
                 // Renegotiated at the next command.
                 self.dev = None;
             }
+            NetOpt::EventIdx(on) => {
+                self.event_idx = on;
+                self.dev = None;
+            }
             NetOpt::Len(n) => self.len = n,
             NetOpt::Count(n) => self.count = n,
             NetOpt::Bytes(n) => self.bytes = n,
@@ -296,7 +335,7 @@ impl Net {
 
     pub fn run(&mut self, cmd: NetCmd, clock: &Clock) -> Result<(), &'static str> {
         if self.dev.is_none() {
-            self.dev = Some(Device::init(self.offloads)?);
+            self.dev = Some(Device::init(self.offloads, self.event_idx)?);
         }
         let Some(dev) = self.dev.as_mut() else {
             return Err("no device");
@@ -321,7 +360,7 @@ fn info(dev: &Device) {
     let f = dev.features;
     let on = |bit: u64| u8::from(f & bit != 0);
     println!(
-        "net: mac={} status={} mtu={} features={f:#x} csum={} guest_csum={} tso4={} tso6={} guest_tso4={} guest_tso6={} mrg_rxbuf={} dev={:#x}",
+        "net: mac={} status={} mtu={} features={f:#x} csum={} guest_csum={} tso4={} tso6={} guest_tso4={} guest_tso6={} mrg_rxbuf={} event_idx={} dev={:#x}",
         fmt_mac(dev.mac()),
         dev.link_status(),
         dev.mmio.read(reg::CONFIG + 10) & 0xffff,
@@ -332,6 +371,7 @@ fn info(dev: &Device) {
         on(F_GUEST_TSO4),
         on(F_GUEST_TSO6),
         on(F_MRG_RXBUF),
+        on(F_EVENT_IDX),
         dev.mmio.0
     );
 }
