@@ -25,8 +25,30 @@ pub fn run(cmd: &mut Command) {
 /// A network namespace of the test's own, deleted at drop.
 pub struct Netns(pub String);
 
+/// Deletes the namespaces of test processes that are gone: a run killed
+/// before its drops ran (a CI job stopped mid-test) leaves `ember-PID-TAG`
+/// behind, and the next run takes it away.
+fn sweep_dead() {
+    let Ok(dir) = std::fs::read_dir("/run/netns") else {
+        return;
+    };
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let pid = name
+            .strip_prefix("ember-")
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+        {
+            let _ = output(Command::new("ip").args(["netns", "del", &name]));
+        }
+    }
+}
+
 impl Netns {
     pub fn new(tag: &str) -> Netns {
+        sweep_dead();
         let name = format!("ember-{}-{tag}", std::process::id());
         let o = output(Command::new("ip").args(["netns", "add", &name]));
         assert!(
