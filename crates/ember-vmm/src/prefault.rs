@@ -1003,6 +1003,7 @@ fn enter_background_commit() {
         )
     };
 }
+
 /// Runs `work` on `workers` threads, this one among them, until all return.
 fn on_threads(workers: usize, work: impl Fn() + Sync) {
     if workers <= 1 {

@@ -586,13 +586,7 @@ impl NetHandler {
     /// a ring that cannot be written breaks the device.
     fn rx_short(&mut self, seen: u16) -> bool {
         match self.rx_notify_after(seen) {
-            Ok(more) => {
-                if more {
-                    // Not starved after all: no recheck.
-                    self.rx_recheck = None;
-                }
-                more
-            }
+            Ok(more) => more,
             Err(e) => {
                 self.fail(format_args!("unusable receive ring ({e})"));
                 false
@@ -627,10 +621,12 @@ impl NetHandler {
         let target = self.rx_depth - self.rx_depth / 4;
         let have = seen.wrapping_sub(self.rx.next_avail()).min(self.rx.size());
         let more = target.saturating_sub(have).max(1);
-        if more > 1 {
+        let moved = self.rx_event_at(seen.wrapping_add(more - 1), seen)?;
+        if more > 1 && !moved {
+            // Waiting behind the raised event.
             self.rx_recheck = Some((Instant::now() + RX_RECHECK, seen));
         }
-        self.rx_event_at(seen.wrapping_add(more - 1), seen)
+        Ok(moved)
     }
 
     /// Asks the driver to notify once the available index passes `event`
